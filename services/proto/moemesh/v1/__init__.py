@@ -1,0 +1,1 @@
+# Generated from protos/ by `python -m services.proto.regenerate`. DO NOT EDIT.

@@ -1,0 +1,77 @@
+# Generated from protos/ by `python -m services.proto.regenerate`. DO NOT EDIT.
+from services.proto.moemesh.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LayerExperts(_message.Message):
+    __slots__ = ("layer", "experts", "resident")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    experts: _containers.RepeatedScalarFieldContainer[int]
+    resident: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, layer: _Optional[int] = ..., experts: _Optional[_Iterable[int]] = ..., resident: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("model_fingerprint", "layers", "memory_budget_bytes", "resident_bytes", "worker_id", "num_experts", "hidden_dtype")
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: str
+    layers: _containers.RepeatedCompositeFieldContainer[LayerExperts]
+    memory_budget_bytes: int
+    resident_bytes: int
+    worker_id: str
+    num_experts: int
+    hidden_dtype: str
+    def __init__(self, model_fingerprint: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerExperts, _Mapping]]] = ..., memory_budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ..., num_experts: _Optional[int] = ..., hidden_dtype: _Optional[str] = ...) -> None: ...
+
+class ExpertCall(_message.Message):
+    __slots__ = ("call_id", "layer", "hidden", "expert_ids")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_IDS_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    layer: int
+    hidden: _tensor_pb2.Tensor
+    expert_ids: _tensor_pb2.Tensor
+    def __init__(self, call_id: _Optional[int] = ..., layer: _Optional[int] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., expert_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class CallStats(_message.Message):
+    __slots__ = ("decode_us", "compute_us", "encode_us", "pairs")
+    DECODE_US_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_US_FIELD_NUMBER: _ClassVar[int]
+    PAIRS_FIELD_NUMBER: _ClassVar[int]
+    decode_us: int
+    compute_us: int
+    encode_us: int
+    pairs: int
+    def __init__(self, decode_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., encode_us: _Optional[int] = ..., pairs: _Optional[int] = ...) -> None: ...
+
+class ExpertResult(_message.Message):
+    __slots__ = ("call_id", "output", "stats", "error")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    output: _tensor_pb2.Tensor
+    stats: CallStats
+    error: _tensor_pb2.CallError
+    def __init__(self, call_id: _Optional[int] = ..., output: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., stats: _Optional[_Union[CallStats, _Mapping]] = ..., error: _Optional[_Union[_tensor_pb2.CallError, _Mapping]] = ...) -> None: ...
