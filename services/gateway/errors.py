@@ -117,10 +117,13 @@ def error_from_validation(exc: RequestValidationError) -> OpenAIError:
     error = max(errors, key=lambda e: len(e.get("loc", ())))
     param = param_from_location(tuple(error.get("loc", ())))
     message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
-    if error.get("type") == "missing":
-        message = "field required"
-    elif error.get("type") == "model_attributes_type" and param is None:
+    if param is None and error.get("type") in ("missing", "model_attributes_type", "dict_type"):
         message = "request body must be a JSON object"
+    elif error.get("type") == "missing":
+        message = "field required"
+    elif error.get("type") == "union_tag_invalid":  # e.g. a content part type we do not serve yet
+        context = error.get("ctx", {})
+        message = f"unsupported type {context.get('tag')!r}; supported: {context.get('expected_tags')}"
     return OpenAIError(400, f"{param}: {message}" if param else message, param=param, code="invalid_value")
 
 

@@ -1,0 +1,128 @@
+"""gRPC plumbing every service shares: addresses, message caps, health, shutdown.
+
+Addresses are `unix:/path/to.sock` (same host; ~2x faster round trips than
+loopback TCP) or `host:port`. Every server and channel sets explicit message size
+caps instead of gRPC's defaults or "unlimited".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+from typing import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+DEFAULT_MAX_MESSAGE_BYTES = 512 * 1024 * 1024
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # Reconnect quickly after a worker restarts instead of gRPC's 1 s..120 s backoff.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+        ("grpc.min_reconnect_backoff_ms", 100),
+    ]
+
+
+def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def normalize_address(address: str) -> str:
+    """Accept `unix:/p`, `unix:///p`, a bare socket path ending in .sock, or host:port."""
+    if address.startswith("unix://"):
+        return "unix:" + address[len("unix://") :]
+    if address.startswith("unix:"):
+        return address
+    if address.endswith(".sock") or address.startswith("/"):
+        return "unix:" + str(Path(address).absolute())
+    return address
+
+
+def unix_socket_path(address: str) -> Path | None:
+    address = normalize_address(address)
+    return Path(address[len("unix:") :]) if address.startswith("unix:") else None
+
+
+def bind(server: grpc.aio.Server, address: str) -> str:
+    address = normalize_address(address)
+    path = unix_socket_path(address)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            path.unlink()  # a stale socket from a killed process
+    port = server.add_insecure_port(address)
+    if path is None and port == 0:
+        raise OSError(f"cannot bind {address}")
+    return address
+
+
+def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.HealthServicer:
+    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
+    return health_servicer
+
+
+async def set_serving(health_servicer, services: list[str], serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *services]:
+        result = health_servicer.set(name, status)
+        if asyncio.iscoroutine(result):
+            await result
+
+
+async def run_until_signal(
+    server: grpc.aio.Server,
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+    grace_s: float = 5.0,
+    socket_path: Path | None = None,
+) -> None:
+    """Serve until SIGTERM/SIGINT, then stop gracefully and remove the Unix socket."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        if on_stop is not None:
+            await on_stop()
+        await server.stop(grace_s)
+        if socket_path is not None and socket_path.exists():
+            try:
+                os.unlink(socket_path)
+            except OSError:
+                pass
+
+
+async def check_health(target: str, service: str = "", timeout_s: float = 2.0) -> bool:
+    async with grpc.aio.insecure_channel(normalize_address(target)) as channel:
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def install_uvloop() -> None:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover - uvloop is a dependency everywhere but Windows
+        pass

@@ -1,0 +1,37 @@
+"""Load core's part of a split checkpoint: mlx-lm's model with remote experts.
+
+Order matters: the routed-expert modules are swapped for `RemoteExperts` *before*
+quantization and weight loading, so core allocates nothing for them and
+`load_weights(strict=True)` proves core.safetensors holds exactly the rest.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load_tokenizer
+
+from services.common.manifest import Manifest
+from services.common.model_build import build_skeleton, quantize_like_mlx_lm, replace_modules
+from services.core.expert_client import ExpertDispatcher
+from services.core.remote_experts import RemoteExperts
+
+
+def load_core_model(split_dir: Path, manifest: Manifest, dispatcher: ExpertDispatcher) -> nn.Module:
+    model = build_skeleton(manifest.config)
+    replace_modules(model, {layer.module: RemoteExperts(layer.layer, dispatcher) for layer in manifest.layers})
+    weights = mx.load(str(Path(split_dir) / "core" / "core.safetensors"))
+    quantize_like_mlx_lm(model, manifest.config, weights)
+    model.eval()
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
+def load_core_tokenizer(split_dir: Path, manifest: Manifest) -> TokenizerWrapper:
+    eos = manifest.config.get("eos_token_id")
+    eos_ids = [eos] if isinstance(eos, int) else eos
+    return load_tokenizer(Path(split_dir) / "core", eos_token_ids=eos_ids)

@@ -1,0 +1,30 @@
+"""The stand-in for mlx-lm's SwitchGLU/SwitchMLP in core: same call, computed remotely.
+
+mlx-lm's MoE blocks call `self.switch_mlp(x, indices)` with x [..., H] and the
+router's top-k indices [..., k] and expect [..., k, H]; the router, score
+normalisation, weighting and shared experts around that call stay in core,
+unchanged. This module has no parameters, so core never reads routed-expert weights.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from services.core.expert_client import ExpertDispatcher
+
+
+class RemoteExperts(nn.Module):
+    def __init__(self, layer: int, dispatcher: ExpertDispatcher):
+        super().__init__()
+        # Plain attributes prefixed with "_" are not parameters in mlx.nn.Module.
+        self._layer = layer
+        self._dispatcher = dispatcher
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        hidden_size, k = x.shape[-1], indices.shape[-1]
+        flat_x = x.reshape(-1, hidden_size)
+        flat_ids = indices.reshape(-1, k)
+        mx.eval(flat_x, flat_ids)  # the one synchronisation of this layer on the core side
+        out = self._dispatcher.call(self._layer, flat_x, flat_ids)
+        return out.reshape(*indices.shape, hidden_size)

@@ -1,0 +1,77 @@
+"""`moe-mesh expert`: load a shard of the experts and serve ExpertWorker over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from pathlib import Path
+
+import grpc
+
+from services.common.grpc_util import (
+    add_health_and_reflection,
+    bind,
+    install_uvloop,
+    run_until_signal,
+    server_options,
+    set_serving,
+    unix_socket_path,
+)
+from services.common.logging import get_logger
+from services.common.manifest import Manifest
+from services.common.ranges import format_ranges, parse_ranges
+from services.experts.compute import DEFAULT_MAX_CALL_BYTES, ExpertCompute
+from services.experts.servicer import ExpertWorkerServicer
+from services.experts.store import ResidentExpertStore
+from services.proto.moemesh.v1 import expert_pb2, expert_pb2_grpc
+
+log = get_logger(__name__)
+SERVICE_NAME = expert_pb2.DESCRIPTOR.services_by_name["ExpertWorker"].full_name
+
+
+def owned_experts(manifest: Manifest, layers: str | None, experts: str | None) -> dict[int, list[int]]:
+    """(layer -> experts) this worker serves, from range strings ("all" by default)."""
+    layer_ids = set(manifest.layer_indices)
+    chosen_layers = parse_ranges(layers, max(layer_ids) + 1, "--layers")
+    unknown = [layer for layer in chosen_layers if layer not in layer_ids] if layers else []
+    if unknown:
+        raise ValueError(f"--layers: {format_ranges(unknown)} are not MoE layers (MoE layers: {format_ranges(sorted(layer_ids))})")
+    chosen_experts = parse_ranges(experts, manifest.num_experts, "--experts")
+    return {layer: chosen_experts for layer in chosen_layers if layer in layer_ids}
+
+
+async def serve_expert_worker(
+    split_dir: Path,
+    listen: str,
+    layers: str | None = None,
+    experts: str | None = None,
+    worker_id: str | None = None,
+    max_call_bytes: int = DEFAULT_MAX_CALL_BYTES,
+) -> None:
+    manifest = Manifest.load(split_dir)
+    owned = owned_experts(manifest, layers, experts)
+    worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}"
+    log.info("worker_loading", split=str(split_dir), layers=format_ranges(list(owned)), experts=experts or "all")
+    store = ResidentExpertStore(split_dir, manifest, owned)
+    compute = ExpertCompute(store, max_call_bytes=max_call_bytes)
+    servicer = ExpertWorkerServicer(compute, worker_id)
+
+    server = grpc.aio.server(options=server_options(max_call_bytes + (1 << 20)))
+    expert_pb2_grpc.add_ExpertWorkerServicer_to_server(servicer, server)
+    health_servicer = add_health_and_reflection(server, [SERVICE_NAME])
+    address = bind(server, listen)
+    await server.start()
+    await set_serving(health_servicer, [SERVICE_NAME], True)
+    log.info("worker_serving", address=address, resident_bytes=store.stats().resident_bytes, worker_id=worker_id)
+
+    async def on_stop() -> None:
+        await set_serving(health_servicer, [SERVICE_NAME], False)
+        log.info("worker_stopping", calls=servicer.calls, rejected=servicer.rejected)
+
+    await run_until_signal(server, on_stop, socket_path=unix_socket_path(address))
+
+
+def run_expert_worker(**kwargs) -> None:
+    install_uvloop()
+    asyncio.run(serve_expert_worker(**kwargs))

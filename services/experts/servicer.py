@@ -1,0 +1,65 @@
+"""The ExpertWorker gRPC servicer: a thin translator over ExpertCompute.
+
+A malformed call is answered in-band (`ExpertResult.error`, INVALID_ARGUMENT naming
+the field) so the long-lived stream survives it; a failure of the store (a bad
+read) is answered the same way with INTERNAL. The worker never dies of a call.
+"""
+
+from __future__ import annotations
+
+import grpc
+import structlog
+
+from services.common.logging import REQUEST_ID_METADATA_KEY, get_logger
+from services.experts.compute import CallRejected, ExpertCompute
+from services.experts.store import ExpertFileError
+from services.proto.moemesh.v1 import expert_pb2, expert_pb2_grpc
+
+log = get_logger(__name__)
+
+
+class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
+    def __init__(self, compute: ExpertCompute, worker_id: str, memory_budget_bytes: int = 0):
+        self.compute = compute
+        self.worker_id = worker_id
+        self.memory_budget_bytes = memory_budget_bytes
+        self.calls = 0
+        self.rejected = 0
+
+    async def Describe(self, request, context):
+        store = self.compute.store
+        reply = expert_pb2.DescribeResponse(
+            model_fingerprint=self.compute.manifest.fingerprint,
+            memory_budget_bytes=self.memory_budget_bytes,
+            resident_bytes=store.stats().resident_bytes,
+            worker_id=self.worker_id,
+            num_experts=self.compute.manifest.num_experts,
+            hidden_dtype=self.compute.manifest.dtype,
+        )
+        for layer, experts in sorted(store.owned.items()):
+            reply.layers.add(layer=layer, experts=experts, resident=[store.is_resident(layer, e) for e in experts])
+        return reply
+
+    async def Forward(self, request_iterator, context: grpc.aio.ServicerContext):
+        metadata = dict(context.invocation_metadata() or ())
+        structlog.contextvars.bind_contextvars(link_id=metadata.get(REQUEST_ID_METADATA_KEY, ""))
+        log.info("forward_stream_open", peer=context.peer())
+        async for call in request_iterator:
+            self.calls += 1
+            try:
+                yield self.compute.run(call)
+            except CallRejected as error:
+                self.rejected += 1
+                log.warning("call_rejected", call_id=call.call_id, layer=call.layer, field=error.field, error=str(error))
+                yield _error(call.call_id, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            except ExpertFileError as error:
+                log.error("expert_read_failed", call_id=call.call_id, layer=call.layer, error=str(error))
+                yield _error(call.call_id, grpc.StatusCode.INTERNAL, str(error))
+        log.info("forward_stream_closed", peer=context.peer())
+
+
+def _error(call_id: int, code: grpc.StatusCode, message: str) -> expert_pb2.ExpertResult:
+    result = expert_pb2.ExpertResult(call_id=call_id)
+    result.error.code = code.value[0]
+    result.error.message = message
+    return result

@@ -1,0 +1,150 @@
+"""A real grpc.aio Core server with scripted, deterministic behaviour, for gateway tests.
+
+It streams the words of "The capital of France is Paris." as text deltas (one token id each),
+records every request and its metadata, and can be told (through `CoreDouble.script`) to abort
+with a status code, to stream slowly, to return tool calls, or to end without a finish reason.
+It runs on its own event loop in a background thread, so tests may call the gateway with blocking
+clients (the sync `openai` client) without starving it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
+
+ANSWER_WORDS = ["The", " capital", " of", " France", " is", " Paris", "."]
+ANSWER = "".join(ANSWER_WORDS)
+FIRST_TOKEN_ID = 100
+MODEL_ID = "tiny-moe"
+
+
+@dataclass
+class Script:
+    """What the next Generate calls do. Replaced wholesale by tests (`double.script = Script(...)`)."""
+
+    words: list[str] = field(default_factory=lambda: list(ANSWER_WORDS))
+    delay_before_first_s: float = 0.0
+    delay_per_chunk_s: float = 0.0
+    abort_code: grpc.StatusCode | None = None
+    abort_message: str = "scripted failure"
+    abort_after_chunks: int = 0  # chunks sent before the abort
+    finish_reason: int = core_pb2.STOP
+    tool_calls: list[core_pb2.ToolCall] = field(default_factory=list)
+    send_finish_chunk: bool = True
+
+
+def prompt_token_count(request: core_pb2.GenerateRequest) -> int:
+    """Deterministic stand-in for tokenizing: one token per whitespace-separated word."""
+    return sum(len(message.content.split()) for message in request.chat.messages)
+
+
+class CoreDouble(core_pb2_grpc.CoreServicer):
+    def __init__(self) -> None:
+        self.script = Script()
+        self.requests: list[core_pb2.GenerateRequest] = []
+        self.metadata: list[dict[str, str]] = []
+        self.cancelled = threading.Event()  # set when a Generate call is cancelled by the client
+        self.generate_started = threading.Event()
+
+    def reset(self) -> None:
+        self.script = Script()
+        self.requests.clear()
+        self.metadata.clear()
+        self.cancelled.clear()
+        self.generate_started.clear()
+
+    async def Generate(self, request: core_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        script = self.script
+        self.requests.append(request)
+        self.metadata.append({key: value for key, value in context.invocation_metadata()})
+        self.generate_started.set()
+        try:
+            await asyncio.sleep(script.delay_before_first_s)
+            words = list(script.words)
+            finish_reason = script.finish_reason
+            if request.stopping.HasField("max_tokens") and request.stopping.max_tokens < len(words):
+                words = words[: request.stopping.max_tokens]
+                finish_reason = core_pb2.LENGTH
+            for index, word in enumerate(words):
+                if script.abort_code is not None and index == script.abort_after_chunks:
+                    await context.abort(script.abort_code, script.abort_message)
+                if index:
+                    await asyncio.sleep(script.delay_per_chunk_s)
+                token_id = FIRST_TOKEN_ID + index
+                chunk = core_pb2.GenerateChunk(text=word, token_ids=[token_id], request_id=request.request_id)
+                if request.logprobs:
+                    chunk.logprobs.append(core_pb2.TokenLogprob(
+                        token_id=token_id, token=word, logprob=-0.5,
+                        top=[core_pb2.TopLogprob(token_id=token_id, token=word, logprob=-0.5)]
+                        [: request.top_logprobs],
+                    ))
+                yield chunk
+            if script.abort_code is not None and script.abort_after_chunks >= len(words):
+                await context.abort(script.abort_code, script.abort_message)
+            if script.send_finish_chunk:
+                yield core_pb2.GenerateChunk(
+                    tool_calls=script.tool_calls,
+                    finish_reason=finish_reason,
+                    usage=core_pb2.Usage(prompt_tokens=prompt_token_count(request), completion_tokens=len(words)),
+                    request_id=request.request_id,
+                )
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+    async def ListModels(self, request, context):
+        return core_pb2.ListModelsResponse(models=[
+            core_pb2.ModelInfo(id=MODEL_ID, model_type="mixtral", context_length=2048, created=1_700_000_000)
+        ])
+
+
+class CoreDoubleServer:
+    """Runs `CoreDouble` plus grpc.health on `target` (e.g. "unix:///tmp/x/core.sock") in a thread."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.double = CoreDouble()
+        self._health = health.aio.HealthServicer()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, name="core-double", daemon=True)
+
+    def start(self) -> CoreDoubleServer:
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("core double did not start")
+        return self
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", "moemesh.v1.Core"):
+            asyncio.run_coroutine_threadsafe(self._health.set(service, status), self._loop).result(5)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._serve())
+
+    async def _serve(self) -> None:
+        self._stop = asyncio.Event()
+        server = grpc.aio.server()
+        core_pb2_grpc.add_CoreServicer_to_server(self.double, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        server.add_insecure_port(self.target)
+        await server.start()
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set("moemesh.v1.Core", health_pb2.HealthCheckResponse.SERVING)
+        self._ready.set()
+        await self._stop.wait()
+        await server.stop(grace=None)
