@@ -17,9 +17,16 @@ REQUEST_ID_METADATA_KEY = "x-request-id"
 
 def configure_logging(service: str, level: str = "info") -> None:
     logging.basicConfig(format="%(message)s", stream=sys.stderr, level=level.upper())
+
+    def add_service(_, __, event: dict) -> dict:
+        # A processor, not a contextvar: threads (the engine) start with empty contexts.
+        event.setdefault("service", service)
+        return event
+
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            add_service,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
@@ -29,7 +36,6 @@ def configure_logging(service: str, level: str = "info") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
-    structlog.contextvars.bind_contextvars(service=service)
 
 
 def get_logger(name: str | None = None):

@@ -54,8 +54,9 @@ def create_app(
     max_body_bytes: int = 32 * 1024 * 1024,
 ) -> FastAPI:
     """Build the app; the core channel opens at startup (inside uvicorn's loop) and closes at shutdown."""
-    config = CoreClientConfig(core_target, generate_timeout_s=generate_timeout_s,
-                              unary_timeout_s=unary_timeout_s)
+    config = CoreClientConfig(
+        core_target, generate_timeout_s=generate_timeout_s, unary_timeout_s=unary_timeout_s
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -66,8 +67,9 @@ def create_app(
         finally:
             await app.state.core.close()
 
-    app = FastAPI(title="moe-mesh gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(
+        title="moe-mesh gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.model_name_hint = model_name_hint
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
@@ -84,8 +86,11 @@ class _Disconnect:
         self._task = asyncio.create_task(self._watch(request, call))
 
     async def _watch(self, request: Request, call: grpc.aio.UnaryStreamCall) -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
+        try:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # a receive that fails means the connection is gone too
+            log.debug("receive failed; treating it as a disconnect", exc_info=True)
         self.happened = True
         call.cancel()
         log.info("client disconnected; core call cancelled")
@@ -178,6 +183,9 @@ async def _sse_stream(
     except asyncio.CancelledError:
         if not _cancelled_by_us(disconnect):
             raise
+    except Exception:
+        log.exception("stream failed")
+        yield sse_event(internal_error().body())
     finally:
         disconnect.stop()
         call.cancel()  # no-op when finished; frees the sequence in core when the client left early

@@ -114,8 +114,14 @@ def build_generate_request(request: ChatCompletionRequest, request_id: str) -> c
         chat.template_kwargs_json = json.dumps(request.chat_template_kwargs)
 
     sampling = core_pb2.SamplingParams()
-    for field in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                  "frequency_penalty"):
+    for field in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+    ):
         value = getattr(request, field)
         if value is not None:
             setattr(sampling, field, value)

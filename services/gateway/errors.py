@@ -67,8 +67,9 @@ class OpenAIError(Exception):
 
     @property
     def type(self) -> str:
-        return ERROR_TYPE_BY_HTTP_STATUS.get(self.status, "server_error" if self.status >= 500 else
-                                             "invalid_request_error")
+        return ERROR_TYPE_BY_HTTP_STATUS.get(
+            self.status, "server_error" if self.status >= 500 else "invalid_request_error"
+        )
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -79,7 +80,9 @@ class OpenAIError(Exception):
 
 def error_from_grpc(error: grpc.aio.AioRpcError | grpc.RpcError) -> OpenAIError:
     """Map a failed core call to the HTTP error the client sees (see the module docstring)."""
-    code: grpc.StatusCode = error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
+    code: grpc.StatusCode = (
+        error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
+    )
     status, show_details = _HTTP_BY_GRPC_CODE.get(code, (500, False))
     details = (error.details() or "") if callable(getattr(error, "details", None)) else ""
     if show_details and details:

@@ -16,8 +16,8 @@ import re
 import uuid
 
 import structlog
-from starlette.exceptions import HTTPException
 from starlette.datastructures import Headers, MutableHeaders
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.logging import get_logger
@@ -79,7 +79,9 @@ class BodySizeLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        too_large = OpenAIError(413, f"request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
+        too_large = OpenAIError(
+            413, f"request body exceeds {self.max_body_bytes} bytes", code="body_too_large"
+        )
         declared = Headers(scope=scope).get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             await too_large.response()(scope, receive, send)

@@ -103,8 +103,10 @@ class CompletionState:
         if self.finish_reason is None:
             raise MissingFinishReason("core ended the stream without a finish reason")
         content = "".join(self.text)
-        message: dict[str, Any] = {"role": "assistant", "content": content if content or not self.tool_calls
-                                   else None}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": content if content or not self.tool_calls else None,
+        }
         if self.tool_calls:
             message["tool_calls"] = [tool_call_json(call) for call in self.tool_calls]
         return {

@@ -4,7 +4,8 @@ uvloop where installed (the gateway is pure I/O: JSON, SSE and gRPC), structlog 
 own logs and uvicorn's, access log only at debug level (one line per request is noise next to the
 gateway's own per-completion line). SIGTERM/SIGINT are uvicorn's: it stops accepting, lets
 in-flight requests finish for up to `graceful_shutdown_s`, then runs the app's shutdown, which
-closes the core channel (cancelling any stream still open).
+closes the core channel (cancelling any stream still open), and finally re-raises the signal, so the
+process ends "killed by SIGTERM" as supervisors expect.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class _StructlogHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             get_logger(record.name).log(record.levelno, record.getMessage())
-        except Exception:  # a logging failure must never take the server down
+        except Exception:  # noqa: BLE001 - a logging failure must never take the server down
             self.handleError(record)
 
 

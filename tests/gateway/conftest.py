@@ -16,6 +16,7 @@ import uvicorn
 
 from services.gateway.app import create_app
 from services.gateway.server import event_loop_name
+
 from .core_double import CoreDouble, CoreDoubleServer
 
 

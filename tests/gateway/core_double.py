@@ -79,11 +79,16 @@ class CoreDouble(core_pb2_grpc.CoreServicer):
                 token_id = FIRST_TOKEN_ID + index
                 chunk = core_pb2.GenerateChunk(text=word, token_ids=[token_id], request_id=request.request_id)
                 if request.logprobs:
-                    chunk.logprobs.append(core_pb2.TokenLogprob(
-                        token_id=token_id, token=word, logprob=-0.5,
-                        top=[core_pb2.TopLogprob(token_id=token_id, token=word, logprob=-0.5)]
-                        [: request.top_logprobs],
-                    ))
+                    chunk.logprobs.append(
+                        core_pb2.TokenLogprob(
+                            token_id=token_id,
+                            token=word,
+                            logprob=-0.5,
+                            top=[core_pb2.TopLogprob(token_id=token_id, token=word, logprob=-0.5)][
+                                : request.top_logprobs
+                            ],
+                        )
+                    )
                 yield chunk
             if script.abort_code is not None and script.abort_after_chunks >= len(words):
                 await context.abort(script.abort_code, script.abort_message)
@@ -91,7 +96,9 @@ class CoreDouble(core_pb2_grpc.CoreServicer):
                 yield core_pb2.GenerateChunk(
                     tool_calls=script.tool_calls,
                     finish_reason=finish_reason,
-                    usage=core_pb2.Usage(prompt_tokens=prompt_token_count(request), completion_tokens=len(words)),
+                    usage=core_pb2.Usage(
+                        prompt_tokens=prompt_token_count(request), completion_tokens=len(words)
+                    ),
                     request_id=request.request_id,
                 )
         except asyncio.CancelledError:
@@ -99,9 +106,13 @@ class CoreDouble(core_pb2_grpc.CoreServicer):
             raise
 
     async def ListModels(self, request, context):
-        return core_pb2.ListModelsResponse(models=[
-            core_pb2.ModelInfo(id=MODEL_ID, model_type="mixtral", context_length=2048, created=1_700_000_000)
-        ])
+        return core_pb2.ListModelsResponse(
+            models=[
+                core_pb2.ModelInfo(
+                    id=MODEL_ID, model_type="mixtral", context_length=2048, created=1_700_000_000
+                )
+            ]
+        )
 
 
 class CoreDoubleServer:
@@ -128,7 +139,9 @@ class CoreDoubleServer:
         self._thread.join(10)
 
     def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         for service in ("", "moemesh.v1.Core"):
             asyncio.run_coroutine_threadsafe(self._health.set(service, status), self._loop).result(5)
 

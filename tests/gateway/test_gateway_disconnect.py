@@ -18,23 +18,26 @@ def test_disconnect_mid_stream_cancels_core_call(gateway_url: str, core: CoreDou
     core.script.words = SLOW_WORDS
     core.script.delay_per_chunk_s = 0.05  # 10 s in all: far longer than the test waits
     contents: list[str] = []
-    with httpx.Client(timeout=10) as client:
-        with client.stream("POST", gateway_url + CHAT, json={**BODY, "stream": True}) as response:
-            assert response.status_code == 200
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    delta = json.loads(line.removeprefix("data: "))["choices"][0]["delta"]
-                    if delta.get("content"):
-                        contents.append(delta["content"])
-                if len(contents) == 2:
-                    break  # leaving the block closes the connection mid-stream
+    with (
+        httpx.Client(timeout=10) as client,
+        client.stream("POST", gateway_url + CHAT, json={**BODY, "stream": True}) as response,
+    ):
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                delta = json.loads(line.removeprefix("data: "))["choices"][0]["delta"]
+                if delta.get("content"):
+                    contents.append(delta["content"])
+            if len(contents) == 2:
+                break  # leaving the block closes the connection mid-stream
     assert contents == SLOW_WORDS[:2]
     assert core.cancelled.wait(5), "core's Generate context was not cancelled"
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_disconnect_before_first_token_cancels_core_call(gateway_url: str, core: CoreDouble,
-                                                         stream: bool) -> None:
+def test_disconnect_before_first_token_cancels_core_call(
+    gateway_url: str, core: CoreDouble, stream: bool
+) -> None:
     # Long prefill or a queue: nothing is sent yet, so only the watcher on the connection notices.
     core.script.delay_before_first_s = 10.0
     with pytest.raises(httpx.ReadTimeout):

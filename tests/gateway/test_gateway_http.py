@@ -35,8 +35,13 @@ def assert_envelope(response: httpx.Response, status: int, param: str | None = N
         ({**VALID_BODY, "messages": []}, "messages"),
         ({**VALID_BODY, "n": 2}, "n"),
         ({**VALID_BODY, "messages": [{"role": "wizard", "content": "Hi"}]}, "messages[0].role"),
-        ({**VALID_BODY, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-         "messages[0].content[0]"),
+        (
+            {
+                **VALID_BODY,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+            },
+            "messages[0].content[0]",
+        ),
         ({**VALID_BODY, "temperature": 5}, "temperature"),
         ({**VALID_BODY, "max_tokens": 0}, "max_tokens"),
         ({**VALID_BODY, "stop": 3}, "stop"),
@@ -77,8 +82,10 @@ def test_body_size_cap(core_server) -> None:
         def chunked():  # no Content-Length: the cap is enforced while reading
             yield json.dumps(big).encode()
 
-        assert_envelope(httpx.post(gateway.url + CHAT, content=chunked(),
-                                   headers={"Content-Type": "application/json"}), 413)
+        assert_envelope(
+            httpx.post(gateway.url + CHAT, content=chunked(), headers={"Content-Type": "application/json"}),
+            413,
+        )
     finally:
         gateway.stop()
 
@@ -147,8 +154,15 @@ def test_models(gateway_url: str, core: CoreDouble) -> None:
     assert response.status_code == 200
     body = response.json()
     assert body["object"] == "list"
-    assert body["data"] == [{"id": MODEL_ID, "object": "model", "created": 1_700_000_000, "owned_by": "moe-mesh",
-                             "max_model_len": 2048}]
+    assert body["data"] == [
+        {
+            "id": MODEL_ID,
+            "object": "model",
+            "created": 1_700_000_000,
+            "owned_by": "moe-mesh",
+            "max_model_len": 2048,
+        }
+    ]
 
 
 def test_health_reports_core_status(gateway_url: str, core_server, core: CoreDouble) -> None:
@@ -181,8 +195,9 @@ def test_request_id_round_trip(gateway_url: str, core: CoreDouble) -> None:
 
 def test_request_id_generated_and_unsafe_ones_replaced(gateway_url: str, core: CoreDouble) -> None:
     generated = httpx.post(gateway_url + CHAT, json=VALID_BODY).headers["x-request-id"]
-    replaced = httpx.post(gateway_url + CHAT, json=VALID_BODY,
-                          headers={"X-Request-Id": "bad id\twith spaces"}).headers["x-request-id"]
+    replaced = httpx.post(
+        gateway_url + CHAT, json=VALID_BODY, headers={"X-Request-Id": "bad id\twith spaces"}
+    ).headers["x-request-id"]
     for request_id, metadata in zip([generated, replaced], core.metadata, strict=True):
         assert len(request_id) == 32 and metadata["x-request-id"] == request_id
     error_response = httpx.post(gateway_url + CHAT, content=b"{")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import grpc
@@ -64,8 +65,9 @@ def test_sync_stream_with_usage(gateway_url: str, core: CoreDouble) -> None:
 
 
 def test_stream_without_usage_has_no_usage_chunk(gateway_url: str, core: CoreDouble) -> None:
-    chunks = list(sync_client(gateway_url).chat.completions.create(model=MODEL_ID, messages=MESSAGES,
-                                                                   stream=True))
+    chunks = list(
+        sync_client(gateway_url).chat.completions.create(model=MODEL_ID, messages=MESSAGES, stream=True)
+    )
     assert all(chunk.choices for chunk in chunks)
     assert chunks[-1].choices[0].finish_reason == "stop"
 
@@ -88,8 +90,9 @@ async def test_async_completion_and_stream(gateway_url: str, core: CoreDouble) -
 
 
 def test_max_tokens_gives_length(gateway_url: str, core: CoreDouble) -> None:
-    completion = sync_client(gateway_url).chat.completions.create(model=MODEL_ID, messages=MESSAGES,
-                                                                  max_tokens=3)
+    completion = sync_client(gateway_url).chat.completions.create(
+        model=MODEL_ID, messages=MESSAGES, max_tokens=3
+    )
     assert completion.choices[0].message.content == "The capital of"
     assert completion.choices[0].finish_reason == "length"
     assert core.requests[0].stopping.max_tokens == 3
@@ -97,8 +100,15 @@ def test_max_tokens_gives_length(gateway_url: str, core: CoreDouble) -> None:
 
 def test_sampling_and_stopping_reach_core(gateway_url: str, core: CoreDouble) -> None:
     sync_client(gateway_url).chat.completions.create(
-        model=MODEL_ID, messages=MESSAGES, temperature=0.5, top_p=0.9, seed=42, stop=["\n", "END"],
-        presence_penalty=0.25, frequency_penalty=-0.5, max_completion_tokens=64,
+        model=MODEL_ID,
+        messages=MESSAGES,
+        temperature=0.5,
+        top_p=0.9,
+        seed=42,
+        stop=["\n", "END"],
+        presence_penalty=0.25,
+        frequency_penalty=-0.5,
+        max_completion_tokens=64,
         extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "unknown_field": 1},
     )
     sent = core.requests[0]
@@ -125,14 +135,33 @@ def test_unset_sampling_stays_unset(gateway_url: str, core: CoreDouble) -> None:
 def test_tool_calls_round_trip(gateway_url: str, core: CoreDouble) -> None:
     core.script.words = []
     core.script.finish_reason = core_pb2.TOOL_CALLS
-    core.script.tool_calls = [core_pb2.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris"}')]
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
-                                               "parameters": {"type": "object", "properties": {}}}}]
-    messages = [*MESSAGES,
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
-                {"role": "tool", "tool_call_id": "call_0", "content": [{"type": "text", "text": "sunny"}]}]
-    completion = sync_client(gateway_url).chat.completions.create(model=MODEL_ID, messages=messages, tools=tools)
+    core.script.tool_calls = [
+        core_pb2.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris"}')
+    ]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather now",
+                "parameters": {"type": "object", "properties": {}},
+            },
+        }
+    ]
+    messages = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_0", "content": [{"type": "text", "text": "sunny"}]},
+    ]
+    completion = sync_client(gateway_url).chat.completions.create(
+        model=MODEL_ID, messages=messages, tools=tools
+    )
     choice = completion.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content is None
@@ -146,22 +175,25 @@ def test_tool_calls_round_trip(gateway_url: str, core: CoreDouble) -> None:
     assert (sent.chat.messages[3].role, sent.chat.messages[3].tool_call_id) == ("tool", "call_0")
     assert sent.chat.messages[3].content == "sunny"
 
-    stream = sync_client(gateway_url).chat.completions.create(model=MODEL_ID, messages=messages, tools=tools,
-                                                              stream=True)
+    stream = sync_client(gateway_url).chat.completions.create(
+        model=MODEL_ID, messages=messages, tools=tools, stream=True
+    )
     calls = [call for chunk in stream for call in (chunk.choices[0].delta.tool_calls or [])]
     assert [(call.index, call.function.name) for call in calls] == [(0, "get_weather")]
 
 
 def test_tool_choice_none_hides_tools(gateway_url: str, core: CoreDouble) -> None:
     tools = [{"type": "function", "function": {"name": "get_weather"}}]
-    sync_client(gateway_url).chat.completions.create(model=MODEL_ID, messages=MESSAGES, tools=tools,
-                                                     tool_choice="none")
+    sync_client(gateway_url).chat.completions.create(
+        model=MODEL_ID, messages=MESSAGES, tools=tools, tool_choice="none"
+    )
     assert len(core.requests[0].chat.tools) == 0
 
 
 def test_logprobs(gateway_url: str, core: CoreDouble) -> None:
-    completion = sync_client(gateway_url).chat.completions.create(model=MODEL_ID, messages=MESSAGES,
-                                                                  logprobs=True, top_logprobs=1)
+    completion = sync_client(gateway_url).chat.completions.create(
+        model=MODEL_ID, messages=MESSAGES, logprobs=True, top_logprobs=1
+    )
     content = completion.choices[0].logprobs.content
     assert [item.token for item in content] == ANSWER_WORDS
     assert content[0].logprob == pytest.approx(-0.5)
@@ -198,3 +230,26 @@ def test_error_after_stream_started(gateway_url: str, core: CoreDouble) -> None:
                 received.append(chunk.choices[0].delta.content)
     assert received == ANSWER_WORDS[:2]
     assert "secret" not in str(raised.value)
+
+
+async def test_concurrent_streams_do_not_mix(gateway_url: str, core: CoreDouble) -> None:
+    core.script.delay_per_chunk_s = 0.01  # interleave the streams
+    client = async_client(gateway_url)
+
+    async def one(index: int) -> tuple[str, str]:
+        stream = await client.chat.completions.create(
+            model=MODEL_ID, messages=MESSAGES, stream=True, extra_headers={"X-Request-Id": f"conc-{index}"}
+        )
+        text, completion_id = "", ""
+        async for chunk in stream:
+            completion_id = chunk.id
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+        return completion_id, text
+
+    results = await asyncio.gather(*(one(index) for index in range(16)))
+    await client.close()
+    assert results == [(f"chatcmpl-conc-{index}", ANSWER) for index in range(16)]
+    assert sorted(metadata["x-request-id"] for metadata in core.metadata) == sorted(
+        f"conc-{index}" for index in range(16)
+    )

@@ -1,0 +1,115 @@
+"""`moe-mesh` command line: split, expert, core, gateway, up."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _split(args) -> None:
+    from services.common.model_build import UnsupportedModelError
+    from services.common.manifest import ManifestError
+    from services.core.split import split_checkpoint
+
+    try:
+        manifest = split_checkpoint(Path(args.model), Path(args.out), progress=not args.quiet)
+    except (UnsupportedModelError, ManifestError, FileNotFoundError) as error:
+        raise SystemExit(f"moe-mesh split: {error}")
+    print(f"{args.out}: {len(manifest.layers)} MoE layers x {manifest.num_experts} experts, fingerprint {manifest.fingerprint}")
+
+
+def _expert(args) -> None:
+    from services.experts.server import run_expert_worker
+
+    run_expert_worker(
+        split_dir=Path(args.split),
+        listen=args.listen,
+        layers=args.layers,
+        experts=args.experts,
+        worker_id=args.worker_id,
+    )
+
+
+def _core(args) -> None:
+    from services.core.engine import EngineConfig
+    from services.core.server import run_core
+
+    run_core(
+        split_dir=Path(args.split),
+        listen=args.listen,
+        workers=[w for spec in args.worker for w in spec.split(",") if w],
+        engine_config=EngineConfig(
+            max_num_seqs=args.max_num_seqs, max_queue=args.max_queue, prefill_step_size=args.prefill_step_size
+        ),
+        expert_timeout_s=args.expert_timeout,
+    )
+
+
+def _gateway(args) -> None:
+    from services.gateway.server import run_gateway
+
+    run_gateway(host=args.host, port=args.port, core_target=args.core, log_level=args.log_level)
+
+
+def _up(args) -> None:
+    from services.up import run_up
+
+    sys.exit(run_up(model=args.model, experts=args.experts, port=args.port, host=args.host, workdir=args.workdir))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moe-mesh", description="Serve huge MoE models as a core plus expert workers.")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("split", help="split an mlx-lm MoE checkpoint into core weights and expert layer files")
+    p.add_argument("model", help="checkpoint folder (config.json + *.safetensors)")
+    p.add_argument("out", help="output folder")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_split)
+
+    p = sub.add_parser("expert", help="serve a shard of the routed experts")
+    p.add_argument("--split", required=True, help="split folder (from `moe-mesh split`)")
+    p.add_argument("--listen", default="127.0.0.1:50061", help="host:port or unix:/path.sock")
+    p.add_argument("--layers", default=None, help="MoE layers to serve, e.g. 0-23 (default: all)")
+    p.add_argument("--experts", default=None, help="experts of each layer to serve, e.g. 0-63 (default: all)")
+    p.add_argument("--worker-id", default=None)
+    p.set_defaults(func=_expert)
+
+    p = sub.add_parser("core", help="serve the Core gRPC API over the expert workers")
+    p.add_argument("--split", required=True)
+    p.add_argument("--listen", default="127.0.0.1:50051")
+    p.add_argument("--worker", action="append", required=True, help="expert worker address (repeat or comma-separate)")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-queue", type=int, default=256)
+    p.add_argument("--prefill-step-size", type=int, default=512)
+    p.add_argument("--expert-timeout", type=float, default=60.0, help="seconds a layer call may take")
+    p.set_defaults(func=_core)
+
+    p = sub.add_parser("gateway", help="serve the OpenAI-compatible HTTP API in front of core")
+    p.add_argument("--core", default="127.0.0.1:50051", help="core address")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(func=_gateway)
+
+    p = sub.add_parser("up", help="start workers, core and gateway on this machine")
+    p.add_argument("--model", default=None, help="checkpoint or split folder (default: the demo model)")
+    p.add_argument("--experts", type=int, default=2, help="number of expert workers")
+    p.add_argument("--port", type=int, default=8000, help="gateway port")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--workdir", default=None, help="where sockets and logs go (default: a temp folder)")
+    p.set_defaults(func=_up)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    from services.common.logging import configure_logging
+
+    configure_logging(args.command, args.log_level)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

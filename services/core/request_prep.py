@@ -1,0 +1,168 @@
+"""GenerateRequest -> what the engine runs: prompt tokens, sampler, limits, stops.
+
+Everything a client can get wrong is checked here, before the engine sees it, and
+reported as `RequestError` with the gRPC code the servicer answers with.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+from mlx_lm.generate import StopSequences
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from services.core.sampling import Sampler, SamplingError, make_processors, make_sampler
+from services.proto.moemesh.v1 import core_pb2
+
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class RequestError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class PreparedRequest:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    sampler: Sampler
+    processors: list
+    stop_sequences: StopSequences
+    stop_strings: list[str]
+    logprobs: bool
+    top_logprobs: int
+    deadline: float | None = None  # time.monotonic() deadline
+    created: float = field(default_factory=time.time)
+
+
+class RequestPreparer:
+    def __init__(self, tokenizer: TokenizerWrapper, model_id: str, context_length: int, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.context_length = context_length
+        self.vocab_size = vocab_size
+
+    def prompt_tokens(self, request) -> list[int]:
+        """Tokens of a GenerateRequest's or CountTokensRequest's input."""
+        kind = request.WhichOneof("input")
+        if kind == "chat":
+            return self._chat_tokens(request.chat)
+        if kind == "prompt":
+            if not request.prompt:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
+            return list(self.tokenizer.encode(request.prompt))
+        if kind == "token_ids":
+            ids = list(request.token_ids.ids)
+            bad = [i for i in ids if i >= self.vocab_size]
+            if bad:
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: {bad[0]} is outside the vocabulary (size {self.vocab_size})"
+                )
+            return ids
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "input: one of chat, prompt or token_ids is required")
+
+    def _chat_tokens(self, chat: core_pb2.ChatInput) -> list[int]:
+        if not chat.messages:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "chat.messages: at least one message is required")
+        messages = []
+        for index, message in enumerate(chat.messages):
+            if message.role not in ("system", "user", "assistant", "tool", "developer"):
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"chat.messages[{index}].role: unknown role {message.role!r}"
+                )
+            entry: dict = {"role": "system" if message.role == "developer" else message.role, "content": message.content}
+            if message.name:
+                entry["name"] = message.name
+            if message.tool_call_id:
+                entry["tool_call_id"] = message.tool_call_id
+            if message.tool_calls:
+                entry["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _json_or_text(c.arguments)}}
+                    for c in message.tool_calls
+                ]
+            messages.append(entry)
+        tools = [
+            {
+                "type": "function",
+                "function": {"name": t.name, "description": t.description, "parameters": _json_or_text(t.parameters_json or "{}")},
+            }
+            for t in chat.tools
+        ]
+        try:
+            kwargs = json.loads(chat.template_kwargs_json) if chat.template_kwargs_json else {}
+        except json.JSONDecodeError as error:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"chat.template_kwargs_json: {error}") from None
+        try:
+            tokens = self.tokenizer.apply_chat_template(
+                messages, tools=tools or None, add_generation_prompt=True, tokenize=True, **kwargs
+            )
+        except Exception as error:  # jinja raises for conversations the template refuses
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"chat template: {error}") from None
+        if isinstance(tokens, dict) or hasattr(tokens, "input_ids"):
+            tokens = tokens["input_ids"]
+        return list(tokens)
+
+    def prepare(self, request: core_pb2.GenerateRequest, time_remaining: float | None) -> PreparedRequest:
+        if request.model and request.model != self.model_id:
+            raise RequestError(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here (serving {self.model_id!r})")
+        prompt = self.prompt_tokens(request)
+        if not prompt:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "input: the prompt is empty after tokenization")
+        room = self.context_length - len(prompt)
+        if room <= 0:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"context_length_exceeded: the prompt has {len(prompt)} tokens, the model's context is {self.context_length}",
+            )
+        stopping = request.stopping
+        if stopping.HasField("max_tokens"):
+            if stopping.max_tokens < 1:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens: must be at least 1")
+            if stopping.max_tokens > room:
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"context_length_exceeded: {len(prompt)} prompt tokens + max_tokens {stopping.max_tokens} "
+                    f"exceed the model's context of {self.context_length}",
+                )
+            max_tokens = stopping.max_tokens
+        else:
+            max_tokens = room
+        if len(stopping.stop) > MAX_STOP_STRINGS:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"stop: at most {MAX_STOP_STRINGS} stop strings")
+        stop_ids = [[int(t)] for t in stopping.stop_token_ids]
+        if not stopping.ignore_eos:
+            stop_ids += [[int(t)] for t in sorted(self.tokenizer.eos_token_ids)]
+        if request.top_logprobs > MAX_TOP_LOGPROBS:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"top_logprobs: at most {MAX_TOP_LOGPROBS}")
+        try:
+            sampler = make_sampler(request.sampling, self.vocab_size)
+            processors = make_processors(request.sampling)
+        except SamplingError as error:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {error}") from None
+        return PreparedRequest(
+            request_id=request.request_id or uuid.uuid4().hex,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            sampler=sampler,
+            processors=processors,
+            stop_sequences=StopSequences(stop_ids or None),
+            stop_strings=list(stopping.stop),
+            logprobs=request.logprobs or request.top_logprobs > 0,
+            top_logprobs=request.top_logprobs,
+            deadline=None if time_remaining is None else time.monotonic() + time_remaining,
+        )
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, TypeError):
+        return text

@@ -1,0 +1,76 @@
+"""Per-request samplers and logits processors (mlx-lm's filters, with per-request seeds).
+
+mlx-lm's samplers draw from MLX's global random state; a request with a seed gets
+its own key chain instead, so its tokens do not depend on what else is running.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler, make_logits_processors
+
+from services.proto.moemesh.v1 import core_pb2
+
+Sampler = Callable[[mx.array], mx.array]
+DEFAULT_TEMPERATURE = 1.0
+
+
+class SamplingError(ValueError):
+    pass
+
+
+def make_sampler(params: core_pb2.SamplingParams, vocab_size: int) -> Sampler:
+    temperature = params.temperature if params.HasField("temperature") else DEFAULT_TEMPERATURE
+    if temperature < 0:
+        raise SamplingError("temperature must be >= 0")
+    top_p = params.top_p if params.HasField("top_p") else 1.0
+    if not 0 < top_p <= 1:
+        raise SamplingError("top_p must be in (0, 1]")
+    top_k = params.top_k if params.HasField("top_k") else 0
+    if top_k < 0:
+        raise SamplingError("top_k must be >= 0 (0 disables it)")
+    min_p = params.min_p if params.HasField("min_p") else 0.0
+    if not 0 <= min_p <= 1:
+        raise SamplingError("min_p must be in [0, 1]")
+    if temperature == 0:
+        return greedy_sampler
+
+    filters = []
+    if top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, top_p))
+    if min_p > 0:
+        filters.append(lambda x: apply_min_p(x, min_p))
+    if 0 < top_k < vocab_size:
+        filters.append(lambda x: apply_top_k(x, top_k))
+    key = [mx.random.key(params.seed)] if params.HasField("seed") else None
+
+    def sample(logprobs: mx.array) -> mx.array:
+        for apply in filters:
+            logprobs = apply(logprobs)
+        scaled = logprobs * (1.0 / temperature)
+        if key is None:
+            return mx.random.categorical(scaled)
+        key[0], subkey = mx.random.split(key[0])
+        return mx.random.categorical(scaled, key=subkey)
+
+    return sample
+
+
+def make_processors(params: core_pb2.SamplingParams) -> list:
+    def value(name: str):
+        return getattr(params, name) if params.HasField(name) else None
+
+    repetition = value("repetition_penalty")
+    if repetition is not None and repetition <= 0:
+        raise SamplingError("repetition_penalty must be > 0")
+    for name in ("presence_penalty", "frequency_penalty"):
+        penalty = value(name)
+        if penalty is not None and not -2 <= penalty <= 2:
+            raise SamplingError(f"{name} must be in [-2, 2]")
+    return make_logits_processors(
+        repetition_penalty=repetition if repetition not in (None, 1.0) else None,
+        presence_penalty=value("presence_penalty"),
+        frequency_penalty=value("frequency_penalty"),
+    )

@@ -1,0 +1,109 @@
+"""`moe-mesh core`: load core's part of the model, link to the expert workers, serve Core.
+
+Health is NOT_SERVING until the model is loaded and every routed expert of every
+MoE layer has a reachable worker with the same model fingerprint; it drops back to
+NOT_SERVING when a worker goes away and returns when it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import grpc
+
+from services.common.grpc_util import (
+    add_health_and_reflection,
+    bind,
+    install_uvloop,
+    run_until_signal,
+    server_options,
+    set_serving,
+    unix_socket_path,
+)
+from services.common.logging import get_logger
+from services.common.manifest import Manifest
+from services.core.engine import Engine, EngineConfig
+from services.core.expert_client import ExpertDispatcher
+from services.core.model_loader import load_core_model, load_core_tokenizer
+from services.core.request_prep import RequestPreparer
+from services.core.servicer import CoreServicer
+from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
+
+log = get_logger(__name__)
+SERVICE_NAME = core_pb2.DESCRIPTOR.services_by_name["Core"].full_name
+
+
+def _text_config(config: dict) -> dict:
+    return config.get("text_config") or config
+
+
+def build_engine(
+    split_dir: Path,
+    workers: list[str],
+    engine_config: EngineConfig,
+    expert_timeout_s: float = 60.0,
+) -> tuple[Engine, RequestPreparer, core_pb2.ModelInfo]:
+    manifest = Manifest.load(split_dir)
+    tokenizer = load_core_tokenizer(split_dir, manifest)
+    text_config = _text_config(manifest.config)
+    model_id = Path(manifest.source).name or Path(split_dir).name
+    context_length = int(text_config.get("max_position_embeddings") or 4096)
+    preparer = RequestPreparer(tokenizer, model_id, context_length, int(text_config["vocab_size"]))
+
+    def loader():
+        dispatcher = ExpertDispatcher(manifest, workers, call_timeout_s=expert_timeout_s)
+        started = time.monotonic()
+        model = load_core_model(split_dir, manifest, dispatcher)
+        log.info("core_model_loaded", seconds=round(time.monotonic() - started, 2), layers=len(manifest.layers))
+        return model, dispatcher.discover
+
+    engine = Engine(tokenizer, engine_config, loader)
+    info = core_pb2.ModelInfo(
+        id=model_id,
+        model_type=manifest.model_type,
+        context_length=context_length,
+        fingerprint=manifest.fingerprint,
+        created=int(Path(split_dir, "manifest.json").stat().st_mtime),
+    )
+    return engine, preparer, info
+
+
+async def serve_core(
+    split_dir: Path,
+    listen: str,
+    workers: list[str],
+    engine_config: EngineConfig | None = None,
+    expert_timeout_s: float = 60.0,
+) -> None:
+    engine, preparer, info = build_engine(split_dir, workers, engine_config or EngineConfig(), expert_timeout_s)
+    server = grpc.aio.server(options=server_options(64 * 1024 * 1024))
+    core_pb2_grpc.add_CoreServicer_to_server(CoreServicer(engine, preparer, info), server)
+    health_servicer = add_health_and_reflection(server, [SERVICE_NAME])
+    await set_serving(health_servicer, [SERVICE_NAME], False)
+    loop = asyncio.get_running_loop()
+
+    def on_health(serving: bool) -> None:
+        asyncio.run_coroutine_threadsafe(set_serving(health_servicer, [SERVICE_NAME], serving), loop)
+
+    engine.on_health(on_health)
+    address = bind(server, listen)
+    await server.start()
+    log.info("core_listening", address=address, workers=workers, model=info.id)
+    engine.start()
+    await asyncio.get_running_loop().run_in_executor(None, engine.loaded.wait)
+    if engine.load_error is not None:
+        await server.stop(0)
+        raise SystemExit(f"core: cannot load the model: {engine.load_error}")
+
+    async def on_stop() -> None:
+        await set_serving(health_servicer, [SERVICE_NAME], False)
+        await loop.run_in_executor(None, engine.stop)
+
+    await run_until_signal(server, on_stop, socket_path=unix_socket_path(address))
+
+
+def run_core(**kwargs) -> None:
+    install_uvloop()
+    asyncio.run(serve_core(**kwargs))

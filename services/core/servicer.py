@@ -1,0 +1,83 @@
+"""The Core gRPC servicer: validate, hand to the engine, stream what it emits.
+
+Leaving the response stream early (client cancel, disconnect, deadline) cancels the
+sequence in the engine, which frees it and its KV cache before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import structlog
+
+from services.common.logging import REQUEST_ID_METADATA_KEY, get_logger
+from services.core.engine import Engine, EngineError, Overloaded
+from services.core.request_prep import RequestError, RequestPreparer
+from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
+
+log = get_logger(__name__)
+
+
+class CoreServicer(core_pb2_grpc.CoreServicer):
+    def __init__(self, engine: Engine, preparer: RequestPreparer, model_info: core_pb2.ModelInfo):
+        self.engine = engine
+        self.preparer = preparer
+        self.model_info = model_info
+
+    async def Generate(self, request: core_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        metadata = dict(context.invocation_metadata() or ())
+        if not request.request_id:
+            request.request_id = metadata.get(REQUEST_ID_METADATA_KEY, "")
+        structlog.contextvars.bind_contextvars(request_id=request.request_id)
+        if self.engine.problems:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "core is not serving: " + "; ".join(self.engine.problems))
+        try:
+            prepared = self.preparer.prepare(request, context.time_remaining())
+        except RequestError as error:
+            await context.abort(error.code, str(error))
+        out: asyncio.Queue = asyncio.Queue()
+        try:
+            sequence = self.engine.submit(prepared, out, asyncio.get_running_loop())
+        except Overloaded as error:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        log.info("generate_start", prompt_tokens=len(prepared.prompt), max_tokens=prepared.max_tokens)
+        finished = False
+        try:
+            while True:
+                item = await out.get()
+                if isinstance(item, EngineError):
+                    finished = True
+                    log.warning("generate_failed", code=item.code.name, error=item.message)
+                    await context.abort(item.code, item.message)
+                yield item
+                if item.finish_reason:
+                    finished = True
+                    log.info(
+                        "generate_done",
+                        finish=core_pb2.FinishReason.Name(item.finish_reason),
+                        completion_tokens=item.usage.completion_tokens,
+                    )
+                    return
+        finally:
+            if not finished:
+                log.info("generate_cancelled")
+                self.engine.cancel(sequence)
+
+    async def ListModels(self, request, context):
+        return core_pb2.ListModelsResponse(models=[self.model_info])
+
+    async def CountTokens(self, request: core_pb2.CountTokensRequest, context):
+        try:
+            return core_pb2.CountTokensResponse(count=len(self.preparer.prompt_tokens(request)))
+        except RequestError as error:
+            await context.abort(error.code, str(error))
+
+    async def GetStats(self, request, context):
+        counters = self.engine.counters
+        return core_pb2.CoreStats(
+            running_requests=self.engine.running,
+            waiting_requests=self.engine.waiting,
+            prompt_tokens_total=counters.prompt_tokens,
+            generation_tokens_total=counters.generation_tokens,
+        )

@@ -1,0 +1,139 @@
+"""Socket-free tests of the pure mappings: request → GenerateRequest, errors, chunks → OpenAI JSON."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+from pydantic import ValidationError
+
+from services.gateway.core_client import build_generate_request
+from services.gateway.errors import error_from_grpc, param_from_location
+from services.gateway.openai_schema import ChatCompletionRequest
+from services.gateway.responses import CompletionMeta, CompletionState, stream_chunks
+from services.proto.moemesh.v1 import core_pb2
+
+USER = [{"role": "user", "content": "Hi"}]
+
+
+def request(**fields: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": USER, **fields})
+
+
+def test_extensions_and_edge_values_map_to_core() -> None:
+    sent = build_generate_request(
+        request(
+            seed=-1,
+            top_k=-1,
+            stop="END",
+            stop_token_ids=[7],
+            ignore_eos=True,
+            chat_template_kwargs={"enable_thinking": False},
+            max_tokens=5,
+            max_completion_tokens=9,
+        ),
+        "rid-1",
+    )
+    assert sent.request_id == "rid-1"
+    assert sent.sampling.seed == 2**64 - 1  # signed OpenAI seed → core's uint64
+    assert not sent.sampling.HasField("top_k")  # -1 means disabled
+    assert list(sent.stopping.stop) == ["END"]
+    assert list(sent.stopping.stop_token_ids) == [7] and sent.stopping.ignore_eos
+    assert sent.stopping.max_tokens == 9  # max_completion_tokens wins over the deprecated max_tokens
+    assert json.loads(sent.chat.template_kwargs_json) == {"enable_thinking": False}
+    assert sent.model == ""  # core chooses its served model
+
+
+def test_content_parts_are_joined() -> None:
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    sent = build_generate_request(request(messages=[{"role": "user", "content": parts}]), "r")
+    assert sent.chat.messages[0].content == "ab"
+
+
+def test_unknown_fields_are_ignored() -> None:
+    assert request(parallel_tool_calls=True, metadata={"a": 1}, store=False).n == 1
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"n": 3},
+        {"top_p": 0},
+        {"seed": 2**64},
+        {"messages": []},
+        {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+    ],
+)
+def test_schema_refuses(fields: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        request(**fields)
+
+
+@pytest.mark.parametrize(
+    ("location", "param"),
+    [
+        (("body", "messages", 0, "role"), "messages[0].role"),
+        (
+            ("body", "messages", 1, "content", "list[tagged-union[TextContentPart]]", 0),
+            "messages[1].content[0]",
+        ),
+        (("body", "stop", "str"), "stop"),
+        (("body", "tool_choice", "literal['none','auto','required']"), "tool_choice"),
+        (("body",), None),
+    ],
+)
+def test_param_from_location(location: tuple[object, ...], param: str | None) -> None:
+    assert param_from_location(location) == param
+
+
+class FakeRpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def test_grpc_error_mapping_hides_internal_details() -> None:
+    hidden = error_from_grpc(FakeRpcError(grpc.StatusCode.INTERNAL, "Traceback ... /srv/core.py"))
+    assert hidden.status == 500 and "Traceback" not in hidden.message
+    shown = error_from_grpc(FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full (64 waiting)"))
+    assert (shown.status, shown.type, shown.message) == (429, "rate_limit_error", "queue full (64 waiting)")
+    assert shown.body() == {
+        "error": {
+            "message": "queue full (64 waiting)",
+            "type": "rate_limit_error",
+            "param": None,
+            "code": "resource_exhausted",
+        }
+    }
+
+
+def test_finish_chunk_with_text_gives_delta_then_finish() -> None:
+    meta = CompletionMeta(id="chatcmpl-x", created=1, model="m")
+    state = CompletionState()
+    last = core_pb2.GenerateChunk(
+        text="end",
+        token_ids=[1, 2],
+        finish_reason=core_pb2.LENGTH,
+        usage=core_pb2.Usage(prompt_tokens=4, completion_tokens=2),
+    )
+    state.add(last)
+    chunks = stream_chunks(meta, last, state, include_usage=False)
+    assert [c["choices"][0]["delta"] for c in chunks] == [{"content": "end"}, {}]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, "length"]
+    assert "usage" not in chunks[0]
+    assert state.usage() == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+
+
+def test_usage_falls_back_to_counted_tokens() -> None:
+    state = CompletionState()
+    state.add(core_pb2.GenerateChunk(text="a", token_ids=[1]))
+    state.add(core_pb2.GenerateChunk(text="b", token_ids=[2, 3], finish_reason=core_pb2.STOP))
+    completion = state.completion(CompletionMeta("chatcmpl-y", 1, "m"), with_logprobs=False)
+    assert completion["usage"]["completion_tokens"] == 3
+    assert completion["choices"][0]["message"] == {"role": "assistant", "content": "ab"}

@@ -1,0 +1,66 @@
+"""`run_gateway` as a process: serves, logs JSON lines only, and exits cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from .core_double import MODEL_ID, CoreDouble
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_run_gateway_serves_logs_json_and_stops_on_sigterm(core_server, core: CoreDouble) -> None:
+    port = free_port()
+    code = f"from services.gateway.server import run_gateway; run_gateway('127.0.0.1', {port}, {core_server.target!r})"
+    process = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).json() == {"status": "ok", "core": "SERVING"}:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None and time.monotonic() < deadline, "gateway did not come up"
+            time.sleep(0.1)
+        body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}]}
+        response = httpx.post(url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "proc-1"})
+        assert response.status_code == 200
+        assert "server" not in response.headers  # no version banner
+    finally:
+        process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=20)
+    # uvicorn shuts down gracefully, then re-raises the signal so a supervisor sees why it ended
+    # (systemd counts SIGTERM as a clean exit).
+    assert process.returncode in (0, -signal.SIGTERM), stderr
+    lines = [line for line in (stdout + stderr).splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines]  # every line is JSON
+    assert all(record["service"] == "gateway" for record in records)
+    assert any(
+        record.get("request_id") == "proc-1" and record["event"] == "chat completion" for record in records
+    )
+    assert not any("GET /health" in record["event"] for record in records)  # no access log at info
+    assert any(record["event"] == "Application shutdown complete." for record in records)
