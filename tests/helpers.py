@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -10,7 +9,10 @@ import sys
 import time
 from pathlib import Path
 
-from services.common.grpc_util import check_health
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.grpc_util import normalize_address
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,12 +25,22 @@ def spawn(args: list[str], log_path: Path) -> subprocess.Popen:
         )
 
 
+def serving(address: str) -> bool:
+    """Sync health check (usable from async tests, unlike asyncio.run)."""
+    with grpc.insecure_channel(normalize_address(address)) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def wait_serving(address: str, proc: subprocess.Popen | None = None, timeout_s: float = 120.0, log_path: Path | None = None):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode}: {log_path.read_text()[-3000:] if log_path else ''}")
-        if asyncio.run(check_health(address, timeout_s=1.0)):
+        if serving(address):
             return
         time.sleep(0.1)
     raise TimeoutError(f"{address} not SERVING after {timeout_s} s: {log_path.read_text()[-3000:] if log_path else ''}")

@@ -1,0 +1,197 @@
+"""The Core gRPC service as a real process over real expert worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import mlx.core as mx
+import mlx_lm
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from mlx_lm.generate import generate_step
+
+from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
+from tests.helpers import Workers, spawn, stop, wait_serving
+
+GREEDY = core_pb2.SamplingParams(temperature=0)
+
+
+class Stack:
+    def __init__(self, split: Path, workdir: Path):
+        self.workdir = workdir
+        self.workers = Workers(split, workdir, ["0-3", "4-7"])
+        self.core_address = f"unix:{workdir / 'core.sock'}"
+        self.core_log = workdir / "core.log"
+        self.core = spawn(
+            ["core", "--split", str(split), "--listen", self.core_address, "--worker", ",".join(self.workers.addresses),
+             "--expert-timeout", "10"],
+            self.core_log,
+        )
+
+    def channel(self) -> grpc.aio.Channel:
+        return grpc.aio.insecure_channel(self.core_address)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_models):
+    workdir = Path(tempfile.mkdtemp(prefix="mm-", dir="/tmp"))
+    stack = Stack(tiny_models.split("qwen3_moe", None), workdir)
+    yield stack
+    stop([stack.core])
+    stack.workers.stop()
+
+
+async def health(stack) -> int:
+    async with stack.channel() as channel:
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        except grpc.aio.AioRpcError:
+            return -1
+    return reply.status
+
+
+async def generate(stack, request: core_pb2.GenerateRequest, timeout: float = 60) -> list[core_pb2.GenerateChunk]:
+    async with stack.channel() as channel:
+        return [chunk async for chunk in core_pb2_grpc.CoreStub(channel).Generate(request, timeout=timeout)]
+
+
+def tokens_of(chunks) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+async def wait_health(stack, status, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await health(stack) == status:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"core health never became {status}: {stack.core_log.read_text()[-2000:]}")
+
+
+async def test_not_serving_until_every_expert_is_reachable(stack):
+    """Runs first: the workers are not started yet."""
+    await wait_health(stack, health_pb2.HealthCheckResponse.NOT_SERVING)
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        await generate(stack, core_pb2.GenerateRequest(prompt="hi", stopping=core_pb2.StoppingCriteria(max_tokens=2)))
+    assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
+    stack.workers.start()
+    await wait_health(stack, health_pb2.HealthCheckResponse.SERVING)
+
+
+async def test_greedy_stream_matches_mlx_lm(stack, tiny_models):
+    model, tokenizer = mlx_lm.load(str(tiny_models.checkpoint("qwen3_moe", None)))
+    prompt = tokenizer.encode("Once upon a time")
+    want = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=20)]
+    chunks = await generate(
+        stack,
+        core_pb2.GenerateRequest(
+            token_ids=core_pb2.TokenIds(ids=prompt), sampling=GREEDY,
+            stopping=core_pb2.StoppingCriteria(max_tokens=20, ignore_eos=True),
+        ),
+    )
+    assert tokens_of(chunks) == want
+    assert len(chunks) == 20 and chunks[-1].finish_reason == core_pb2.FinishReason.LENGTH
+    assert chunks[-1].usage.prompt_tokens == len(prompt) and chunks[-1].usage.completion_tokens == 20
+    assert "".join(c.text for c in chunks) == tokenizer.decode(want)
+
+
+async def test_batched_requests_each_match_their_solo_run(stack):
+    prompts = ["Hello", "The weather today is", "1 2 3 4 5 6 7 8"]
+
+    def request(p):
+        return core_pb2.GenerateRequest(
+            prompt=p, sampling=GREEDY, stopping=core_pb2.StoppingCriteria(max_tokens=12, ignore_eos=True)
+        )
+
+    solo = [tokens_of(await generate(stack, request(p))) for p in prompts]
+    together = await asyncio.gather(*(generate(stack, request(p)) for p in prompts))
+    assert [tokens_of(c) for c in together] == solo
+
+
+async def test_seeded_sampling_is_reproducible(stack):
+    request = core_pb2.GenerateRequest(
+        prompt="Seeds", sampling=core_pb2.SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234),
+        stopping=core_pb2.StoppingCriteria(max_tokens=10, ignore_eos=True),
+    )
+    first, second = tokens_of(await generate(stack, request)), tokens_of(await generate(stack, request))
+    assert first == second
+    request.sampling.seed = 99
+    assert tokens_of(await generate(stack, request)) != first
+
+
+async def test_stop_string_is_cut_and_never_sent(stack):
+    base = core_pb2.GenerateRequest(prompt="Stop", sampling=GREEDY, stopping=core_pb2.StoppingCriteria(max_tokens=16, ignore_eos=True))
+    text = "".join(c.text for c in await generate(stack, base))
+    stop_string = text[len(text) // 2 : len(text) // 2 + 3]
+    base.stopping.stop.append(stop_string)
+    chunks = await generate(stack, base)
+    got = "".join(c.text for c in chunks)
+    assert got == text[: text.find(stop_string)]
+    assert chunks[-1].finish_reason == core_pb2.FinishReason.STOP
+
+
+@pytest.mark.parametrize(
+    "request_, code, words",
+    [
+        (core_pb2.GenerateRequest(prompt="x", stopping=core_pb2.StoppingCriteria(max_tokens=100000)), "INVALID_ARGUMENT", "context_length_exceeded"),
+        (core_pb2.GenerateRequest(prompt="x", model="gpt-4"), "NOT_FOUND", "gpt-4"),
+        (core_pb2.GenerateRequest(chat=core_pb2.ChatInput()), "INVALID_ARGUMENT", "chat.messages"),
+        (core_pb2.GenerateRequest(), "INVALID_ARGUMENT", "input"),
+        (core_pb2.GenerateRequest(token_ids=core_pb2.TokenIds(ids=[10**7])), "INVALID_ARGUMENT", "vocabulary"),
+        (core_pb2.GenerateRequest(prompt="x", sampling=core_pb2.SamplingParams(top_p=1.5)), "INVALID_ARGUMENT", "top_p"),
+        (core_pb2.GenerateRequest(chat=core_pb2.ChatInput(messages=[core_pb2.ChatMessage(role="wizard", content="x")])), "INVALID_ARGUMENT", "role"),
+    ],
+)
+async def test_bad_requests_get_precise_status(stack, request_, code, words):
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        await generate(stack, request_)
+    assert failure.value.code().name == code and words in failure.value.details()
+
+
+async def test_cancel_frees_the_sequence(stack):
+    async with stack.channel() as channel:
+        stub = core_pb2_grpc.CoreStub(channel)
+        call = stub.Generate(
+            core_pb2.GenerateRequest(prompt="Long", sampling=GREEDY, stopping=core_pb2.StoppingCriteria(max_tokens=3000, ignore_eos=True)),
+            timeout=60,
+        )
+        await call.read()
+        await call.read()
+        assert (await stub.GetStats(core_pb2.GetStatsRequest())).running_requests == 1
+        call.cancel()
+        for _ in range(100):
+            if (await stub.GetStats(core_pb2.GetStatsRequest())).running_requests == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert (await stub.GetStats(core_pb2.GetStatsRequest())).running_requests == 0
+
+
+async def test_worker_killed_mid_generation_fails_fast_then_core_recovers(stack):
+    request = core_pb2.GenerateRequest(
+        prompt="Keep going", sampling=GREEDY, stopping=core_pb2.StoppingCriteria(max_tokens=3000, ignore_eos=True)
+    )
+    async with stack.channel() as channel:
+        stub = core_pb2_grpc.CoreStub(channel)
+        call = stub.Generate(request, timeout=30)
+        for _ in range(3):
+            await call.read()
+        stack.workers.kill(1)
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            while (await call.read()) is not grpc.aio.EOF:
+                pass
+        assert time.monotonic() - started < 10
+        assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert stack.workers.addresses[1].removeprefix("unix:") in failure.value.details()
+        assert stack.core.poll() is None, "core must stay up"
+        await wait_health(stack, health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert (await stub.GetStats(core_pb2.GetStatsRequest())).running_requests == 0
+
+    stack.workers.start(1)
+    await wait_health(stack, health_pb2.HealthCheckResponse.SERVING)
+    request.stopping.max_tokens = 5
+    assert len(tokens_of(await generate(stack, request))) == 5

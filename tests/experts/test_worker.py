@@ -1,0 +1,109 @@
+"""A real expert worker process: Describe, Forward, and every kind of malformed call."""
+
+from __future__ import annotations
+
+import grpc
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+
+from services.common import tensor_codec
+from services.common.model_build import expert_modules
+from services.proto.moemesh.v1 import expert_pb2, expert_pb2_grpc, tensor_pb2
+from tests.helpers import Workers
+
+H = 64  # tiny models' hidden size
+INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_models, tmp_path_factory):
+    import tempfile
+    from pathlib import Path
+
+    split = tiny_models.split("qwen3_moe", None)
+    workers = Workers(split, Path(tempfile.mkdtemp(prefix="mm-", dir="/tmp")), ["2-5"]).start()
+    yield workers, split
+    workers.stop()
+
+
+def good_call(call_id: int, tokens: int = 3, experts=(2, 5)) -> expert_pb2.ExpertCall:
+    hidden = mx.random.normal((tokens, H))
+    ids = mx.array(np.array([list(experts)] * tokens, dtype=np.int32))
+    return expert_pb2.ExpertCall(
+        call_id=call_id, layer=1, hidden=tensor_codec.encode(hidden), expert_ids=tensor_codec.encode(ids)
+    )
+
+
+def malformed_calls():
+    calls = {}
+
+    def variant(name, mutate):
+        call = good_call(100 + len(calls))
+        mutate(call)
+        calls[f"{name} #{len(calls)}"] = call
+
+    variant("layer", lambda c: setattr(c, "layer", 77))
+    variant("expert_ids", lambda c: c.expert_ids.CopyFrom(tensor_codec.encode(mx.array([[0, 2]] * 3, dtype=mx.int32))))
+    variant("expert_ids", lambda c: c.expert_ids.CopyFrom(tensor_codec.encode(mx.array([[2, 99]] * 3, dtype=mx.int32))))
+    calls["expert_ids (< -1)"] = good_call(150)
+    calls["expert_ids (< -1)"].expert_ids.CopyFrom(tensor_codec.encode(mx.array([[2, -7]] * 3, dtype=mx.int32)))
+    variant("hidden.dtype", lambda c: c.hidden.CopyFrom(tensor_codec.encode(mx.zeros((3, H), dtype=mx.float16))))
+    variant("hidden", lambda c: setattr(c.hidden, "data", c.hidden.data[:-4]))  # byte count off
+    variant("hidden", lambda c: c.hidden.shape.extend([1]))  # wrong rank
+    variant("hidden", lambda c: c.hidden.shape.__setitem__(0, -3))
+    variant("hidden", lambda c: c.hidden.shape.__setitem__(0, 1 << 40))  # over the size cap
+    variant("expert_ids", lambda c: setattr(c.expert_ids, "dtype", 0))  # unset dtype
+    variant("expert_ids.dtype", lambda c: c.expert_ids.CopyFrom(tensor_codec.encode(mx.array([[2.0, 5.0]] * 3))))
+    variant("expert_ids.shape", lambda c: c.expert_ids.CopyFrom(tensor_codec.encode(mx.array([[2, 5]] * 2, dtype=mx.int32))))
+    variant("hidden.shape", lambda c: c.hidden.CopyFrom(tensor_codec.encode(mx.zeros((3, 32)))))
+    return calls
+
+
+async def test_describe(worker):
+    workers, split = worker
+    async with grpc.aio.insecure_channel(workers.addresses[0]) as channel:
+        reply = await expert_pb2_grpc.ExpertWorkerStub(channel).Describe(expert_pb2.DescribeRequest(), timeout=5)
+    from services.common.manifest import Manifest
+
+    assert reply.model_fingerprint == Manifest.load(split).fingerprint
+    assert [(l.layer, list(l.experts)) for l in reply.layers] == [(i, [2, 3, 4, 5]) for i in range(4)]
+    assert all(all(l.resident) for l in reply.layers)
+    assert reply.resident_bytes > 0
+
+
+async def test_forward_matches_mlx_lm_expert_module(worker, tiny_models):
+    workers, _ = worker
+    model, _ = mlx_lm.load(str(tiny_models.checkpoint("qwen3_moe", None)))
+    switch = dict(expert_modules(model))["model.layers.1.mlp.switch_mlp"]
+    call = good_call(1, tokens=4)
+    async with grpc.aio.insecure_channel(workers.addresses[0]) as channel:
+        stream = expert_pb2_grpc.ExpertWorkerStub(channel).Forward()
+        await stream.write(call)
+        result = await stream.read()
+        await stream.done_writing()
+    assert result.call_id == 1 and not result.HasField("error")
+    got = tensor_codec.decode(result.output, "output", 1 << 30).reshape(4, 2, H)
+    want = switch(tensor_codec.decode(call.hidden, "h", 1 << 30), tensor_codec.decode(call.expert_ids, "e", 1 << 30))
+    assert mx.array_equal(got, want).item()
+    assert result.stats.pairs == 8 and result.stats.compute_us > 0
+
+
+@pytest.mark.parametrize("name", list(malformed_calls()))
+async def test_malformed_call_is_rejected_and_the_stream_keeps_serving(worker, name):
+    workers, _ = worker
+    bad = malformed_calls()[name]
+    async with grpc.aio.insecure_channel(workers.addresses[0]) as channel:
+        stream = expert_pb2_grpc.ExpertWorkerStub(channel).Forward()
+        await stream.write(bad)
+        rejected = await stream.read()
+        await stream.write(good_call(7))
+        after = await stream.read()
+        await stream.done_writing()
+    assert rejected.call_id == bad.call_id
+    assert rejected.error.code == INVALID_ARGUMENT
+    assert rejected.error.message.startswith(name.split(" ")[0]), rejected.error.message
+    assert after.call_id == 7 and not after.HasField("error")
+    assert tuple(after.output.shape) == (6, H)
+    assert workers.procs[0].poll() is None
