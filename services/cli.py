@@ -8,15 +8,17 @@ from pathlib import Path
 
 
 def _split(args) -> None:
-    from services.common.model_build import UnsupportedModelError
     from services.common.manifest import ManifestError
+    from services.common.model_build import UnsupportedModelError
     from services.core.split import split_checkpoint
 
     try:
         manifest = split_checkpoint(Path(args.model), Path(args.out), progress=not args.quiet)
     except (UnsupportedModelError, ManifestError, FileNotFoundError) as error:
         raise SystemExit(f"moe-mesh split: {error}")
-    print(f"{args.out}: {len(manifest.layers)} MoE layers x {manifest.num_experts} experts, fingerprint {manifest.fingerprint}")
+    print(
+        f"{args.out}: {len(manifest.layers)} MoE layers x {manifest.num_experts} experts, fingerprint {manifest.fingerprint}"
+    )
 
 
 def _expert(args) -> None:
@@ -55,15 +57,21 @@ def _gateway(args) -> None:
 def _up(args) -> None:
     from services.up import run_up
 
-    sys.exit(run_up(model=args.model, experts=args.experts, port=args.port, host=args.host, workdir=args.workdir))
+    sys.exit(
+        run_up(model=args.model, experts=args.experts, port=args.port, host=args.host, workdir=args.workdir)
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moe-mesh", description="Serve huge MoE models as a core plus expert workers.")
+    parser = argparse.ArgumentParser(
+        prog="moe-mesh", description="Serve huge MoE models as a core plus expert workers."
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("split", help="split an mlx-lm MoE checkpoint into core weights and expert layer files")
+    p = sub.add_parser(
+        "split", help="split an mlx-lm MoE checkpoint into core weights and expert layer files"
+    )
     p.add_argument("model", help="checkpoint folder (config.json + *.safetensors)")
     p.add_argument("out", help="output folder")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -80,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("core", help="serve the Core gRPC API over the expert workers")
     p.add_argument("--split", required=True)
     p.add_argument("--listen", default="127.0.0.1:50051")
-    p.add_argument("--worker", action="append", required=True, help="expert worker address (repeat or comma-separate)")
+    p.add_argument(
+        "--worker", action="append", required=True, help="expert worker address (repeat or comma-separate)"
+    )
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-queue", type=int, default=256)
     p.add_argument("--prefill-step-size", type=int, default=512)

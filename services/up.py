@@ -52,7 +52,9 @@ def resolve_split(model: str | None) -> Path:
 
 def expert_ranges(num_experts: int, workers: int) -> list[str]:
     if not 1 <= workers <= num_experts:
-        raise SystemExit(f"moe-mesh up: --experts must be between 1 and {num_experts} (the model's experts per layer)")
+        raise SystemExit(
+            f"moe-mesh up: --experts must be between 1 and {num_experts} (the model's experts per layer)"
+        )
     bounds = [round(i * num_experts / workers) for i in range(workers + 1)]
     return [f"{bounds[i]}-{bounds[i + 1] - 1}" for i in range(workers)]
 
@@ -74,7 +76,11 @@ class Cluster:
         command = [sys.executable, "-m", "services.cli", *args]
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(
-                command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
+                command,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509 - only calls prctl, no locks taken
             )
         self.procs.append((name, proc, log_path))
 
@@ -113,7 +119,9 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-def run_up(model: str | None, experts: int, port: int, host: str = "127.0.0.1", workdir: str | None = None) -> int:
+def run_up(
+    model: str | None, experts: int, port: int, host: str = "127.0.0.1", workdir: str | None = None
+) -> int:
     from services.common.manifest import Manifest
 
     split_dir = resolve_split(model)
@@ -136,12 +144,26 @@ def run_up(model: str | None, experts: int, port: int, host: str = "127.0.0.1", 
     core_socket = f"unix:{work / 'core.sock'}"
     try:
         for i, (address, span) in enumerate(zip(worker_sockets, ranges)):
-            cluster.start(f"expert-{i}", "expert", "--split", str(split_dir), "--listen", address, "--experts", span)
-        cluster.start("core", "core", "--split", str(split_dir), "--listen", core_socket, "--worker", ",".join(worker_sockets))
+            cluster.start(
+                f"expert-{i}", "expert", "--split", str(split_dir), "--listen", address, "--experts", span
+            )
+        cluster.start(
+            "core",
+            "core",
+            "--split",
+            str(split_dir),
+            "--listen",
+            core_socket,
+            "--worker",
+            ",".join(worker_sockets),
+        )
         cluster.start("gateway", "gateway", "--core", core_socket, "--host", host, "--port", str(port))
         url = f"http://{host}:{port}"
         checks = [(address, lambda a=address: _grpc_serving(a)) for address in worker_sockets]
-        checks += [("core", lambda: _grpc_serving(core_socket)), ("gateway", lambda: _http_ok(f"{url}/health"))]
+        checks += [
+            ("core", lambda: _grpc_serving(core_socket)),
+            ("gateway", lambda: _http_ok(f"{url}/health")),
+        ]
         deadline = time.monotonic() + READY_TIMEOUT_S
         pending = list(checks)
         print(f"starting {experts} expert workers, core and gateway (logs in {work})", file=sys.stderr)
@@ -149,7 +171,10 @@ def run_up(model: str | None, experts: int, port: int, host: str = "127.0.0.1", 
             if (dead := cluster.dead()) is not None:
                 return _report_death(*dead)
             if time.monotonic() > deadline:
-                print(f"moe-mesh up: not ready after {READY_TIMEOUT_S:.0f} s: {[name for name, _ in pending]}", file=sys.stderr)
+                print(
+                    f"moe-mesh up: not ready after {READY_TIMEOUT_S:.0f} s: {[name for name, _ in pending]}",
+                    file=sys.stderr,
+                )
                 return 1
             pending = [(name, check) for name, check in pending if not check()]
             time.sleep(0.2)

@@ -21,7 +21,11 @@ def spawn(args: list[str], log_path: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *args], stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env
+            [sys.executable, "-m", "services.cli", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=env,
         )
 
 
@@ -35,15 +39,21 @@ def serving(address: str) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def wait_serving(address: str, proc: subprocess.Popen | None = None, timeout_s: float = 120.0, log_path: Path | None = None):
+def wait_serving(
+    address: str, proc: subprocess.Popen | None = None, timeout_s: float = 120.0, log_path: Path | None = None
+):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode}: {log_path.read_text()[-3000:] if log_path else ''}")
+            raise RuntimeError(
+                f"process exited with {proc.returncode}: {log_path.read_text()[-3000:] if log_path else ''}"
+            )
         if serving(address):
             return
         time.sleep(0.1)
-    raise TimeoutError(f"{address} not SERVING after {timeout_s} s: {log_path.read_text()[-3000:] if log_path else ''}")
+    raise TimeoutError(
+        f"{address} not SERVING after {timeout_s} s: {log_path.read_text()[-3000:] if log_path else ''}"
+    )
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
@@ -67,11 +77,19 @@ class Workers:
         self.logs = [workdir / f"{tag}{i}.log" for i in range(len(ranges))]
         self.procs: list[subprocess.Popen | None] = [None] * len(ranges)
 
-    def start(self, index: int | None = None) -> "Workers":
+    def start(self, index: int | None = None) -> Workers:
         indices = range(len(self.ranges)) if index is None else [index]
         for i in indices:
             self.procs[i] = spawn(
-                ["expert", "--split", str(self.split_dir), "--listen", self.addresses[i], "--experts", self.ranges[i]],
+                [
+                    "expert",
+                    "--split",
+                    str(self.split_dir),
+                    "--listen",
+                    self.addresses[i],
+                    "--experts",
+                    self.ranges[i],
+                ],
                 self.logs[i],
             )
         for i in indices:

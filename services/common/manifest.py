@@ -86,17 +86,21 @@ class Manifest:
         path.write_text(json.dumps(asdict(self), indent=1))
 
     @classmethod
-    def load(cls, split_dir: Path) -> "Manifest":
+    def load(cls, split_dir: Path) -> Manifest:
         path = Path(split_dir) / "manifest.json"
         try:
             raw = json.loads(path.read_text())
         except FileNotFoundError:
-            raise ManifestError(f"{split_dir} is not a moe-mesh split (no manifest.json); run `moe-mesh split`")
+            raise ManifestError(
+                f"{split_dir} is not a moe-mesh split (no manifest.json); run `moe-mesh split`"
+            )
         except json.JSONDecodeError as error:
             raise ManifestError(f"{path} is not valid JSON: {error}")
         if raw.get("format") != FORMAT:
             raise ManifestError(f"{path}: format {raw.get('format')!r}, expected {FORMAT!r}")
-        layers = [MoeLayer(**{**l, "tensors": [ExpertTensor(**t) for t in l["tensors"]]}) for l in raw.pop("layers")]
+        layers = [
+            MoeLayer(**{**l, "tensors": [ExpertTensor(**t) for t in l["tensors"]]}) for l in raw.pop("layers")
+        ]
         return cls(layers=layers, **raw)
 
 

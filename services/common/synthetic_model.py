@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
 _COMMON = {
@@ -119,7 +119,9 @@ def build_random_checkpoint(
     model = model_class(args_class.from_dict(config))
     # Scale weights so activations stay in a sane range through random layers.
     model.update(
-        nn.utils.tree_map(lambda p: (p * 2.0).astype(dtype) if p.ndim > 1 else p.astype(dtype), model.parameters())
+        nn.utils.tree_map(
+            lambda p: (p * 2.0).astype(dtype) if p.ndim > 1 else p.astype(dtype), model.parameters()
+        )
     )
     mx.eval(model.parameters())
     if bits is not None:

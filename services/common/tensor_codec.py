@@ -65,7 +65,9 @@ def encode(array: mx.array, out: tensor_pb2.Tensor | None = None) -> tensor_pb2.
     return out
 
 
-def encode_numpy(array: np.ndarray, wire_dtype: int, out: tensor_pb2.Tensor | None = None) -> tensor_pb2.Tensor:
+def encode_numpy(
+    array: np.ndarray, wire_dtype: int, out: tensor_pb2.Tensor | None = None
+) -> tensor_pb2.Tensor:
     out = out if out is not None else tensor_pb2.Tensor()
     out.dtype = wire_dtype
     out.shape[:] = array.shape
@@ -73,7 +75,9 @@ def encode_numpy(array: np.ndarray, wire_dtype: int, out: tensor_pb2.Tensor | No
     return out
 
 
-def check(tensor: tensor_pb2.Tensor, field: str, max_bytes: int, ndim: int | None = None) -> tuple[mx.Dtype, np.dtype]:
+def check(
+    tensor: tensor_pb2.Tensor, field: str, max_bytes: int, ndim: int | None = None
+) -> tuple[mx.Dtype, np.dtype]:
     """Validate a Tensor's header against its payload; raise TensorDecodeError naming `field`."""
     spec = _WIRE.get(tensor.dtype)
     if spec is None:
@@ -89,12 +93,15 @@ def check(tensor: tensor_pb2.Tensor, field: str, max_bytes: int, ndim: int | Non
         raise TensorDecodeError(field, f"{expected} bytes exceeds the cap of {max_bytes}")
     if expected != len(tensor.data):
         raise TensorDecodeError(
-            field, f"shape {list(shape)} x {itemsize} bytes = {expected} bytes, but data holds {len(tensor.data)}"
+            field,
+            f"shape {list(shape)} x {itemsize} bytes = {expected} bytes, but data holds {len(tensor.data)}",
         )
     return spec
 
 
-def decode_numpy(tensor: tensor_pb2.Tensor, field: str, max_bytes: int, ndim: int | None = None) -> np.ndarray:
+def decode_numpy(
+    tensor: tensor_pb2.Tensor, field: str, max_bytes: int, ndim: int | None = None
+) -> np.ndarray:
     """A read-only numpy view over the Tensor's bytes (bf16 appears as uint16)."""
     _, np_dtype = check(tensor, field, max_bytes, ndim)
     return np.frombuffer(tensor.data, dtype=np_dtype).reshape(tuple(tensor.shape))

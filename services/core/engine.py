@@ -19,8 +19,8 @@ import asyncio
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import grpc
 import mlx.core as mx
@@ -121,7 +121,9 @@ class Engine:
     def waiting(self) -> int:
         return self._waiting
 
-    def submit(self, request: PreparedRequest, out: asyncio.Queue, loop: asyncio.AbstractEventLoop) -> Sequence:
+    def submit(
+        self, request: PreparedRequest, out: asyncio.Queue, loop: asyncio.AbstractEventLoop
+    ) -> Sequence:
         if self._waiting >= self.config.max_queue:
             raise Overloaded(f"the request queue is full ({self.config.max_queue} waiting)")
         sequence = Sequence(request, out, loop, TextEmitter(self.tokenizer.detokenizer, request.stop_strings))

@@ -41,7 +41,9 @@ class LayerCallTimings:
     """Per layer call, in microseconds: what the benchmark splits the time into."""
 
     total_us: list[float] = field(default_factory=list)
-    worker_us: list[float] = field(default_factory=list)  # worker decode + compute + encode (max over workers)
+    worker_us: list[float] = field(
+        default_factory=list
+    )  # worker decode + compute + encode (max over workers)
     compute_us: list[float] = field(default_factory=list)  # worker expert math only
 
     def record(self, total: float, worker: float, compute: float) -> None:
@@ -160,7 +162,8 @@ class ExpertDispatcher:
         if owners.min() < 0:
             missing = sorted(set(ids[owners < 0].tolist()))
             raise ExpertCallError(
-                grpc.StatusCode.UNAVAILABLE, f"layer {layer} experts {format_ranges(missing)} have no reachable worker"
+                grpc.StatusCode.UNAVAILABLE,
+                f"layer {layer} experts {format_ranges(missing)} have no reachable worker",
             )
         host_hidden = tensor_codec._numpy_view(hidden.astype(self.hidden_dtype))
         wire_dtype = tensor_codec.wire_dtype_of(self.hidden_dtype)
@@ -193,7 +196,10 @@ class ExpertDispatcher:
 
     async def _roundtrip(self, layer: int, plan, wire_dtype: int):
         return await asyncio.gather(
-            *(self._one(self.links[worker], layer, hidden, ids, wire_dtype) for worker, _, hidden, ids in plan)
+            *(
+                self._one(self.links[worker], layer, hidden, ids, wire_dtype)
+                for worker, _, hidden, ids in plan
+            )
         )
 
     async def _one(self, link: WorkerLink, layer: int, hidden: np.ndarray, ids: np.ndarray, wire_dtype: int):
@@ -204,7 +210,7 @@ class ExpertDispatcher:
             stream = link.open_stream()
             await asyncio.wait_for(stream.write(call), self.call_timeout_s)
             result = await asyncio.wait_for(stream.read(), self.call_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             link.reset()
             raise ExpertCallError(
                 grpc.StatusCode.UNAVAILABLE,
@@ -218,7 +224,9 @@ class ExpertDispatcher:
             ) from None
         if result is grpc.aio.EOF:
             link.reset()
-            raise ExpertCallError(grpc.StatusCode.UNAVAILABLE, f"expert worker {link.address} closed its stream")
+            raise ExpertCallError(
+                grpc.StatusCode.UNAVAILABLE, f"expert worker {link.address} closed its stream"
+            )
         if result.HasField("error"):
             raise ExpertCallError(
                 grpc.StatusCode(next(c for c in grpc.StatusCode if c.value[0] == result.error.code)),
@@ -226,7 +234,9 @@ class ExpertDispatcher:
             )
         if result.call_id != call.call_id:
             link.reset()
-            raise ExpertCallError(grpc.StatusCode.INTERNAL, f"expert worker {link.address} answered out of order")
+            raise ExpertCallError(
+                grpc.StatusCode.INTERNAL, f"expert worker {link.address} answered out of order"
+            )
         rows = tensor_codec.decode_numpy(result.output, "output", 1 << 40, ndim=2)
         return rows, result.stats
 

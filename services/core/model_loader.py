@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_tokenizer
 
@@ -22,7 +22,9 @@ from services.core.remote_experts import RemoteExperts
 
 def load_core_model(split_dir: Path, manifest: Manifest, dispatcher: ExpertDispatcher) -> nn.Module:
     model = build_skeleton(manifest.config)
-    replace_modules(model, {layer.module: RemoteExperts(layer.layer, dispatcher) for layer in manifest.layers})
+    replace_modules(
+        model, {layer.module: RemoteExperts(layer.layer, dispatcher) for layer in manifest.layers}
+    )
     weights = mx.load(str(Path(split_dir) / "core" / "core.safetensors"))
     quantize_like_mlx_lm(model, manifest.config, weights)
     model.eval()

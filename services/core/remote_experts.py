@@ -9,7 +9,7 @@ unchanged. This module has no parameters, so core never reads routed-expert weig
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 
 from services.core.expert_client import ExpertDispatcher
 

@@ -64,47 +64,66 @@ class RequestPreparer:
             bad = [i for i in ids if i >= self.vocab_size]
             if bad:
                 raise RequestError(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: {bad[0]} is outside the vocabulary (size {self.vocab_size})"
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"token_ids: {bad[0]} is outside the vocabulary (size {self.vocab_size})",
                 )
             return ids
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "input: one of chat, prompt or token_ids is required")
+        raise RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT, "input: one of chat, prompt or token_ids is required"
+        )
 
     def _chat_tokens(self, chat: core_pb2.ChatInput) -> list[int]:
         if not chat.messages:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "chat.messages: at least one message is required")
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT, "chat.messages: at least one message is required"
+            )
         messages = []
         for index, message in enumerate(chat.messages):
             if message.role not in ("system", "user", "assistant", "tool", "developer"):
                 raise RequestError(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"chat.messages[{index}].role: unknown role {message.role!r}"
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"chat.messages[{index}].role: unknown role {message.role!r}",
                 )
-            entry: dict = {"role": "system" if message.role == "developer" else message.role, "content": message.content}
+            entry: dict = {
+                "role": "system" if message.role == "developer" else message.role,
+                "content": message.content,
+            }
             if message.name:
                 entry["name"] = message.name
             if message.tool_call_id:
                 entry["tool_call_id"] = message.tool_call_id
             if message.tool_calls:
                 entry["tool_calls"] = [
-                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _json_or_text(c.arguments)}}
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": _json_or_text(c.arguments)},
+                    }
                     for c in message.tool_calls
                 ]
             messages.append(entry)
         tools = [
             {
                 "type": "function",
-                "function": {"name": t.name, "description": t.description, "parameters": _json_or_text(t.parameters_json or "{}")},
+                "function": {
+                    "name": t.name,
+                    "description": t.description,
+                    "parameters": _json_or_text(t.parameters_json or "{}"),
+                },
             }
             for t in chat.tools
         ]
         try:
             kwargs = json.loads(chat.template_kwargs_json) if chat.template_kwargs_json else {}
         except json.JSONDecodeError as error:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"chat.template_kwargs_json: {error}") from None
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"chat.template_kwargs_json: {error}"
+            ) from None
         try:
             tokens = self.tokenizer.apply_chat_template(
                 messages, tools=tools or None, add_generation_prompt=True, tokenize=True, **kwargs
             )
-        except Exception as error:  # jinja raises for conversations the template refuses
+        except Exception as error:  # noqa: BLE001 - jinja raises anything for conversations the template refuses
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"chat template: {error}") from None
         if isinstance(tokens, dict) or hasattr(tokens, "input_ids"):
             tokens = tokens["input_ids"]
@@ -112,10 +131,15 @@ class RequestPreparer:
 
     def prepare(self, request: core_pb2.GenerateRequest, time_remaining: float | None) -> PreparedRequest:
         if request.model and request.model != self.model_id:
-            raise RequestError(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here (serving {self.model_id!r})")
+            raise RequestError(
+                grpc.StatusCode.NOT_FOUND,
+                f"model {request.model!r} is not served here (serving {self.model_id!r})",
+            )
         prompt = self.prompt_tokens(request)
         if not prompt:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "input: the prompt is empty after tokenization")
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT, "input: the prompt is empty after tokenization"
+            )
         room = self.context_length - len(prompt)
         if room <= 0:
             raise RequestError(
@@ -136,7 +160,9 @@ class RequestPreparer:
         else:
             max_tokens = room
         if len(stopping.stop) > MAX_STOP_STRINGS:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"stop: at most {MAX_STOP_STRINGS} stop strings")
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"stop: at most {MAX_STOP_STRINGS} stop strings"
+            )
         stop_ids = [[int(t)] for t in stopping.stop_token_ids]
         if not stopping.ignore_eos:
             stop_ids += [[int(t)] for t in sorted(self.tokenizer.eos_token_ids)]

@@ -56,7 +56,9 @@ def build_engine(
         dispatcher = ExpertDispatcher(manifest, workers, call_timeout_s=expert_timeout_s)
         started = time.monotonic()
         model = load_core_model(split_dir, manifest, dispatcher)
-        log.info("core_model_loaded", seconds=round(time.monotonic() - started, 2), layers=len(manifest.layers))
+        log.info(
+            "core_model_loaded", seconds=round(time.monotonic() - started, 2), layers=len(manifest.layers)
+        )
         return model, dispatcher.discover
 
     engine = Engine(tokenizer, engine_config, loader)
@@ -77,7 +79,9 @@ async def serve_core(
     engine_config: EngineConfig | None = None,
     expert_timeout_s: float = 60.0,
 ) -> None:
-    engine, preparer, info = build_engine(split_dir, workers, engine_config or EngineConfig(), expert_timeout_s)
+    engine, preparer, info = build_engine(
+        split_dir, workers, engine_config or EngineConfig(), expert_timeout_s
+    )
     server = grpc.aio.server(options=server_options(64 * 1024 * 1024))
     core_pb2_grpc.add_CoreServicer_to_server(CoreServicer(engine, preparer, info), server)
     health_servicer = add_health_and_reflection(server, [SERVICE_NAME])

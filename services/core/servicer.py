@@ -31,7 +31,9 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
             request.request_id = metadata.get(REQUEST_ID_METADATA_KEY, "")
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
         if self.engine.problems:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "core is not serving: " + "; ".join(self.engine.problems))
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "core is not serving: " + "; ".join(self.engine.problems)
+            )
         try:
             prepared = self.preparer.prepare(request, context.time_remaining())
         except RequestError as error:

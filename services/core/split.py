@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 
 from services.common.logging import get_logger
-from services.common.manifest import Manifest, MoeLayer, ManifestError, record_layout
+from services.common.manifest import Manifest, ManifestError, MoeLayer, record_layout
 from services.common.model_build import UnsupportedModelError, expert_modules, model_classes
 from services.common.progress import Progress
 from services.common.tensor_codec import dtype_name
@@ -57,7 +57,9 @@ def _write_layer(path: Path, params: dict[str, mx.array], num_experts: int, dige
     specs = []
     for name, array in params.items():
         if array.shape[0] != num_experts:
-            raise UnsupportedModelError(f"{name}: leading dim {array.shape[0]} is not the {num_experts} experts")
+            raise UnsupportedModelError(
+                f"{name}: leading dim {array.shape[0]} is not the {num_experts} experts"
+            )
         per_expert = array.nbytes // num_experts
         specs.append((name, dtype_name(array.dtype), list(array.shape[1:]), per_expert))
     tensors, record_size = record_layout(specs)
@@ -77,10 +79,14 @@ def split_checkpoint(model_path: Path, out_dir: Path, progress: bool = True) -> 
     model_path, out_dir = Path(model_path).resolve(), Path(out_dir).resolve()
     config_path = model_path / "config.json"
     if not config_path.is_file():
-        raise UnsupportedModelError(f"{model_path} has no config.json: not an mlx-lm / Hugging Face checkpoint")
+        raise UnsupportedModelError(
+            f"{model_path} has no config.json: not an mlx-lm / Hugging Face checkpoint"
+        )
     model_classes(json.loads(config_path.read_text()))  # unknown architecture -> clear error
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / "manifest.json").exists():
-        raise ManifestError(f"{out_dir} exists, is not empty and is not a moe-mesh split; refusing to overwrite it")
+        raise ManifestError(
+            f"{out_dir} exists, is not empty and is not a moe-mesh split; refusing to overwrite it"
+        )
 
     model, config = load_model(model_path, lazy=True)
     experts = list(expert_modules(model))

@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
+from mlx import nn
 from mlx.utils import tree_unflatten
 
 from services.common import tensor_codec
@@ -49,7 +49,9 @@ class ExpertCompute:
             for t in layer.tensors
         }
         # Quantize on the whole skeleton so per-path overrides in the config apply as in mlx-lm.
-        quantize_like_mlx_lm(skeleton, self.manifest.config, specs, only_under={layer.module for layer in served})
+        quantize_like_mlx_lm(
+            skeleton, self.manifest.config, specs, only_under={layer.module for layer in served}
+        )
         for layer in served:
             module = find_module(skeleton, layer.module)
             module.update(tree_unflatten(list(store.weights(layer.layer).items())))
@@ -81,7 +83,9 @@ class ExpertCompute:
             raise CallRejected("expert_ids.dtype", "must be INT32")
         tokens, hidden_size = hidden.shape
         if hidden_size != self.manifest.hidden_size:
-            raise CallRejected("hidden.shape", f"hidden size {hidden_size}, the model's is {self.manifest.hidden_size}")
+            raise CallRejected(
+                "hidden.shape", f"hidden size {hidden_size}, the model's is {self.manifest.hidden_size}"
+            )
         if ids.shape[0] != tokens:
             raise CallRejected("expert_ids.shape", f"{ids.shape[0]} rows for {tokens} tokens in hidden")
         asked = ids >= 0
@@ -90,7 +94,9 @@ class ExpertCompute:
         local = np.where(asked, local_index[np.where(asked, ids, 0)], -1)
         if np.any(local[asked] < 0):
             missing = sorted(set(ids[asked & (local < 0)].tolist()))
-            raise CallRejected("expert_ids", f"experts {missing[:8]} of layer {call.layer} are not served by this worker")
+            raise CallRejected(
+                "expert_ids", f"experts {missing[:8]} of layer {call.layer} are not served by this worker"
+            )
         t1 = time.perf_counter()
 
         if asked.all():
@@ -105,6 +111,10 @@ class ExpertCompute:
         tensor_codec.encode(out, result.output)
         t3 = time.perf_counter()
         stats = result.stats
-        stats.decode_us, stats.compute_us, stats.encode_us = int((t1 - t0) * 1e6), int((t2 - t1) * 1e6), int((t3 - t2) * 1e6)
+        stats.decode_us, stats.compute_us, stats.encode_us = (
+            int((t1 - t0) * 1e6),
+            int((t2 - t1) * 1e6),
+            int((t3 - t2) * 1e6),
+        )
         stats.pairs = int(asked.sum())
         return result

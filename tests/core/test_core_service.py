@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mlx_lm.generate import generate_step
 
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
-from tests.helpers import Workers, spawn, stop, wait_serving
+from tests.helpers import Workers, spawn, stop
 
 GREEDY = core_pb2.SamplingParams(temperature=0)
 
@@ -27,8 +27,17 @@ class Stack:
         self.core_address = f"unix:{workdir / 'core.sock'}"
         self.core_log = workdir / "core.log"
         self.core = spawn(
-            ["core", "--split", str(split), "--listen", self.core_address, "--worker", ",".join(self.workers.addresses),
-             "--expert-timeout", "10"],
+            [
+                "core",
+                "--split",
+                str(split),
+                "--listen",
+                self.core_address,
+                "--worker",
+                ",".join(self.workers.addresses),
+                "--expert-timeout",
+                "10",
+            ],
             self.core_log,
         )
 
@@ -48,13 +57,17 @@ def stack(tiny_models):
 async def health(stack) -> int:
     async with stack.channel() as channel:
         try:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=2
+            )
         except grpc.aio.AioRpcError:
             return -1
     return reply.status
 
 
-async def generate(stack, request: core_pb2.GenerateRequest, timeout: float = 60) -> list[core_pb2.GenerateChunk]:
+async def generate(
+    stack, request: core_pb2.GenerateRequest, timeout: float = 60
+) -> list[core_pb2.GenerateChunk]:
     async with stack.channel() as channel:
         return [chunk async for chunk in core_pb2_grpc.CoreStub(channel).Generate(request, timeout=timeout)]
 
@@ -76,7 +89,9 @@ async def test_not_serving_until_every_expert_is_reachable(stack):
     """Runs first: the workers are not started yet."""
     await wait_health(stack, health_pb2.HealthCheckResponse.NOT_SERVING)
     with pytest.raises(grpc.aio.AioRpcError) as failure:
-        await generate(stack, core_pb2.GenerateRequest(prompt="hi", stopping=core_pb2.StoppingCriteria(max_tokens=2)))
+        await generate(
+            stack, core_pb2.GenerateRequest(prompt="hi", stopping=core_pb2.StoppingCriteria(max_tokens=2))
+        )
     assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
     stack.workers.start()
     await wait_health(stack, health_pb2.HealthCheckResponse.SERVING)
@@ -89,7 +104,8 @@ async def test_greedy_stream_matches_mlx_lm(stack, tiny_models):
     chunks = await generate(
         stack,
         core_pb2.GenerateRequest(
-            token_ids=core_pb2.TokenIds(ids=prompt), sampling=GREEDY,
+            token_ids=core_pb2.TokenIds(ids=prompt),
+            sampling=GREEDY,
             stopping=core_pb2.StoppingCriteria(max_tokens=20, ignore_eos=True),
         ),
     )
@@ -114,7 +130,8 @@ async def test_batched_requests_each_match_their_solo_run(stack):
 
 async def test_seeded_sampling_is_reproducible(stack):
     request = core_pb2.GenerateRequest(
-        prompt="Seeds", sampling=core_pb2.SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234),
+        prompt="Seeds",
+        sampling=core_pb2.SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234),
         stopping=core_pb2.StoppingCriteria(max_tokens=10, ignore_eos=True),
     )
     first, second = tokens_of(await generate(stack, request)), tokens_of(await generate(stack, request))
@@ -124,7 +141,9 @@ async def test_seeded_sampling_is_reproducible(stack):
 
 
 async def test_stop_string_is_cut_and_never_sent(stack):
-    base = core_pb2.GenerateRequest(prompt="Stop", sampling=GREEDY, stopping=core_pb2.StoppingCriteria(max_tokens=16, ignore_eos=True))
+    base = core_pb2.GenerateRequest(
+        prompt="Stop", sampling=GREEDY, stopping=core_pb2.StoppingCriteria(max_tokens=16, ignore_eos=True)
+    )
     text = "".join(c.text for c in await generate(stack, base))
     stop_string = text[len(text) // 2 : len(text) // 2 + 3]
     base.stopping.stop.append(stop_string)
@@ -137,13 +156,31 @@ async def test_stop_string_is_cut_and_never_sent(stack):
 @pytest.mark.parametrize(
     "request_, code, words",
     [
-        (core_pb2.GenerateRequest(prompt="x", stopping=core_pb2.StoppingCriteria(max_tokens=100000)), "INVALID_ARGUMENT", "context_length_exceeded"),
+        (
+            core_pb2.GenerateRequest(prompt="x", stopping=core_pb2.StoppingCriteria(max_tokens=100000)),
+            "INVALID_ARGUMENT",
+            "context_length_exceeded",
+        ),
         (core_pb2.GenerateRequest(prompt="x", model="gpt-4"), "NOT_FOUND", "gpt-4"),
         (core_pb2.GenerateRequest(chat=core_pb2.ChatInput()), "INVALID_ARGUMENT", "chat.messages"),
         (core_pb2.GenerateRequest(), "INVALID_ARGUMENT", "input"),
-        (core_pb2.GenerateRequest(token_ids=core_pb2.TokenIds(ids=[10**7])), "INVALID_ARGUMENT", "vocabulary"),
-        (core_pb2.GenerateRequest(prompt="x", sampling=core_pb2.SamplingParams(top_p=1.5)), "INVALID_ARGUMENT", "top_p"),
-        (core_pb2.GenerateRequest(chat=core_pb2.ChatInput(messages=[core_pb2.ChatMessage(role="wizard", content="x")])), "INVALID_ARGUMENT", "role"),
+        (
+            core_pb2.GenerateRequest(token_ids=core_pb2.TokenIds(ids=[10**7])),
+            "INVALID_ARGUMENT",
+            "vocabulary",
+        ),
+        (
+            core_pb2.GenerateRequest(prompt="x", sampling=core_pb2.SamplingParams(top_p=1.5)),
+            "INVALID_ARGUMENT",
+            "top_p",
+        ),
+        (
+            core_pb2.GenerateRequest(
+                chat=core_pb2.ChatInput(messages=[core_pb2.ChatMessage(role="wizard", content="x")])
+            ),
+            "INVALID_ARGUMENT",
+            "role",
+        ),
     ],
 )
 async def test_bad_requests_get_precise_status(stack, request_, code, words):
@@ -156,7 +193,11 @@ async def test_cancel_frees_the_sequence(stack):
     async with stack.channel() as channel:
         stub = core_pb2_grpc.CoreStub(channel)
         call = stub.Generate(
-            core_pb2.GenerateRequest(prompt="Long", sampling=GREEDY, stopping=core_pb2.StoppingCriteria(max_tokens=3000, ignore_eos=True)),
+            core_pb2.GenerateRequest(
+                prompt="Long",
+                sampling=GREEDY,
+                stopping=core_pb2.StoppingCriteria(max_tokens=3000, ignore_eos=True),
+            ),
             timeout=60,
         )
         await call.read()
@@ -172,7 +213,9 @@ async def test_cancel_frees_the_sequence(stack):
 
 async def test_worker_killed_mid_generation_fails_fast_then_core_recovers(stack):
     request = core_pb2.GenerateRequest(
-        prompt="Keep going", sampling=GREEDY, stopping=core_pb2.StoppingCriteria(max_tokens=3000, ignore_eos=True)
+        prompt="Keep going",
+        sampling=GREEDY,
+        stopping=core_pb2.StoppingCriteria(max_tokens=3000, ignore_eos=True),
     )
     async with stack.channel() as channel:
         stub = core_pb2_grpc.CoreStub(channel)

@@ -10,7 +10,7 @@ import pytest
 
 from services.common import tensor_codec
 from services.common.model_build import expert_modules
-from services.proto.moemesh.v1 import expert_pb2, expert_pb2_grpc, tensor_pb2
+from services.proto.moemesh.v1 import expert_pb2, expert_pb2_grpc
 from tests.helpers import Workers
 
 H = 64  # tiny models' hidden size
@@ -45,18 +45,33 @@ def malformed_calls():
         calls[f"{name} #{len(calls)}"] = call
 
     variant("layer", lambda c: setattr(c, "layer", 77))
-    variant("expert_ids", lambda c: c.expert_ids.CopyFrom(tensor_codec.encode(mx.array([[0, 2]] * 3, dtype=mx.int32))))
-    variant("expert_ids", lambda c: c.expert_ids.CopyFrom(tensor_codec.encode(mx.array([[2, 99]] * 3, dtype=mx.int32))))
+    variant(
+        "expert_ids",
+        lambda c: c.expert_ids.CopyFrom(tensor_codec.encode(mx.array([[0, 2]] * 3, dtype=mx.int32))),
+    )
+    variant(
+        "expert_ids",
+        lambda c: c.expert_ids.CopyFrom(tensor_codec.encode(mx.array([[2, 99]] * 3, dtype=mx.int32))),
+    )
     calls["expert_ids (< -1)"] = good_call(150)
-    calls["expert_ids (< -1)"].expert_ids.CopyFrom(tensor_codec.encode(mx.array([[2, -7]] * 3, dtype=mx.int32)))
-    variant("hidden.dtype", lambda c: c.hidden.CopyFrom(tensor_codec.encode(mx.zeros((3, H), dtype=mx.float16))))
+    calls["expert_ids (< -1)"].expert_ids.CopyFrom(
+        tensor_codec.encode(mx.array([[2, -7]] * 3, dtype=mx.int32))
+    )
+    variant(
+        "hidden.dtype", lambda c: c.hidden.CopyFrom(tensor_codec.encode(mx.zeros((3, H), dtype=mx.float16)))
+    )
     variant("hidden", lambda c: setattr(c.hidden, "data", c.hidden.data[:-4]))  # byte count off
     variant("hidden", lambda c: c.hidden.shape.extend([1]))  # wrong rank
     variant("hidden", lambda c: c.hidden.shape.__setitem__(0, -3))
     variant("hidden", lambda c: c.hidden.shape.__setitem__(0, 1 << 40))  # over the size cap
     variant("expert_ids", lambda c: setattr(c.expert_ids, "dtype", 0))  # unset dtype
-    variant("expert_ids.dtype", lambda c: c.expert_ids.CopyFrom(tensor_codec.encode(mx.array([[2.0, 5.0]] * 3))))
-    variant("expert_ids.shape", lambda c: c.expert_ids.CopyFrom(tensor_codec.encode(mx.array([[2, 5]] * 2, dtype=mx.int32))))
+    variant(
+        "expert_ids.dtype", lambda c: c.expert_ids.CopyFrom(tensor_codec.encode(mx.array([[2.0, 5.0]] * 3)))
+    )
+    variant(
+        "expert_ids.shape",
+        lambda c: c.expert_ids.CopyFrom(tensor_codec.encode(mx.array([[2, 5]] * 2, dtype=mx.int32))),
+    )
     variant("hidden.shape", lambda c: c.hidden.CopyFrom(tensor_codec.encode(mx.zeros((3, 32)))))
     return calls
 
@@ -64,7 +79,9 @@ def malformed_calls():
 async def test_describe(worker):
     workers, split = worker
     async with grpc.aio.insecure_channel(workers.addresses[0]) as channel:
-        reply = await expert_pb2_grpc.ExpertWorkerStub(channel).Describe(expert_pb2.DescribeRequest(), timeout=5)
+        reply = await expert_pb2_grpc.ExpertWorkerStub(channel).Describe(
+            expert_pb2.DescribeRequest(), timeout=5
+        )
     from services.common.manifest import Manifest
 
     assert reply.model_fingerprint == Manifest.load(split).fingerprint
@@ -85,7 +102,9 @@ async def test_forward_matches_mlx_lm_expert_module(worker, tiny_models):
         await stream.done_writing()
     assert result.call_id == 1 and not result.HasField("error")
     got = tensor_codec.decode(result.output, "output", 1 << 30).reshape(4, 2, H)
-    want = switch(tensor_codec.decode(call.hidden, "h", 1 << 30), tensor_codec.decode(call.expert_ids, "e", 1 << 30))
+    want = switch(
+        tensor_codec.decode(call.hidden, "h", 1 << 30), tensor_codec.decode(call.expert_ids, "e", 1 << 30)
+    )
     assert mx.array_equal(got, want).item()
     assert result.stats.pairs == 8 and result.stats.compute_us > 0
 

@@ -1,0 +1,103 @@
+"""`moe-mesh up` as a user runs it: real processes, the demo model, the official openai client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children_of(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], check=False, capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split()[2] == "Z")
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    workdir = Path(f"/tmp/mm-up-{os.getpid()}")
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "up",
+            "--port",
+            str(port),
+            "--experts",
+            "2",
+            "--workdir",
+            str(workdir),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "MOE_MESH_CACHE": str(cache)},
+    )
+    line = proc.stdout.readline()  # blocks until ready (or exit)
+    if "serving" not in line:
+        proc.kill()
+        raise AssertionError(f"moe-mesh up did not start: {line}{proc.stderr.read()[-3000:]}")
+    yield proc, f"http://127.0.0.1:{port}/v1", workdir
+    if proc.poll() is None:
+        proc.kill()
+
+
+def test_demo_answers_paris_not_streamed(up):
+    _, url, _ = up
+    client = openai.OpenAI(base_url=url, api_key="unused")
+    model = client.models.list().data[0].id
+    reply = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=24)
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage.prompt_tokens > 0 and reply.usage.completion_tokens > 0
+
+
+def test_demo_answers_paris_streamed(up):
+    _, url, _ = up
+    client = openai.OpenAI(base_url=url, api_key="unused")
+    model = client.models.list().data[0].id
+    stream = client.chat.completions.create(
+        model=model, messages=QUESTION, temperature=0, max_tokens=24, stream=True
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert "Paris" in text
+
+
+def test_sigterm_stops_everything_and_removes_sockets(up):
+    proc, _, workdir = up
+    children = children_of(proc.pid)
+    assert len(children) == 4  # 2 workers, core, gateway
+    assert list(workdir.glob("*.sock"))
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    deadline = time.monotonic() + 5
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if alive(pid)], "orphan processes left behind"
+    assert not list(workdir.glob("*.sock"))
