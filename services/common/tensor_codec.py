@@ -46,7 +46,7 @@ def dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).removeprefix("mlx.core.")
 
 
-def _numpy_view(array: mx.array) -> np.ndarray:
+def numpy_view(array: mx.array) -> np.ndarray:
     """A numpy view of an evaluated MLX array's bytes (no copy for contiguous arrays)."""
     if array.dtype == mx.bfloat16:
         array = array.view(mx.uint16)
@@ -61,7 +61,7 @@ def encode(array: mx.array, out: tensor_pb2.Tensor | None = None) -> tensor_pb2.
     out = out if out is not None else tensor_pb2.Tensor()
     out.dtype = wire
     out.shape[:] = array.shape
-    out.data = _numpy_view(array).tobytes()
+    out.data = numpy_view(array).tobytes()
     return out
 
 

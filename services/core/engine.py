@@ -81,13 +81,14 @@ class EngineCounters:
 class Engine:
     def __init__(self, tokenizer, config: EngineConfig, loader: Callable[[], tuple]):
         """`loader()` runs first on the engine thread (expert links belong to that thread's
-        event loop) and returns (model, probe_workers); probe_workers() -> problems, where
-        an empty list means every expert of every layer is reachable."""
+        event loop) and returns (model, probe_workers, layer_call_timings); probe_workers()
+        -> problems, where an empty list means every expert of every layer is reachable."""
         self.tokenizer = tokenizer
         self.config = config
         self._loader = loader
         self.model = None
         self.probe_workers: Callable[[], list[str]] | None = None
+        self.layer_call_timings = None
         self.problems: list[str] = ["the model is loading"]
         self.loaded = threading.Event()
         self.load_error: BaseException | None = None
@@ -146,7 +147,7 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            self.model, self.probe_workers = self._loader()
+            self.model, self.probe_workers, self.layer_call_timings = self._loader()
             self._generator = self._new_generator()
         except BaseException as error:  # reported by the server, which then exits
             self.load_error = error

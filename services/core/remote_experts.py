@@ -23,8 +23,8 @@ class RemoteExperts(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         hidden_size, k = x.shape[-1], indices.shape[-1]
-        flat_x = x.reshape(-1, hidden_size)
-        flat_ids = indices.reshape(-1, k)
+        flat_x = x.reshape(-1, hidden_size).astype(self._dispatcher.hidden_dtype)
+        flat_ids = indices.reshape(-1, k).astype(mx.int32)  # routers give uint32; the wire wants int32
         mx.eval(flat_x, flat_ids)  # the one synchronisation of this layer on the core side
         out = self._dispatcher.call(self._layer, flat_x, flat_ids)
         return out.reshape(*indices.shape, hidden_size)

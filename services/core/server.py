@@ -59,7 +59,7 @@ def build_engine(
         log.info(
             "core_model_loaded", seconds=round(time.monotonic() - started, 2), layers=len(manifest.layers)
         )
-        return model, dispatcher.discover
+        return model, dispatcher.discover, dispatcher.timings
 
     engine = Engine(tokenizer, engine_config, loader)
     info = core_pb2.ModelInfo(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import numpy as np
 import structlog
 
 from services.common.logging import REQUEST_ID_METADATA_KEY, get_logger
@@ -77,9 +78,24 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
 
     async def GetStats(self, request, context):
         counters = self.engine.counters
-        return core_pb2.CoreStats(
+        stats = core_pb2.CoreStats(
             running_requests=self.engine.running,
             waiting_requests=self.engine.waiting,
             prompt_tokens_total=counters.prompt_tokens,
             generation_tokens_total=counters.generation_tokens,
         )
+        if self.engine.layer_call_timings is not None:
+            fill_layer_call_stats(stats.layer_calls, self.engine.layer_call_timings.snapshot(request.reset_layer_calls))
+        return stats
+
+
+def fill_layer_call_stats(out: core_pb2.LayerCallStats, calls: np.ndarray) -> None:
+    """calls: [n, 3] (total, worker, compute) microseconds per layer call."""
+    out.calls = len(calls)
+    if not len(calls):
+        return
+    total, worker, compute = calls[:, 0], calls[:, 1], calls[:, 2]
+    for name, values in (("total", total), ("worker", worker), ("compute", compute), ("transport", total - worker)):
+        p50, p99 = np.percentile(values, [50, 99])
+        setattr(out, f"{name}_p50_us", float(p50))
+        setattr(out, f"{name}_p99_us", float(p99))

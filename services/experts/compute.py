@@ -89,17 +89,22 @@ class ExpertCompute:
         if ids.shape[0] != tokens:
             raise CallRejected("expert_ids.shape", f"{ids.shape[0]} rows for {tokens} tokens in hidden")
         asked = ids >= 0
-        if np.any(ids[asked] >= len(local_index)) or np.any(ids < -1):
+        everything_asked = bool(asked.all())
+        if ids.size and (int(ids.max()) >= len(local_index) or int(ids.min()) < -1):
             raise CallRejected("expert_ids", f"expert ids must lie in [-1, {len(local_index)})")
-        local = np.where(asked, local_index[np.where(asked, ids, 0)], -1)
-        if np.any(local[asked] < 0):
+        # -1 (not asked) indexes local_index's last row; those entries are masked out.
+        local = local_index[ids]
+        if everything_asked:
+            unowned = ids.size > 0 and int(local.min()) < 0
+        else:
+            local = np.where(asked, local, -1)
+            unowned = bool(np.any(local[asked] < 0))
+        if unowned:
             missing = sorted(set(ids[asked & (local < 0)].tolist()))
-            raise CallRejected(
-                "expert_ids", f"experts {missing[:8]} of layer {call.layer} are not served by this worker"
-            )
+            raise CallRejected("expert_ids", f"experts {missing[:8]} of layer {call.layer} are not served by this worker")
         t1 = time.perf_counter()
 
-        if asked.all():
+        if everything_asked:
             out = module(hidden, mx.array(local)).reshape(-1, hidden_size)
         else:
             rows, cols = np.nonzero(asked)

@@ -214,19 +214,45 @@ class CountTokensResponse(_message.Message):
     def __init__(self, count: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("reset_layer_calls",)
+    RESET_LAYER_CALLS_FIELD_NUMBER: _ClassVar[int]
+    reset_layer_calls: bool
+    def __init__(self, reset_layer_calls: _Optional[bool] = ...) -> None: ...
+
+class LayerCallStats(_message.Message):
+    __slots__ = ("calls", "total_p50_us", "total_p99_us", "worker_p50_us", "worker_p99_us", "compute_p50_us", "compute_p99_us", "transport_p50_us", "transport_p99_us")
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_P50_US_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_P99_US_FIELD_NUMBER: _ClassVar[int]
+    WORKER_P50_US_FIELD_NUMBER: _ClassVar[int]
+    WORKER_P99_US_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_P50_US_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_P99_US_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_P50_US_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_P99_US_FIELD_NUMBER: _ClassVar[int]
+    calls: int
+    total_p50_us: float
+    total_p99_us: float
+    worker_p50_us: float
+    worker_p99_us: float
+    compute_p50_us: float
+    compute_p99_us: float
+    transport_p50_us: float
+    transport_p99_us: float
+    def __init__(self, calls: _Optional[int] = ..., total_p50_us: _Optional[float] = ..., total_p99_us: _Optional[float] = ..., worker_p50_us: _Optional[float] = ..., worker_p99_us: _Optional[float] = ..., compute_p50_us: _Optional[float] = ..., compute_p99_us: _Optional[float] = ..., transport_p50_us: _Optional[float] = ..., transport_p99_us: _Optional[float] = ...) -> None: ...
 
 class CoreStats(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "prompt_tokens_total", "generation_tokens_total", "kv_cache_bytes")
+    __slots__ = ("running_requests", "waiting_requests", "prompt_tokens_total", "generation_tokens_total", "kv_cache_bytes", "layer_calls")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     GENERATION_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_CALLS_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     prompt_tokens_total: int
     generation_tokens_total: int
     kv_cache_bytes: int
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ...) -> None: ...
+    layer_calls: LayerCallStats
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., layer_calls: _Optional[_Union[LayerCallStats, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,152 @@
+"""Decode speed: monolithic mlx-lm vs moe-mesh (core + 1 and 2 expert workers), one run.
+
+    python bench/decode.py                       # demo model and the Qwen3-30B-A3B-shaped model
+    python bench/decode.py --models demo --tokens 64
+
+Prints one JSON object. For moe-mesh the core and workers are real processes linked
+by Unix sockets and the tokens are read from Core.Generate over gRPC; per-layer
+expert call percentiles come from core's own timings (Core.GetStats), taken over
+the decode steps only (one token per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.generate import generate_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.common.manifest import Manifest  # noqa: E402
+from services.common.synthetic_model import QWEN3_30B_A3B_SHAPE, build_random_checkpoint  # noqa: E402
+from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc  # noqa: E402
+from services.up import cache_root, expert_ranges, resolve_split  # noqa: E402
+from tests.helpers import Workers, spawn, stop, wait_serving  # noqa: E402
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def log(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def checkpoint(name: str) -> Path:
+    if name == "demo":
+        from services.common.demo_model import ensure_demo_model
+
+        return ensure_demo_model()
+    if name == "qwen3-30b-a3b-4layer":
+        path = cache_root() / "bench" / "qwen3-30b-a3b-4layer-q4"
+        if not (path / "config.json").exists():
+            log(f"building the synthetic 4-bit Qwen3-30B-A3B-shaped model in {path} (once)")
+            build_random_checkpoint(path, QWEN3_30B_A3B_SHAPE, bits=4, group_size=64)
+        return path
+    return Path(name)
+
+
+def monolithic(path: Path, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
+    model, _ = mlx_lm.load(str(path))
+    out, stamps = [], []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=tokens):
+        out.append(int(token))
+        stamps.append(time.perf_counter())
+    del model
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0]), out
+
+
+def split_run(split: Path, workdir: Path, workers: int, prompt: list[int], tokens: int) -> dict:
+    manifest = Manifest.load(split)
+    ranges = expert_ranges(manifest.num_experts, workers)
+    pool = Workers(split, workdir, ranges, tag=f"w{workers}-").start()
+    core_address = f"unix:{workdir / f'core{workers}.sock'}"
+    core_log = workdir / f"core{workers}.log"
+    core = spawn(["core", "--split", str(split), "--listen", core_address, "--worker", ",".join(pool.addresses)], core_log)
+    try:
+        wait_serving(core_address, core, timeout_s=600, log_path=core_log)
+        with grpc.insecure_channel(core_address) as channel:
+            stub = core_pb2_grpc.CoreStub(channel)
+            request = core_pb2.GenerateRequest(
+                token_ids=core_pb2.TokenIds(ids=prompt),
+                sampling=core_pb2.SamplingParams(temperature=0),
+                stopping=core_pb2.StoppingCriteria(max_tokens=4, ignore_eos=True),
+            )
+            list(stub.Generate(request, timeout=600))  # warm-up
+            request.stopping.max_tokens = tokens
+            out, stamps = [], []
+            for chunk in stub.Generate(request, timeout=3600):
+                out.extend(chunk.token_ids)
+                stamps.append(time.perf_counter())
+                if len(stamps) == 1:
+                    stub.GetStats(core_pb2.GetStatsRequest(reset_layer_calls=True))  # keep decode steps only
+            calls = stub.GetStats(core_pb2.GetStatsRequest()).layer_calls
+    finally:
+        stop([core])
+        pool.stop()
+    layer = {
+        field: round(getattr(calls, field), 1)
+        for field in (
+            "total_p50_us", "total_p99_us", "worker_p50_us", "worker_p99_us",
+            "compute_p50_us", "compute_p99_us", "transport_p50_us", "transport_p99_us",
+        )
+    }
+    layer["calls"] = calls.calls
+    return {"tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]), "tokens": out, "layer_call": layer}
+
+
+def bench_model(name: str, tokens: int, rounds: int) -> dict:
+    path = checkpoint(name)
+    split = resolve_split(str(path))
+    _, tokenizer = mlx_lm.load(str(path), lazy=True)
+    prompt = tokenizer.encode(PROMPT)
+    workdir = Path(tempfile.mkdtemp(prefix="mm-bench-", dir="/tmp"))
+    results: dict = {"monolithic": [], "workers_1": [], "workers_2": []}
+    reference = None
+    for round_index in range(rounds):  # interleaved, so drift in machine speed hits every variant alike
+        log(f"{name}: round {round_index + 1}/{rounds} monolithic")
+        tok_s, reference = monolithic(path, prompt, tokens)
+        results["monolithic"].append(tok_s)
+        for workers in (1, 2):
+            log(f"{name}: round {round_index + 1}/{rounds} moe-mesh with {workers} worker(s)")
+            run = split_run(split, workdir, workers, prompt, tokens)
+            run["tokens_match_monolithic"] = run.pop("tokens") == reference
+            results[f"workers_{workers}"].append(run)
+    mono = max(results["monolithic"])
+    report = {"checkpoint": str(path), "decode_tokens": tokens, "monolithic_tok_s": round(mono, 3)}
+    for key in ("workers_1", "workers_2"):
+        best = max(results[key], key=lambda r: r["tok_s"])
+        report[key] = {
+            "tok_s": round(best["tok_s"], 3),
+            "ratio_vs_monolithic": round(best["tok_s"] / mono, 3),
+            "tokens_match_monolithic": all(r["tokens_match_monolithic"] for r in results[key]),
+            "layer_call": best["layer_call"],
+        }
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="demo,qwen3-30b-a3b-4layer", help="demo, qwen3-30b-a3b-4layer or a path")
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    report = {
+        "bench": "decode",
+        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, mlx {mx.__version__} on {mx.default_device()}",
+        "note": "best of rounds; transport = core-side layer call time minus worker-side time, per call",
+        "models": {name: bench_model(name, args.tokens, args.rounds) for name in args.models.split(",")},
+    }
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
