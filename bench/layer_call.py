@@ -1,0 +1,120 @@
+"""Where one expert layer call's time goes, part by part, for a one-token decode step.
+
+    python bench/layer_call.py [--model qwen3-30b-a3b-4layer|demo|PATH] [--dtype float32] [--calls 500]
+
+Prints one JSON object with p50/p99 microseconds of:
+  in_graph_compute  the layer's expert module on device-resident inputs (what monolithic pays)
+  host_round_trip   hidden to host bytes and [k, H] back into an MLX array (no network)
+  worker_run        ExpertCompute.run on a wire message: decode, validate, compute, encode
+  grpc_echo         an ExpertCall/ExpertResult round trip to a worker that does no math
+  dispatcher_call   the real thing: core's dispatcher -> worker process -> back
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.decode import checkpoint  # noqa: E402
+from services.common import tensor_codec  # noqa: E402
+from services.common.manifest import Manifest  # noqa: E402
+from services.core.expert_client import ExpertDispatcher  # noqa: E402
+from services.experts.compute import ExpertCompute  # noqa: E402
+from services.experts.store import ResidentExpertStore  # noqa: E402
+from services.proto.moemesh.v1 import expert_pb2  # noqa: E402
+from services.up import resolve_split  # noqa: E402
+from tests.helpers import Workers  # noqa: E402
+
+
+def percentiles(samples: list[float]) -> dict:
+    p50, p99 = np.percentile(np.array(samples), [50, 99])
+    return {"p50_us": round(float(p50), 1), "p99_us": round(float(p99), 1)}
+
+
+def timed(fn, calls: int, warmup: int = 20) -> dict:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    return percentiles(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen3-30b-a3b-4layer")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--calls", type=int, default=500)
+    args = parser.parse_args()
+
+    split = resolve_split(str(checkpoint(args.model, args.dtype)))
+    manifest = Manifest.load(split)
+    layer = manifest.layers[0]
+    k = manifest.config.get("num_experts_per_tok") or (manifest.config.get("text_config") or {})["num_experts_per_tok"]
+    dtype = tensor_codec.MLX_DTYPE_BY_NAME[manifest.dtype]
+    compute = ExpertCompute(ResidentExpertStore(split, manifest, {layer.layer: list(range(layer.num_experts))}))
+    module = compute._modules[layer.layer]
+    rng = np.random.default_rng(0)
+    hidden = mx.random.normal((1, manifest.hidden_size)).astype(dtype)
+    ids = mx.array(rng.choice(layer.num_experts, size=(1, k), replace=False).astype(np.int32))
+    mx.eval(hidden, ids)
+    report: dict = {
+        "bench": "layer_call",
+        "model": args.model,
+        "device": str(mx.default_device()),
+        "hidden": manifest.hidden_size,
+        "top_k": k,
+        "dtype": manifest.dtype,
+    }
+
+    report["in_graph_compute"] = timed(lambda: mx.eval(module(hidden, ids)), args.calls)
+
+    def host_round_trip():
+        host = tensor_codec.numpy_view(hidden)  # what the dispatcher sends
+        back = mx.array(np.repeat(host, k, axis=0))  # what comes back: [k, H]
+        mx.eval(back)
+
+    report["host_round_trip"] = timed(host_round_trip, args.calls)
+    call = expert_pb2.ExpertCall(
+        call_id=1, layer=layer.layer, hidden=tensor_codec.encode(hidden), expert_ids=tensor_codec.encode(ids)
+    )
+    report["worker_run"] = timed(lambda: compute.run(call), args.calls)
+
+    workdir = Path(tempfile.mkdtemp(prefix="mm-lc-", dir="/tmp"))
+    workers = Workers(split, workdir, [f"0-{layer.num_experts - 1}"]).start()
+    dispatcher = ExpertDispatcher(manifest, workers.addresses)
+    try:
+        assert dispatcher.discover() == []
+        report["dispatcher_call"] = timed(lambda: dispatcher.call(layer.layer, hidden, ids), args.calls)
+        calls = dispatcher.timings.snapshot()[-args.calls :]
+        report["dispatcher_worker_side"] = percentiles(list(calls[:, 1]))
+        report["dispatcher_transport"] = percentiles(list(calls[:, 0] - calls[:, 1]))
+        bad = expert_pb2.ExpertCall(call_id=2, layer=10**6)  # rejected before any math: a pure round trip
+
+        async def echo():
+            stream = dispatcher.links[0].open_stream()
+            await stream.write(bad)
+            await stream.read()
+
+        import asyncio
+
+        report["grpc_echo"] = timed(lambda: asyncio.run_coroutine_threadsafe(echo(), dispatcher.loop).result(), args.calls)
+    finally:
+        dispatcher.close()
+        workers.stop()
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
