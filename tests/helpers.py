@@ -96,6 +96,12 @@ class Workers:
             wait_serving(self.addresses[i], self.procs[i], log_path=self.logs[i])
         return self
 
+    def ensure_running(self) -> "Workers":
+        for i, proc in enumerate(self.procs):
+            if proc is None or proc.poll() is not None:
+                self.start(i)
+        return self
+
     def kill(self, index: int) -> None:
         self.procs[index].kill()
         self.procs[index].wait()

@@ -94,7 +94,8 @@ class Engine:
         self.load_error: BaseException | None = None
         self.counters = EngineCounters()
         self._inbox: queue.Queue = queue.Queue()
-        self._waiting = 0
+        self._admitted = 0  # submitted and not yet finished: bounded by max_num_seqs + max_queue
+        self._admitted_lock = threading.Lock()
         self._active: dict[int, Sequence] = {}
         self._stop = threading.Event()
         self._health_listeners: list[Callable[[bool], None]] = []
@@ -116,19 +117,24 @@ class Engine:
 
     @property
     def running(self) -> int:
-        return len(self._active)
+        """Sequences in the running batch (decoding or being prefilled)."""
+        return min(self._admitted, self.config.max_num_seqs)
 
     @property
     def waiting(self) -> int:
-        return self._waiting
+        """Admitted sequences waiting for a place in the batch."""
+        return max(0, self._admitted - self.config.max_num_seqs)
 
     def submit(
         self, request: PreparedRequest, out: asyncio.Queue, loop: asyncio.AbstractEventLoop
     ) -> Sequence:
-        if self._waiting >= self.config.max_queue:
-            raise Overloaded(f"the request queue is full ({self.config.max_queue} waiting)")
+        with self._admitted_lock:
+            if self._admitted >= self.config.max_num_seqs + self.config.max_queue:
+                raise Overloaded(
+                    f"core is at capacity: {self.config.max_num_seqs} running and {self.config.max_queue} waiting"
+                )
+            self._admitted += 1
         sequence = Sequence(request, out, loop, TextEmitter(self.tokenizer.detokenizer, request.stop_strings))
-        self._waiting += 1
         self._inbox.put(("add", sequence))
         return sequence
 
@@ -187,10 +193,10 @@ class Engine:
     def _handle(self, item) -> None:
         kind, sequence = item
         if kind == "add":
-            self._waiting -= 1
             if self.problems:
                 self._probe()  # a worker may be back
             if self.problems:
+                self._release(sequence)
                 sequence.send(EngineError(grpc.StatusCode.UNAVAILABLE, "; ".join(self.problems)))
                 return
             request = sequence.request
@@ -205,7 +211,7 @@ class Engine:
             self._active[uid] = sequence
             self.counters.prompt_tokens += len(request.prompt)
         elif kind == "cancel" and sequence.uid in self._active and not sequence.done:
-            self._finish(sequence, core_pb2.FinishReason.CANCELLED, remove=True, notify=False)
+            self._finish(sequence, core_pb2.FinishReason.CANCELLED, remove=True)
 
     def _step(self) -> None:
         try:
@@ -226,7 +232,7 @@ class Engine:
         for sequence in list(self._active.values()):
             if sequence.request.deadline is not None and now > sequence.request.deadline:
                 sequence.send(EngineError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"))
-                self._finish(sequence, core_pb2.FinishReason.CANCELLED, remove=True, notify=False)
+                self._finish(sequence, core_pb2.FinishReason.CANCELLED, remove=True)
 
     def _emit(self, sequence: Sequence, response) -> None:
         request = sequence.request
@@ -241,14 +247,14 @@ class Engine:
             self._add_logprobs(chunk, response, request.top_logprobs)
         if sequence.emitter.stopped and finish is None:
             finish = core_pb2.FinishReason.STOP
-            self._finish(sequence, finish, remove=True, notify=False)
+            self._finish(sequence, finish, remove=True)
         if finish is not None:
             chunk.text += sequence.emitter.finish()
             chunk.finish_reason = finish
             chunk.usage.prompt_tokens = len(request.prompt)
             chunk.usage.completion_tokens = sequence.generated
             if not sequence.done:
-                self._finish(sequence, finish, remove=False, notify=False)
+                self._finish(sequence, finish, remove=False)
         sequence.send(chunk)
 
     def _add_logprobs(self, chunk, response, top: int) -> None:
@@ -264,8 +270,13 @@ class Engine:
             for token_id, value in zip(best.tolist(), logprobs[best].tolist()):
                 entry.top.add(token_id=token_id, token=self.tokenizer.decode([token_id]), logprob=value)
 
-    def _finish(self, sequence: Sequence, reason, remove: bool, notify: bool) -> None:
+    def _release(self, sequence: Sequence) -> None:
         sequence.done = True
+        with self._admitted_lock:
+            self._admitted -= 1
+
+    def _finish(self, sequence: Sequence, reason, remove: bool) -> None:
+        self._release(sequence)
         self._active.pop(sequence.uid, None)
         if remove:
             self._generator.remove([sequence.uid])
@@ -277,7 +288,7 @@ class Engine:
         log.error("step_failed", code=code.name, error=message, requests=len(self._active))
         self.counters.failed_steps += 1
         for sequence in list(self._active.values()):
-            sequence.done = True
+            self._release(sequence)
             sequence.send(EngineError(code, message))
         self._active.clear()
         self._generator = self._new_generator()

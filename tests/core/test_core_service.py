@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mlx_lm.generate import generate_step
 
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
-from tests.helpers import Workers, spawn, stop
+from tests.helpers import Workers, spawn, stop, wait_serving
 
 GREEDY = core_pb2.SamplingParams(temperature=0)
 
@@ -238,3 +238,68 @@ async def test_worker_killed_mid_generation_fails_fast_then_core_recovers(stack)
     await wait_health(stack, health_pb2.HealthCheckResponse.SERVING)
     request.stopping.max_tokens = 5
     assert len(tokens_of(await generate(stack, request))) == 5
+
+
+async def test_hung_worker_fails_the_request_within_the_call_timeout(stack):
+    """A worker that stops answering (SIGSTOP) must not hang the request: core gives up after its
+    --expert-timeout (10 s here) with UNAVAILABLE naming the worker, and recovers after SIGCONT."""
+    import signal
+
+    request = core_pb2.GenerateRequest(
+        prompt="Hang", sampling=GREEDY, stopping=core_pb2.StoppingCriteria(max_tokens=50, ignore_eos=True)
+    )
+    worker = stack.workers.ensure_running().procs[0]
+    await wait_health(stack, health_pb2.HealthCheckResponse.SERVING)
+    worker.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await generate(stack, request, timeout=60)
+        assert time.monotonic() - started < 30
+        assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "did not answer" in failure.value.details()
+        assert stack.workers.addresses[0].removeprefix("unix:") in failure.value.details()
+    finally:
+        worker.send_signal(signal.SIGCONT)
+    await wait_health(stack, health_pb2.HealthCheckResponse.SERVING)
+    request.stopping.max_tokens = 3
+    assert len(tokens_of(await generate(stack, request))) == 3
+
+
+async def test_overflow_is_refused_with_resource_exhausted(stack, tiny_models):
+    """A core with room for one running and one waiting sequence refuses the third at once."""
+    stack.workers.ensure_running()
+    address = f"unix:{stack.workdir / 'small-core.sock'}"
+    log = stack.workdir / "small-core.log"
+    small = spawn(
+        ["core", "--split", str(tiny_models.split("qwen3_moe", None)), "--listen", address,
+         "--worker", ",".join(stack.workers.addresses), "--max-num-seqs", "1", "--max-queue", "1"],
+        log,
+    )
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, lambda: wait_serving(address, small, log_path=log))
+        long = core_pb2.GenerateRequest(
+            prompt="Busy", sampling=GREEDY, stopping=core_pb2.StoppingCriteria(max_tokens=2000, ignore_eos=True)
+        )
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = core_pb2_grpc.CoreStub(channel)
+            first, second = stub.Generate(long, timeout=60), stub.Generate(long, timeout=60)
+            await first.read()
+            for _ in range(50):  # let the second one be admitted
+                if (await stub.GetStats(core_pb2.GetStatsRequest())).waiting_requests == 1:
+                    break
+                await asyncio.sleep(0.05)
+            with pytest.raises(grpc.aio.AioRpcError) as failure:
+                async for _ in stub.Generate(long, timeout=10):
+                    pass
+            assert failure.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            first.cancel()
+            second.cancel()
+            for _ in range(100):
+                stats = await stub.GetStats(core_pb2.GetStatsRequest())
+                if stats.running_requests == 0 and stats.waiting_requests == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert (stats.running_requests, stats.waiting_requests) == (0, 0)
+    finally:
+        stop([small])
