@@ -3,7 +3,9 @@
     python bench/decode.py                       # demo model and the Qwen3-30B-A3B-shaped model
     python bench/decode.py --models demo --tokens 64
 
-Prints one JSON object. For moe-mesh the core and workers are real processes linked
+Prints one JSON object. A third variant, `synced_local`, is mlx-lm's model with its own expert
+modules in-process but synchronised once per layer the way moe-mesh must: monolithic vs
+synced_local is the price of the per-layer sync, synced_local vs moe-mesh the price of the wire. For moe-mesh the core and workers are real processes linked
 by Unix sockets and the tokens are read from Core.Generate over gRPC; per-layer
 expert call percentiles come from core's own timings (Core.GetStats), taken over
 the decode steps only (one token per step).
@@ -22,16 +24,18 @@ from pathlib import Path
 
 import grpc
 import mlx.core as mx
+import mlx.nn as nn
 import mlx_lm
 from mlx_lm.generate import generate_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.common.manifest import Manifest  # noqa: E402
-from services.common.synthetic_model import QWEN3_30B_A3B_SHAPE, build_random_checkpoint  # noqa: E402
-from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc  # noqa: E402
-from services.up import cache_root, expert_ranges, resolve_split  # noqa: E402
-from tests.helpers import Workers, spawn, stop, wait_serving  # noqa: E402
+from services.common.manifest import Manifest
+from services.common.model_build import expert_modules, replace_modules
+from services.common.synthetic_model import QWEN3_30B_A3B_SHAPE, build_random_checkpoint
+from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
+from services.up import cache_root, expert_ranges, resolve_split
+from tests.helpers import Workers, spawn, stop, wait_serving
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -49,13 +53,34 @@ def checkpoint(name: str, dtype: str) -> Path:
         path = cache_root() / "bench" / f"qwen3-30b-a3b-4layer-q4-{dtype}"
         if not (path / "config.json").exists():
             log(f"building the synthetic 4-bit Qwen3-30B-A3B-shaped model in {path} (once)")
-            build_random_checkpoint(path, QWEN3_30B_A3B_SHAPE, bits=4, group_size=64, dtype=getattr(mx, dtype))
+            build_random_checkpoint(
+                path, QWEN3_30B_A3B_SHAPE, bits=4, group_size=64, dtype=getattr(mx, dtype)
+            )
         return path
     return Path(name)
 
 
-def monolithic(path: Path, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
+class SyncedLocalExperts(nn.Module):
+    """mlx-lm's own expert module, run in-process but with moe-mesh's synchronisation pattern:
+    evaluate hidden states and ids, compute the experts, evaluate the result. Comparing this
+    variant with monolithic isolates the price of syncing once per layer from the wire's."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self._inner = inner
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        hidden, ids = x.reshape(-1, x.shape[-1]), indices.reshape(-1, indices.shape[-1]).astype(mx.int32)
+        mx.eval(hidden, ids)
+        out = self._inner(hidden, ids)
+        mx.eval(out)
+        return out.reshape(*indices.shape, x.shape[-1])
+
+
+def monolithic(path: Path, prompt: list[int], tokens: int, synced: bool = False) -> tuple[float, list[int]]:
     model, _ = mlx_lm.load(str(path))
+    if synced:
+        replace_modules(model, {p: SyncedLocalExperts(m) for p, m in expert_modules(model)})
     out, stamps = [], []
     for token, _ in generate_step(mx.array(prompt), model, max_tokens=tokens):
         out.append(int(token))
@@ -70,7 +95,10 @@ def split_run(split: Path, workdir: Path, workers: int, prompt: list[int], token
     pool = Workers(split, workdir, ranges, tag=f"w{workers}-").start()
     core_address = f"unix:{workdir / f'core{workers}.sock'}"
     core_log = workdir / f"core{workers}.log"
-    core = spawn(["core", "--split", str(split), "--listen", core_address, "--worker", ",".join(pool.addresses)], core_log)
+    core = spawn(
+        ["core", "--split", str(split), "--listen", core_address, "--worker", ",".join(pool.addresses)],
+        core_log,
+    )
     try:
         wait_serving(core_address, core, timeout_s=600, log_path=core_log)
         with grpc.insecure_channel(core_address) as channel:
@@ -95,8 +123,14 @@ def split_run(split: Path, workdir: Path, workers: int, prompt: list[int], token
     layer = {
         field: round(getattr(calls, field), 1)
         for field in (
-            "total_p50_us", "total_p99_us", "worker_p50_us", "worker_p99_us",
-            "compute_p50_us", "compute_p99_us", "transport_p50_us", "transport_p99_us",
+            "total_p50_us",
+            "total_p99_us",
+            "worker_p50_us",
+            "worker_p99_us",
+            "compute_p50_us",
+            "compute_p99_us",
+            "transport_p50_us",
+            "transport_p99_us",
         )
     }
     layer["calls"] = calls.calls
@@ -112,24 +146,34 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str) -> dict:
     else:  # random weights: the prompt's meaning is irrelevant, its length is what counts
         prompt = list(range(1000, 1000 + 24))
     workdir = Path(tempfile.mkdtemp(prefix="mm-bench-", dir="/tmp"))
-    results: dict = {"monolithic": [], "workers_1": [], "workers_2": []}
+    results: dict = {"monolithic": [], "synced_local": [], "workers_1": [], "workers_2": []}
     reference = None
     for round_index in range(rounds):  # interleaved, so drift in machine speed hits every variant alike
         log(f"{name}: round {round_index + 1}/{rounds} monolithic")
         tok_s, reference = monolithic(path, prompt, tokens)
         results["monolithic"].append(tok_s)
+        log(f"{name}: round {round_index + 1}/{rounds} mlx-lm with experts synced per layer, in-process")
+        results["synced_local"].append(monolithic(path, prompt, tokens, synced=True)[0])
         for workers in (1, 2):
             log(f"{name}: round {round_index + 1}/{rounds} moe-mesh with {workers} worker(s)")
             run = split_run(split, workdir, workers, prompt, tokens)
             run["tokens_match_monolithic"] = run.pop("tokens") == reference
             results[f"workers_{workers}"].append(run)
     mono = max(results["monolithic"])
-    report = {"checkpoint": str(path), "decode_tokens": tokens, "monolithic_tok_s": round(mono, 3)}
+    synced = max(results["synced_local"])
+    report = {
+        "checkpoint": str(path),
+        "decode_tokens": tokens,
+        "monolithic_tok_s": round(mono, 3),
+        "synced_local_tok_s": round(synced, 3),
+        "synced_local_ratio_vs_monolithic": round(synced / mono, 3),
+    }
     for key in ("workers_1", "workers_2"):
         best = max(results[key], key=lambda r: r["tok_s"])
         report[key] = {
             "tok_s": round(best["tok_s"], 3),
             "ratio_vs_monolithic": round(best["tok_s"] / mono, 3),
+            "ratio_vs_synced_local": round(best["tok_s"] / synced, 3),
             "tokens_match_monolithic": all(r["tokens_match_monolithic"] for r in results[key]),
             "layer_call": best["layer_call"],
         }
@@ -138,18 +182,24 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="demo,qwen3-30b-a3b-4layer", help="demo, qwen3-30b-a3b-4layer or a path")
+    parser.add_argument(
+        "--models", default="demo,qwen3-30b-a3b-4layer", help="demo, qwen3-30b-a3b-4layer or a path"
+    )
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
-        "--dtype", default="float32", help="synthetic model's float dtype (float32 on CPUs: GatherMM; bfloat16 on GPUs)"
+        "--dtype",
+        default="float32",
+        help="synthetic model's float dtype (float32 on CPUs: GatherMM; bfloat16 on GPUs)",
     )
     args = parser.parse_args()
     report = {
         "bench": "decode",
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, mlx {mx.__version__} on {mx.default_device()}",
         "note": "best of rounds; transport = core-side layer call time minus worker-side time, per call",
-        "models": {name: bench_model(name, args.tokens, args.rounds, args.dtype) for name in args.models.split(",")},
+        "models": {
+            name: bench_model(name, args.tokens, args.rounds, args.dtype) for name in args.models.split(",")
+        },
     }
     print(json.dumps(report, indent=1))
 

@@ -24,15 +24,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.decode import checkpoint  # noqa: E402
-from services.common import tensor_codec  # noqa: E402
-from services.common.manifest import Manifest  # noqa: E402
-from services.core.expert_client import ExpertDispatcher  # noqa: E402
-from services.experts.compute import ExpertCompute  # noqa: E402
-from services.experts.store import ResidentExpertStore  # noqa: E402
-from services.proto.moemesh.v1 import expert_pb2  # noqa: E402
-from services.up import resolve_split  # noqa: E402
-from tests.helpers import Workers  # noqa: E402
+from bench.decode import checkpoint
+from services.common import tensor_codec
+from services.common.manifest import Manifest
+from services.core.expert_client import ExpertDispatcher
+from services.experts.compute import ExpertCompute
+from services.experts.store import ResidentExpertStore
+from services.proto.moemesh.v1 import expert_pb2
+from services.up import resolve_split
+from tests.helpers import Workers
 
 
 def percentiles(samples: list[float]) -> dict:
@@ -61,9 +61,14 @@ def main() -> None:
     split = resolve_split(str(checkpoint(args.model, args.dtype)))
     manifest = Manifest.load(split)
     layer = manifest.layers[0]
-    k = manifest.config.get("num_experts_per_tok") or (manifest.config.get("text_config") or {})["num_experts_per_tok"]
+    k = (
+        manifest.config.get("num_experts_per_tok")
+        or (manifest.config.get("text_config") or {})["num_experts_per_tok"]
+    )
     dtype = tensor_codec.MLX_DTYPE_BY_NAME[manifest.dtype]
-    compute = ExpertCompute(ResidentExpertStore(split, manifest, {layer.layer: list(range(layer.num_experts))}))
+    compute = ExpertCompute(
+        ResidentExpertStore(split, manifest, {layer.layer: list(range(layer.num_experts))})
+    )
     module = compute._modules[layer.layer]
     rng = np.random.default_rng(0)
     hidden = mx.random.normal((1, manifest.hidden_size)).astype(dtype)
@@ -109,7 +114,9 @@ def main() -> None:
 
         import asyncio
 
-        report["grpc_echo"] = timed(lambda: asyncio.run_coroutine_threadsafe(echo(), dispatcher.loop).result(), args.calls)
+        report["grpc_echo"] = timed(
+            lambda: asyncio.run_coroutine_threadsafe(echo(), dispatcher.loop).result(), args.calls
+        )
     finally:
         dispatcher.close()
         workers.stop()

@@ -15,7 +15,7 @@ def _split(args) -> None:
     try:
         manifest = split_checkpoint(Path(args.model), Path(args.out), progress=not args.quiet)
     except (UnsupportedModelError, ManifestError, FileNotFoundError) as error:
-        raise SystemExit(f"moe-mesh split: {error}")
+        raise SystemExit(f"moe-mesh split: {error}") from None
     print(
         f"{args.out}: {len(manifest.layers)} MoE layers x {manifest.num_experts} experts, fingerprint {manifest.fingerprint}"
     )

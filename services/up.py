@@ -143,7 +143,7 @@ def run_up(
     worker_sockets = [f"unix:{work / f'expert-{i}.sock'}" for i in range(experts)]
     core_socket = f"unix:{work / 'core.sock'}"
     try:
-        for i, (address, span) in enumerate(zip(worker_sockets, ranges)):
+        for i, (address, span) in enumerate(zip(worker_sockets, ranges, strict=True)):
             cluster.start(
                 f"expert-{i}", "expert", "--split", str(split_dir), "--listen", address, "--experts", span
             )

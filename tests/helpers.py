@@ -96,7 +96,7 @@ class Workers:
             wait_serving(self.addresses[i], self.procs[i], log_path=self.logs[i])
         return self
 
-    def ensure_running(self) -> "Workers":
+    def ensure_running(self) -> Workers:
         for i, proc in enumerate(self.procs):
             if proc is None or proc.poll() is not None:
                 self.start(i)

@@ -93,9 +93,9 @@ class Manifest:
         except FileNotFoundError:
             raise ManifestError(
                 f"{split_dir} is not a moe-mesh split (no manifest.json); run `moe-mesh split`"
-            )
+            ) from None
         except json.JSONDecodeError as error:
-            raise ManifestError(f"{path} is not valid JSON: {error}")
+            raise ManifestError(f"{path} is not valid JSON: {error}") from None
         if raw.get("format") != FORMAT:
             raise ManifestError(f"{path}: format {raw.get('format')!r}, expected {FORMAT!r}")
         layers = [

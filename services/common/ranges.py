@@ -8,8 +8,8 @@ def parse_ranges(text: str | None, limit: int, what: str) -> list[int]:
     if text is None or text.strip() in ("", "all"):
         return list(range(limit))
     chosen: set[int] = set()
-    for part in text.split(","):
-        part = part.strip()
+    for raw in text.split(","):
+        part = raw.strip()
         try:
             if "-" in part:
                 lo_text, hi_text = part.split("-", 1)

@@ -16,7 +16,6 @@ from typing import Any
 
 import mlx.core as mx
 from mlx import nn
-from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
 _COMMON = {

@@ -267,7 +267,7 @@ class Engine:
         if top:
             best = mx.argpartition(-logprobs, kth=top - 1)[:top]
             best = best[mx.argsort(-logprobs[best])]
-            for token_id, value in zip(best.tolist(), logprobs[best].tolist()):
+            for token_id, value in zip(best.tolist(), logprobs[best].tolist(), strict=True):
                 entry.top.add(token_id=token_id, token=self.tokenizer.decode([token_id]), logprob=value)
 
     def _release(self, sequence: Sequence) -> None:

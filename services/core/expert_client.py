@@ -136,7 +136,7 @@ class ExpertDispatcher:
             *(link.stub.Describe(expert_pb2.DescribeRequest(), timeout=timeout_s) for link in self.links),
             return_exceptions=True,
         )
-        for index, (link, reply) in enumerate(zip(self.links, replies)):
+        for index, (link, reply) in enumerate(zip(self.links, replies, strict=True)):
             if isinstance(reply, BaseException):
                 link.describe = None
                 detail = reply.details() if isinstance(reply, grpc.aio.AioRpcError) else repr(reply)
@@ -200,7 +200,7 @@ class ExpertDispatcher:
             out = results[0][0].reshape(tokens, k, hidden_size)
         else:
             out = np.empty((tokens * k, hidden_size), dtype=host_hidden.dtype)
-            for (_, mask, _, _), (rows, _) in zip(plan, results):
+            for (_, mask, _, _), (rows, _) in zip(plan, results, strict=True):
                 out[np.flatnonzero(mask)] = rows
             out = out.reshape(tokens, k, hidden_size)
         array = mx.array(out)
@@ -227,7 +227,7 @@ class ExpertDispatcher:
                     results = await asyncio.gather(
                         *(
                             self._one(link, layer, hidden, ids, wire_dtype)
-                            for link, (_, _, hidden, ids) in zip(links, plan)
+                            for link, (_, _, hidden, ids) in zip(links, plan, strict=True)
                         )
                     )
             self._replies.put((True, results))

@@ -85,7 +85,9 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
             generation_tokens_total=counters.generation_tokens,
         )
         if self.engine.layer_call_timings is not None:
-            fill_layer_call_stats(stats.layer_calls, self.engine.layer_call_timings.snapshot(request.reset_layer_calls))
+            fill_layer_call_stats(
+                stats.layer_calls, self.engine.layer_call_timings.snapshot(request.reset_layer_calls)
+            )
         return stats
 
 
@@ -95,7 +97,12 @@ def fill_layer_call_stats(out: core_pb2.LayerCallStats, calls: np.ndarray) -> No
     if not len(calls):
         return
     total, worker, compute = calls[:, 0], calls[:, 1], calls[:, 2]
-    for name, values in (("total", total), ("worker", worker), ("compute", compute), ("transport", total - worker)):
+    for name, values in (
+        ("total", total),
+        ("worker", worker),
+        ("compute", compute),
+        ("transport", total - worker),
+    ):
         p50, p99 = np.percentile(values, [50, 99])
         setattr(out, f"{name}_p50_us", float(p50))
         setattr(out, f"{name}_p99_us", float(p99))

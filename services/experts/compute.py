@@ -101,7 +101,9 @@ class ExpertCompute:
             unowned = bool(np.any(local[asked] < 0))
         if unowned:
             missing = sorted(set(ids[asked & (local < 0)].tolist()))
-            raise CallRejected("expert_ids", f"experts {missing[:8]} of layer {call.layer} are not served by this worker")
+            raise CallRejected(
+                "expert_ids", f"experts {missing[:8]} of layer {call.layer} are not served by this worker"
+            )
         t1 = time.perf_counter()
 
         if everything_asked:

@@ -272,29 +272,48 @@ async def test_overflow_is_refused_with_resource_exhausted(stack, tiny_models):
     address = f"unix:{stack.workdir / 'small-core.sock'}"
     log = stack.workdir / "small-core.log"
     small = spawn(
-        ["core", "--split", str(tiny_models.split("qwen3_moe", None)), "--listen", address,
-         "--worker", ",".join(stack.workers.addresses), "--max-num-seqs", "1", "--max-queue", "1"],
+        [
+            "core",
+            "--split",
+            str(tiny_models.split("qwen3_moe", None)),
+            "--listen",
+            address,
+            "--worker",
+            ",".join(stack.workers.addresses),
+            "--max-num-seqs",
+            "1",
+            "--max-queue",
+            "1",
+        ],
         log,
     )
     try:
-        await asyncio.get_running_loop().run_in_executor(None, lambda: wait_serving(address, small, log_path=log))
+        await asyncio.get_running_loop().run_in_executor(
+            None, lambda: wait_serving(address, small, log_path=log)
+        )
         long = core_pb2.GenerateRequest(
-            prompt="Busy", sampling=GREEDY, stopping=core_pb2.StoppingCriteria(max_tokens=2000, ignore_eos=True)
+            prompt="Busy",
+            sampling=GREEDY,
+            stopping=core_pb2.StoppingCriteria(max_tokens=2000, ignore_eos=True),
         )
         async with grpc.aio.insecure_channel(address) as channel:
             stub = core_pb2_grpc.CoreStub(channel)
-            first, second = stub.Generate(long, timeout=60), stub.Generate(long, timeout=60)
+            first = stub.Generate(long, timeout=60)
             await first.read()
-            for _ in range(50):  # let the second one be admitted
+            second = stub.Generate(long, timeout=60)
+            pending = asyncio.ensure_future(second.read())  # make sure the call is really sent
+            for _ in range(200):  # until core has admitted it as waiting
                 if (await stub.GetStats(core_pb2.GetStatsRequest())).waiting_requests == 1:
                     break
                 await asyncio.sleep(0.05)
+            assert (await stub.GetStats(core_pb2.GetStatsRequest())).waiting_requests == 1
             with pytest.raises(grpc.aio.AioRpcError) as failure:
                 async for _ in stub.Generate(long, timeout=10):
                     pass
             assert failure.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             first.cancel()
             second.cancel()
+            pending.cancel()
             for _ in range(100):
                 stats = await stub.GetStats(core_pb2.GetStatsRequest())
                 if stats.running_requests == 0 and stats.waiting_requests == 0:
