@@ -181,6 +181,9 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str) -> dict:
 
 
 def main() -> None:
+    from services.common.logging import configure_logging
+
+    configure_logging("bench", "warning")  # logs to stderr: stdout carries only the JSON
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--models", default="demo,qwen3-30b-a3b-4layer", help="demo, qwen3-30b-a3b-4layer or a path"

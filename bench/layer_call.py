@@ -52,6 +52,9 @@ def timed(fn, calls: int, warmup: int = 20) -> dict:
 
 
 def main() -> None:
+    from services.common.logging import configure_logging
+
+    configure_logging("bench", "warning")  # logs to stderr: stdout carries only the JSON
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-30b-a3b-4layer")
     parser.add_argument("--dtype", default="float32")

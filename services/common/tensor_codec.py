@@ -47,9 +47,15 @@ def dtype_name(dtype: mx.Dtype) -> str:
 
 
 def numpy_view(array: mx.array) -> np.ndarray:
-    """A numpy view of an evaluated MLX array's bytes (no copy for contiguous arrays)."""
+    """A numpy view of an MLX array's bytes (no copy for contiguous arrays); bf16 shows as uint16.
+
+    The array is evaluated here, explicitly: reading a lazy array through the buffer protocol
+    does not wait for the GPU on MLX's CUDA backend (the bf16 -> uint16 view is such an array),
+    and silently yields stale bytes there.
+    """
     if array.dtype == mx.bfloat16:
         array = array.view(mx.uint16)
+    mx.eval(array)
     return np.asarray(array)
 
 

@@ -28,6 +28,7 @@ from services.common.logging import get_logger
 from services.common.manifest import Manifest, ManifestError, MoeLayer, record_layout
 from services.common.model_build import UnsupportedModelError, expert_modules, model_classes
 from services.common.progress import Progress
+from services.common import tensor_codec
 from services.common.tensor_codec import dtype_name
 
 log = get_logger(__name__)
@@ -47,9 +48,7 @@ def _layer_index(path: str, fallback: int) -> int:
 
 def _as_bytes_matrix(array: mx.array) -> np.ndarray:
     """[E, ...] array -> [E, nbytes_per_expert] uint8 view of its raw bytes."""
-    if array.dtype == mx.bfloat16:
-        array = array.view(mx.uint16)
-    host = np.ascontiguousarray(np.asarray(array))
+    host = np.ascontiguousarray(tensor_codec.numpy_view(array))
     return host.reshape(host.shape[0], -1).view(np.uint8)
 
 
@@ -66,7 +65,6 @@ def _write_layer(path: Path, params: dict[str, mx.array], num_experts: int, dige
     out = np.memmap(path, dtype=np.uint8, mode="w+", shape=(num_experts, record_size))
     for spec in tensors:
         array = params[spec.name]
-        mx.eval(array)
         out[:, spec.offset : spec.offset + spec.nbytes] = _as_bytes_matrix(array)
     out.flush()
     digest.update(memoryview(out).cast("B"))
