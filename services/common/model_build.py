@@ -8,7 +8,7 @@ name, so every mlx-lm MoE architecture works without per-architecture code.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +110,3 @@ def find_module(model: nn.Module, path: str) -> nn.Module:
     for part in path.split("."):
         module = module[int(part)] if isinstance(module, list) else getattr(module, part)
     return module
-
-
-ModuleFactory = Callable[[str, nn.Module], nn.Module]

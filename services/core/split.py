@@ -24,11 +24,11 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 
+from services.common import tensor_codec
 from services.common.logging import get_logger
 from services.common.manifest import Manifest, ManifestError, MoeLayer, record_layout
 from services.common.model_build import UnsupportedModelError, expert_modules, model_classes
 from services.common.progress import Progress
-from services.common import tensor_codec
 from services.common.tensor_codec import dtype_name
 
 log = get_logger(__name__)
