@@ -10,6 +10,7 @@ period) and removes the sockets. On Linux the children also die with this proces
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -111,11 +112,12 @@ def _grpc_serving(address: str) -> bool:
     return asyncio.run(check_health(address, timeout_s=1.0))
 
 
-def _http_ok(url: str) -> bool:
+def _gateway_ready(url: str) -> bool:
+    """The gateway answers and reaches a SERVING core over its own channel."""
     try:
         with urllib.request.urlopen(url, timeout=1.0) as reply:
-            return reply.status == 200
-    except OSError:
+            return reply.status == 200 and json.load(reply).get("core") == "SERVING"
+    except (OSError, ValueError):
         return False
 
 
@@ -162,7 +164,7 @@ def run_up(
         checks = [(address, lambda a=address: _grpc_serving(a)) for address in worker_sockets]
         checks += [
             ("core", lambda: _grpc_serving(core_socket)),
-            ("gateway", lambda: _http_ok(f"{url}/health")),
+            ("gateway", lambda: _gateway_ready(f"{url}/health")),
         ]
         deadline = time.monotonic() + READY_TIMEOUT_S
         pending = list(checks)

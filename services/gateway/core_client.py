@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.grpc_util import channel_options, normalize_address
 from services.common.logging import REQUEST_ID_METADATA_KEY
 from services.gateway.openai_schema import ChatCompletionRequest, ChatMessage
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
@@ -39,12 +40,10 @@ class CoreClient:
 
     def __init__(self, config: CoreClientConfig) -> None:
         self.config = config
+        # channel_options: explicit size caps and a short reconnect backoff, so a gateway that
+        # started before core (or outlived a core restart) reaches it within ~2 s of it coming up.
         self._channel = grpc.aio.insecure_channel(
-            config.target,
-            options=[
-                ("grpc.max_send_message_length", config.max_message_bytes),
-                ("grpc.max_receive_message_length", config.max_message_bytes),
-            ],
+            normalize_address(config.target), options=channel_options(config.max_message_bytes)
         )
         self._core = core_pb2_grpc.CoreStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
