@@ -24,7 +24,6 @@ import importlib.util
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from services.common.logging import get_logger
+from services.common.progress import Progress
 
 log = get_logger(__name__)
 
@@ -173,13 +173,11 @@ def _dense_llama_weights(
     _put(out, "model.embed_tokens", _quantized(weights, "token_embd", cfg["hidden_size"]))
     if not cfg["tie_word_embeddings"]:
         _put(out, "lm_head", _quantized(weights, "output", cfg["hidden_size"]))
-    n = cfg["num_hidden_layers"]
-    for i in range(n):
+    bar = Progress("demo model", cfg["num_hidden_layers"], "layers", enabled=progress)
+    for i in range(cfg["num_hidden_layers"]):
         out.update(_dense_layer(weights, cfg, i))
         mx.eval(out)
-        if progress:
-            end = "" if i + 1 < n else "\n"
-            print(f"\r[demo-model] converting layer {i + 1}/{n}", end=end, file=sys.stderr, flush=True)
+        bar.advance()
     return cfg, out, meta
 
 
