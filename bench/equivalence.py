@@ -23,12 +23,10 @@ from mlx_lm.generate import generate_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.common.manifest import Manifest
 from services.common.synthetic_model import TINY_CONFIGS, build_random_checkpoint
-from services.core.expert_client import ExpertDispatcher
 from services.core.model_loader import load_core_model
 from services.core.split import split_checkpoint
-from tests.helpers import Workers
+from tests.helpers import linked_dispatcher
 
 
 def main() -> None:
@@ -47,17 +45,13 @@ def main() -> None:
         )
     split = work / "split"
     split_checkpoint(source, split, progress=False)
-    manifest = Manifest.load(split)
     reference, tokenizer = mlx_lm.load(str(source))
     prompt = mx.array(list(range(1000, 1024)))
     want = reference(prompt[None])[0, -1].astype(mx.float32)
     want_tokens = [int(t) for t, _ in generate_step(prompt, reference, max_tokens=32)]
     report = {"device": str(mx.default_device()), "arch": args.arch, "dtype": args.dtype, "bits": args.bits}
     for ranges in (["0-7"], ["0-2", "3-5", "6-7"]):
-        workers = Workers(split, work, ranges, tag=f"w{len(ranges)}-").start()
-        dispatcher = ExpertDispatcher(manifest, workers.addresses)
-        try:
-            assert dispatcher.discover() == []
+        with linked_dispatcher(split, work, ranges, tag=f"w{len(ranges)}-") as (_, dispatcher, manifest):
             core = load_core_model(split, manifest, dispatcher)
             got = core(prompt[None])[0, -1].astype(mx.float32)
             tokens = [int(t) for t, _ in generate_step(prompt, core, max_tokens=32)]
@@ -67,9 +61,6 @@ def main() -> None:
                 "max_rel_logit_diff": (mx.abs(got - want).max() / mx.abs(want).max()).item(),
                 "greedy_tokens_agreeing_before_first_difference": agree,
             }
-        finally:
-            dispatcher.close()
-            workers.stop()
     print(json.dumps(report, indent=1))
 
 

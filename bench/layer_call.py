@@ -13,6 +13,7 @@ Prints one JSON object with p50/p99 microseconds of:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import tempfile
@@ -27,12 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.decode import checkpoint
 from services.common import tensor_codec
 from services.common.manifest import Manifest
-from services.core.expert_client import ExpertDispatcher
 from services.experts.compute import ExpertCompute
 from services.experts.store import ResidentExpertStore
 from services.proto.moemesh.v1 import expert_pb2
 from services.up import resolve_split
-from tests.helpers import Workers
+from tests.helpers import linked_dispatcher
 
 
 def percentiles(samples: list[float]) -> dict:
@@ -100,10 +100,7 @@ def main() -> None:
     report["worker_run"] = timed(lambda: compute.run(call), args.calls)
 
     workdir = Path(tempfile.mkdtemp(prefix="mm-lc-", dir="/tmp"))
-    workers = Workers(split, workdir, [f"0-{layer.num_experts - 1}"]).start()
-    dispatcher = ExpertDispatcher(manifest, workers.addresses)
-    try:
-        assert dispatcher.discover() == []
+    with linked_dispatcher(split, workdir, [f"0-{layer.num_experts - 1}"]) as (_, dispatcher, _):
         report["dispatcher_call"] = timed(lambda: dispatcher.call(layer.layer, hidden, ids), args.calls)
         calls = dispatcher.timings.snapshot()[-args.calls :]
         report["dispatcher_worker_side"] = percentiles(list(calls[:, 1]))
@@ -115,14 +112,9 @@ def main() -> None:
             await stream.write(bad)
             await stream.read()
 
-        import asyncio
-
         report["grpc_echo"] = timed(
             lambda: asyncio.run_coroutine_threadsafe(echo(), dispatcher.loop).result(), args.calls
         )
-    finally:
-        dispatcher.close()
-        workers.stop()
     print(json.dumps(report, indent=1))
 
 

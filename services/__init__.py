@@ -1,11 +1,12 @@
 """moe-mesh: a core plus expert workers over gRPC, OpenAI-compatible HTTP in front.
 
-gRPC's EventEngine-based client and listener (the default since grpcio 1.6x) cost
-about twice the per-message latency and CPU of the classic iomgr path for our
-small, frequent bidi messages: measured on a 2-core box, an echo round trip over a
-Unix socket fell from ~240 us to ~110 us when they were turned off. The expert
-layer call is the hottest path we have, so every moe-mesh process turns them off
-before gRPC loads (a value the user set in GRPC_EXPERIMENTS wins).
+gRPC's EventEngine-based client and listener (grpcio's default) add latency to our
+small, frequent bidi messages when the peer has just been busy computing, which is
+every expert layer call: `bench/grpc_echo.py` on the 2-core CI VM, server busy
+2.5 ms per call, round-trip overhead p50 250-317 us with them off vs 338-403 us on
+(three runs; with an idle server the two are within noise). The expert layer call
+is the hottest path we have, so every moe-mesh process turns them off before gRPC
+loads (a value the user set in GRPC_EXPERIMENTS wins).
 """
 
 import os

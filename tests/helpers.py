@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -108,3 +109,26 @@ class Workers:
 
     def stop(self) -> None:
         stop([p for p in self.procs if p is not None])
+
+
+@contextlib.contextmanager
+def linked_dispatcher(split_dir: Path, workdir: Path, ranges: list[str], tag: str = "w"):
+    """Worker processes for `ranges` plus a core-side ExpertDispatcher that reaches all of them.
+
+    Yields (workers, dispatcher, manifest); stops everything on exit.
+    """
+    from services.common.manifest import Manifest
+    from services.core.expert_client import ExpertDispatcher
+
+    manifest = Manifest.load(split_dir)
+    workers = Workers(split_dir, workdir, ranges, tag=tag).start()
+    dispatcher = None
+    try:
+        dispatcher = ExpertDispatcher(manifest, workers.addresses)
+        problems = dispatcher.discover()
+        assert problems == [], problems
+        yield workers, dispatcher, manifest
+    finally:
+        if dispatcher is not None:
+            dispatcher.close()
+        workers.stop()

@@ -8,10 +8,8 @@ import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
 
-from services.common.manifest import Manifest
-from services.core.expert_client import ExpertDispatcher
 from services.core.model_loader import load_core_model
-from tests.helpers import Workers
+from tests.helpers import linked_dispatcher
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 STEPS = 32
@@ -33,11 +31,8 @@ def test_split_model_matches_mlx_lm(tiny_models, short_tmp, arch, bits, ranges):
     reference, tokenizer = mlx_lm.load(str(source))
     prompt = mx.array(tokenizer.encode(PROMPT))
 
-    workers = Workers(split, short_tmp, ranges).start()
-    dispatcher = ExpertDispatcher(Manifest.load(split), workers.addresses)
-    try:
-        assert dispatcher.discover() == []
-        core = load_core_model(split, Manifest.load(split), dispatcher)
+    with linked_dispatcher(split, short_tmp, ranges) as (_, dispatcher, manifest):
+        core = load_core_model(split, manifest, dispatcher)
 
         want = reference(prompt[None])[0, -1]
         got = core(prompt[None])[0, -1]
@@ -46,7 +41,4 @@ def test_split_model_matches_mlx_lm(tiny_models, short_tmp, arch, bits, ranges):
 
         assert greedy(core, prompt, STEPS) == greedy(reference, prompt, STEPS)
         # every MoE layer went through the workers: prefill + (STEPS - 1) decode steps, twice
-        assert len(dispatcher.timings) >= len(Manifest.load(split).layers) * STEPS
-    finally:
-        dispatcher.close()
-        workers.stop()
+        assert len(dispatcher.timings) >= len(manifest.layers) * STEPS
