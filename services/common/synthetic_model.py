@@ -72,6 +72,66 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     },
 }
 
+# Architectures no issue names, to show the split needs no per-architecture code.
+TINY_CONFIGS.update(
+    {
+        "deepseek_v3": {  # MLA attention, shared expert, a dense first layer
+            **_COMMON,
+            "model_type": "deepseek_v3",
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 1,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "kv_lora_rank": 16,
+            "q_lora_rank": 32,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "qk_nope_head_dim": 16,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "num_key_value_heads": 4,
+        },
+        "gpt_oss": {  # experts under `experts`, biased SwitchGLU with its own activation, sliding layers
+            **_COMMON,
+            "model_type": "gpt_oss",
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+            "head_dim": 16,
+            "sliding_window": 16,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+        },
+        "olmoe": {
+            **_COMMON,
+            "model_type": "olmoe",
+            "intermediate_size": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+        },
+        "phimoe": {
+            **_COMMON,
+            "model_type": "phimoe",
+            "intermediate_size": 32,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+        },
+        "granitemoe": {
+            **_COMMON,
+            "model_type": "granitemoe",
+            "intermediate_size": 32,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "logits_scaling": 1.0,
+            "attention_multiplier": 0.25,
+            "embedding_multiplier": 1.0,
+            "residual_multiplier": 1.0,
+            "attention_bias": False,
+        },
+    }
+)
+
 # Qwen3-30B-A3B's MoE shape with few layers: what the decode benchmark measures.
 QWEN3_30B_A3B_SHAPE: dict[str, Any] = {
     **TINY_CONFIGS["qwen3_moe"],
