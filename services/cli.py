@@ -8,14 +8,9 @@ from pathlib import Path
 
 
 def _split(args) -> None:
-    from services.common.manifest import ManifestError
-    from services.common.model_build import UnsupportedModelError
     from services.core.split import split_checkpoint
 
-    try:
-        manifest = split_checkpoint(Path(args.model), Path(args.out), progress=not args.quiet)
-    except (UnsupportedModelError, ManifestError, FileNotFoundError) as error:
-        raise SystemExit(f"moe-mesh split: {error}") from None
+    manifest = split_checkpoint(Path(args.model), Path(args.out), progress=not args.quiet)
     print(
         f"{args.out}: {len(manifest.layers)} MoE layers x {manifest.num_experts} experts, fingerprint {manifest.fingerprint}"
     )
@@ -116,9 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     from services.common.logging import configure_logging
+    from services.common.manifest import ManifestError
+    from services.common.model_build import UnsupportedModelError
+    from services.experts.store import ExpertFileError
 
     configure_logging(args.command, args.log_level)
-    args.func(args)
+    try:
+        args.func(args)
+    except (ManifestError, UnsupportedModelError, ExpertFileError, ValueError, OSError) as error:
+        # Bad flags, a missing or damaged split, a port in use: one line, no traceback.
+        raise SystemExit(f"moe-mesh {args.command}: {error}") from None
 
 
 if __name__ == "__main__":

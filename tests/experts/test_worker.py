@@ -126,3 +126,37 @@ async def test_malformed_call_is_rejected_and_the_stream_keeps_serving(worker, n
     assert after.call_id == 7 and not after.HasField("error")
     assert tuple(after.output.shape) == (6, H)
     assert workers.procs[0].poll() is None
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--experts", "0-99"], "--experts: '0-99' is outside 0-7"),
+        (["--layers", "7"], "--layers"),
+        (["--experts", "two"], "is not an index or a range"),
+    ],
+)
+def test_bad_ranges_are_refused_in_one_line(tiny_models, short_tmp, flags, message):
+    import subprocess
+    import sys
+
+    split = tiny_models.split("qwen3_moe", None)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "expert",
+            "--split",
+            str(split),
+            "--listen",
+            f"unix:{short_tmp}/x.sock",
+            *flags,
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert message in result.stderr and "Traceback" not in result.stderr
