@@ -11,6 +11,7 @@ import asyncio
 import os
 import signal
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -86,6 +87,45 @@ async def set_serving(health_servicer, services: list[str], serving: bool) -> No
         result = health_servicer.set(name, status)
         if asyncio.iscoroutine(result):
             await result
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    address: str
+    health: object
+    service_name: str
+
+    async def set_serving(self, serving: bool) -> None:
+        await set_serving(self.health, [self.service_name], serving)
+
+    async def serve_until_signal(self, on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Serve until SIGTERM/SIGINT: health goes NOT_SERVING first, then `on_stop`, then the stop."""
+
+        async def stopping() -> None:
+            await self.set_serving(False)
+            if on_stop is not None:
+                await on_stop()
+
+        await run_until_signal(self.server, stopping, socket_path=unix_socket_path(self.address))
+
+
+async def start_server(
+    add_servicer: Callable[[grpc.aio.Server], None],
+    service_name: str,
+    listen: str,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    serving: bool = True,
+) -> RunningServer:
+    """A started grpc.aio server with our servicer, health (starting at `serving`) and reflection."""
+    server = grpc.aio.server(options=server_options(max_message_bytes))
+    add_servicer(server)
+    health_servicer = add_health_and_reflection(server, [service_name])
+    address = bind(server, listen)
+    await server.start()
+    running = RunningServer(server, address, health_servicer, service_name)
+    await running.set_serving(serving)
+    return running
 
 
 async def run_until_signal(

@@ -11,17 +11,7 @@ import asyncio
 import time
 from pathlib import Path
 
-import grpc
-
-from services.common.grpc_util import (
-    add_health_and_reflection,
-    bind,
-    install_uvloop,
-    run_until_signal,
-    server_options,
-    set_serving,
-    unix_socket_path,
-)
+from services.common.grpc_util import install_uvloop, start_server
 from services.common.logging import get_logger
 from services.common.manifest import Manifest
 from services.core.engine import Engine, EngineConfig
@@ -82,30 +72,30 @@ async def serve_core(
     engine, preparer, info = build_engine(
         split_dir, workers, engine_config or EngineConfig(), expert_timeout_s
     )
-    server = grpc.aio.server(options=server_options(64 * 1024 * 1024))
-    core_pb2_grpc.add_CoreServicer_to_server(CoreServicer(engine, preparer, info), server)
-    health_servicer = add_health_and_reflection(server, [SERVICE_NAME])
-    await set_serving(health_servicer, [SERVICE_NAME], False)
+    running = await start_server(
+        lambda server: core_pb2_grpc.add_CoreServicer_to_server(CoreServicer(engine, preparer, info), server),
+        SERVICE_NAME,
+        listen,
+        max_message_bytes=64 * 1024 * 1024,
+        serving=False,  # until the model is loaded and every expert is reachable
+    )
     loop = asyncio.get_running_loop()
 
-    def on_health(serving: bool) -> None:
-        asyncio.run_coroutine_threadsafe(set_serving(health_servicer, [SERVICE_NAME], serving), loop)
+    def on_health(serving: bool) -> None:  # called on the engine thread
+        asyncio.run_coroutine_threadsafe(running.set_serving(serving), loop)
 
     engine.on_health(on_health)
-    address = bind(server, listen)
-    await server.start()
-    log.info("core_listening", address=address, workers=workers, model=info.id)
+    log.info("core_listening", address=running.address, workers=workers, model=info.id)
     engine.start()
-    await asyncio.get_running_loop().run_in_executor(None, engine.loaded.wait)
+    await loop.run_in_executor(None, engine.loaded.wait)
     if engine.load_error is not None:
-        await server.stop(0)
+        await running.server.stop(0)
         raise SystemExit(f"core: cannot load the model: {engine.load_error}")
 
     async def on_stop() -> None:
-        await set_serving(health_servicer, [SERVICE_NAME], False)
         await loop.run_in_executor(None, engine.stop)
 
-    await run_until_signal(server, on_stop, socket_path=unix_socket_path(address))
+    await running.serve_until_signal(on_stop)
 
 
 def run_core(**kwargs) -> None:

@@ -7,17 +7,7 @@ import os
 import socket
 from pathlib import Path
 
-import grpc
-
-from services.common.grpc_util import (
-    add_health_and_reflection,
-    bind,
-    install_uvloop,
-    run_until_signal,
-    server_options,
-    set_serving,
-    unix_socket_path,
-)
+from services.common.grpc_util import install_uvloop, start_server
 from services.common.logging import get_logger
 from services.common.manifest import Manifest
 from services.common.ranges import format_ranges, parse_ranges
@@ -61,21 +51,23 @@ async def serve_expert_worker(
     compute = ExpertCompute(store, max_call_bytes=max_call_bytes)
     servicer = ExpertWorkerServicer(compute, worker_id)
 
-    server = grpc.aio.server(options=server_options(max_call_bytes + (1 << 20)))
-    expert_pb2_grpc.add_ExpertWorkerServicer_to_server(servicer, server)
-    health_servicer = add_health_and_reflection(server, [SERVICE_NAME])
-    address = bind(server, listen)
-    await server.start()
-    await set_serving(health_servicer, [SERVICE_NAME], True)
+    running = await start_server(
+        lambda server: expert_pb2_grpc.add_ExpertWorkerServicer_to_server(servicer, server),
+        SERVICE_NAME,
+        listen,
+        max_message_bytes=max_call_bytes + (1 << 20),
+    )
     log.info(
-        "worker_serving", address=address, resident_bytes=store.stats().resident_bytes, worker_id=worker_id
+        "worker_serving",
+        address=running.address,
+        resident_bytes=store.stats().resident_bytes,
+        worker_id=worker_id,
     )
 
     async def on_stop() -> None:
-        await set_serving(health_servicer, [SERVICE_NAME], False)
         log.info("worker_stopping", calls=servicer.calls, rejected=servicer.rejected)
 
-    await run_until_signal(server, on_stop, socket_path=unix_socket_path(address))
+    await running.serve_until_signal(on_stop)
 
 
 def run_expert_worker(**kwargs) -> None:
