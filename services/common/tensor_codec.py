@@ -46,17 +46,25 @@ def dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).removeprefix("mlx.core.")
 
 
+def wire_form(array: mx.array) -> mx.array:
+    """The array whose bytes go on the wire: bf16 as its uint16 bit pattern, anything else as is.
+
+    Hot paths evaluate this (not the array itself) in their one synchronisation, so reading the
+    bytes afterwards costs no second sync.
+    """
+    return array.view(mx.uint16) if array.dtype == mx.bfloat16 else array
+
+
 def numpy_view(array: mx.array) -> np.ndarray:
     """A numpy view of an MLX array's bytes (no copy for contiguous arrays); bf16 shows as uint16.
 
-    The array is evaluated here, explicitly: reading a lazy array through the buffer protocol
-    does not wait for the GPU on MLX's CUDA backend (the bf16 -> uint16 view is such an array),
-    and silently yields stale bytes there.
+    The wire form is evaluated here, explicitly (a no-op when it already is): reading a lazy
+    array through the buffer protocol does not wait for the GPU on MLX's CUDA backend, and
+    silently yields stale bytes there.
     """
-    if array.dtype == mx.bfloat16:
-        array = array.view(mx.uint16)
-    mx.eval(array)
-    return np.asarray(array)
+    wire = wire_form(array)
+    mx.eval(wire)
+    return np.asarray(wire)
 
 
 def encode(array: mx.array, out: tensor_pb2.Tensor | None = None) -> tensor_pb2.Tensor:

@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import mlx.core as mx
@@ -74,8 +74,6 @@ class EngineConfig:
 class EngineCounters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    failed_steps: int = 0
-    finished: dict = field(default_factory=dict)
 
 
 class Engine:
@@ -211,7 +209,7 @@ class Engine:
             self._active[uid] = sequence
             self.counters.prompt_tokens += len(request.prompt)
         elif kind == "cancel" and sequence.uid in self._active and not sequence.done:
-            self._finish(sequence, core_pb2.FinishReason.CANCELLED, remove=True)
+            self._finish(sequence, remove=True)
 
     def _step(self) -> None:
         try:
@@ -232,7 +230,7 @@ class Engine:
         for sequence in list(self._active.values()):
             if sequence.request.deadline is not None and now > sequence.request.deadline:
                 sequence.send(EngineError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"))
-                self._finish(sequence, core_pb2.FinishReason.CANCELLED, remove=True)
+                self._finish(sequence, remove=True)
 
     def _emit(self, sequence: Sequence, response) -> None:
         request = sequence.request
@@ -247,14 +245,14 @@ class Engine:
             self._add_logprobs(chunk, response, request.top_logprobs)
         if sequence.emitter.stopped and finish is None:
             finish = core_pb2.FinishReason.STOP
-            self._finish(sequence, finish, remove=True)
+            self._finish(sequence, remove=True)
         if finish is not None:
             chunk.text += sequence.emitter.finish()
             chunk.finish_reason = finish
             chunk.usage.prompt_tokens = len(request.prompt)
             chunk.usage.completion_tokens = sequence.generated
             if not sequence.done:
-                self._finish(sequence, finish, remove=False)
+                self._finish(sequence, remove=False)
         sequence.send(chunk)
 
     def _add_logprobs(self, chunk, response, top: int) -> None:
@@ -275,18 +273,15 @@ class Engine:
         with self._admitted_lock:
             self._admitted -= 1
 
-    def _finish(self, sequence: Sequence, reason, remove: bool) -> None:
+    def _finish(self, sequence: Sequence, remove: bool) -> None:
         self._release(sequence)
         self._active.pop(sequence.uid, None)
         if remove:
             self._generator.remove([sequence.uid])
-        name = core_pb2.FinishReason.Name(reason)
-        self.counters.finished[name] = self.counters.finished.get(name, 0) + 1
 
     def _fail_all(self, code: grpc.StatusCode, message: str) -> None:
         """A step failed midway: every sequence in it is lost; start a clean batch."""
         log.error("step_failed", code=code.name, error=message, requests=len(self._active))
-        self.counters.failed_steps += 1
         for sequence in list(self._active.values()):
             self._release(sequence)
             sequence.send(EngineError(code, message))

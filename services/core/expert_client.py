@@ -168,7 +168,8 @@ class ExpertDispatcher:
     # ---- the layer call ----------------------------------------------------------------------
 
     def call(self, layer: int, hidden: mx.array, expert_ids: mx.array) -> mx.array:
-        """hidden [T, H], expert_ids [T, k] (both evaluated) -> [T, k, H] in the model dtype."""
+        """hidden [T, H] in the model dtype or its wire form, expert_ids [T, k] int32, both
+        evaluated -> [T, k, H] in the model dtype."""
         started = time.perf_counter()
         tokens, k = expert_ids.shape
         ids = np.asarray(expert_ids)  # evaluated int32 (RemoteExperts made it so): a view, no sync

@@ -11,6 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx import nn
 
+from services.common import tensor_codec
 from services.core.expert_client import ExpertDispatcher
 
 
@@ -23,7 +24,9 @@ class RemoteExperts(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         hidden_size, k = x.shape[-1], indices.shape[-1]
-        flat_x = x.reshape(-1, hidden_size).astype(self._dispatcher.hidden_dtype)
+        # Evaluate the hidden states in their wire form (bf16 as uint16) so the dispatcher reads
+        # bytes without another sync.
+        flat_x = tensor_codec.wire_form(x.reshape(-1, hidden_size).astype(self._dispatcher.hidden_dtype))
         flat_ids = indices.reshape(-1, k).astype(mx.int32)  # routers give uint32; the wire wants int32
         mx.eval(flat_x, flat_ids)  # the one synchronisation of this layer on the core side
         out = self._dispatcher.call(self._layer, flat_x, flat_ids)

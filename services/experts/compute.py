@@ -112,10 +112,11 @@ class ExpertCompute:
             rows, cols = np.nonzero(asked)
             pairs = module(hidden[mx.array(rows)], mx.array(local[rows, cols])[:, None])
             out = pairs.reshape(-1, hidden_size)
-        mx.eval(out)
+        wire = tensor_codec.wire_form(out.astype(self.hidden_dtype))  # replies are in the model dtype
+        mx.eval(wire)  # the one synchronisation of the call on the worker side
         t2 = time.perf_counter()
         result = expert_pb2.ExpertResult(call_id=call.call_id)
-        tensor_codec.encode(out, result.output)
+        tensor_codec.encode_numpy(np.asarray(wire), self.hidden_wire_dtype, result.output)
         t3 = time.perf_counter()
         stats = result.stats
         stats.decode_us, stats.compute_us, stats.encode_us = (
