@@ -41,16 +41,18 @@ class DescribeResponse(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerExperts, _Mapping]]] = ..., memory_budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ..., num_experts: _Optional[int] = ..., hidden_dtype: _Optional[str] = ...) -> None: ...
 
 class ExpertCall(_message.Message):
-    __slots__ = ("call_id", "layer", "hidden", "expert_ids")
+    __slots__ = ("call_id", "layer", "hidden", "expert_ids", "request_ids")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     EXPERT_IDS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     layer: int
     hidden: _tensor_pb2.Tensor
     expert_ids: _tensor_pb2.Tensor
-    def __init__(self, call_id: _Optional[int] = ..., layer: _Optional[int] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., expert_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, call_id: _Optional[int] = ..., layer: _Optional[int] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., expert_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CallStats(_message.Message):
     __slots__ = ("decode_us", "compute_us", "encode_us", "pairs")
