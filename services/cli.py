@@ -37,7 +37,10 @@ def _core(args) -> None:
         listen=args.listen,
         workers=[w for spec in args.worker for w in spec.split(",") if w],
         engine_config=EngineConfig(
-            max_num_seqs=args.max_num_seqs, max_queue=args.max_queue, prefill_step_size=args.prefill_step_size
+            max_num_seqs=args.max_num_seqs,
+            max_queue=args.max_queue,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            prefix_cache_bytes=int(args.prefix_cache_gb * (1 << 30)),
         ),
         expert_timeout_s=args.expert_timeout,
     )
@@ -88,7 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-queue", type=int, default=256)
-    p.add_argument("--prefill-step-size", type=int, default=512)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="tokens computed per step: one per decoding sequence plus the prefill chunk",
+    )
+    p.add_argument(
+        "--prefix-cache-gb", type=float, default=1.0, help="byte budget of the prefix cache (0 = off)"
+    )
     p.add_argument("--expert-timeout", type=float, default=60.0, help="seconds a layer call may take")
     p.set_defaults(func=_core)
 

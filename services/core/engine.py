@@ -20,14 +20,16 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
 
 from services.common.logging import get_logger
 from services.core.expert_client import ExpertCallError
+from services.core.prefix_cache import PrefixCache
 from services.core.request_prep import PreparedRequest
 from services.core.text_output import TextEmitter
 from services.proto.moemesh.v1 import core_pb2
@@ -54,9 +56,18 @@ class Sequence:
     out: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     emitter: TextEmitter
-    uid: int | None = None
+    kind: str = ""  # KV cache kind, which is also the batch it runs in
+    uid: int | None = None  # the uid its generator gave it
     generated: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     done: bool = False
+    submitted_at: float = field(default_factory=time.monotonic)
+    prefill_started_at: float | None = None
+    first_token_at: float | None = None
+
+    @property
+    def key(self) -> tuple[str, int | None]:
+        return (self.kind, self.uid)
 
     def send(self, item) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
@@ -64,9 +75,14 @@ class Sequence:
 
 @dataclass
 class EngineConfig:
-    max_num_seqs: int = 16
-    max_queue: int = 256
-    prefill_step_size: int = 512
+    max_num_seqs: int = 16  # sequences in the running batch (decoding or prefilling)
+    max_queue: int = 256  # admitted sequences waiting for a place in the batch
+    # Tokens one step computes: one per decoding sequence plus the prefill chunk. Bounding it keeps
+    # a long prompt from freezing the streams that decode beside it.
+    max_num_batched_tokens: int = 512
+    prefix_cache_bytes: int = 1 << 30  # 0 turns prefix caching off
+    kv_cache: str = "fp16"  # the launch default; a request may ask for another kind
+    kv_settings: object | None = None  # services.core.kv.KVCacheSettings for turboquant
     idle_probe_s: float = 2.0
 
 
@@ -91,13 +107,17 @@ class Engine:
         self.loaded = threading.Event()
         self.load_error: BaseException | None = None
         self.counters = EngineCounters()
+        self.prefix_cache = PrefixCache(config.prefix_cache_bytes)
+        self.kv_cache_bytes = 0  # KV bytes of the sequences in flight, refreshed every step
         self._inbox: queue.Queue = queue.Queue()
         self._admitted = 0  # submitted and not yet finished: bounded by max_num_seqs + max_queue
         self._admitted_lock = threading.Lock()
-        self._active: dict[int, Sequence] = {}
+        self._active: dict[tuple[str, int], Sequence] = {}
         self._stop = threading.Event()
         self._health_listeners: list[Callable[[bool], None]] = []
-        self._generator: BatchGenerator | None = None
+        # One batch per KV cache kind: a batch's caches merge into one batched cache, so kinds
+        # cannot share one. Each kind's batch makes its own expert calls in a step.
+        self._generators: dict[str, BatchGenerator] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     # ---- called from other threads ---------------------------------------------------------
@@ -112,6 +132,14 @@ class Engine:
 
     def on_health(self, listener: Callable[[bool], None]) -> None:
         self._health_listeners.append(listener)
+
+    @property
+    def kv_cache_kinds(self) -> tuple[str, ...]:
+        try:
+            from services.core.kv import KV_CACHE_KINDS
+        except ImportError:  # TODO(kv): drop once services/core/kv lands
+            return ("fp16",)
+        return KV_CACHE_KINDS
 
     @property
     def running(self) -> int:
@@ -132,7 +160,13 @@ class Engine:
                     f"core is at capacity: {self.config.max_num_seqs} running and {self.config.max_queue} waiting"
                 )
             self._admitted += 1
-        sequence = Sequence(request, out, loop, TextEmitter(self.tokenizer.detokenizer, request.stop_strings))
+        sequence = Sequence(
+            request,
+            out,
+            loop,
+            TextEmitter(self.tokenizer.detokenizer, request.stop_strings),
+            kind=request.kv_cache or self.config.kv_cache,
+        )
         self._inbox.put(("add", sequence))
         return sequence
 
@@ -141,18 +175,26 @@ class Engine:
 
     # ---- the engine thread -----------------------------------------------------------------
 
-    def _new_generator(self) -> BatchGenerator:
-        return BatchGenerator(
-            self.model,
-            completion_batch_size=self.config.max_num_seqs,
-            prefill_batch_size=self.config.max_num_seqs,
-            prefill_step_size=self.config.prefill_step_size,
-        )
+    def _generator(self, kind: str) -> BatchGenerator:
+        if kind not in self._generators:
+            self._generators[kind] = BatchGenerator(
+                self.model,
+                completion_batch_size=self.config.max_num_seqs,
+                prefill_batch_size=self.config.max_num_seqs,
+                prefill_step_size=self.config.max_num_batched_tokens,
+            )
+        return self._generators[kind]
+
+    def _new_cache(self, kind: str) -> list:
+        if kind == "fp16":
+            return make_prompt_cache(self.model)
+        from services.core.kv import make_kv_cache
+
+        return make_kv_cache(self.model, kind, self.config.kv_settings)
 
     def _run(self) -> None:
         try:
             self.model, self.probe_workers, self.layer_call_timings = self._loader()
-            self._generator = self._new_generator()
         except BaseException as error:  # reported by the server, which then exits
             self.load_error = error
             log.exception("model_load_failed")
@@ -191,51 +233,111 @@ class Engine:
     def _handle(self, item) -> None:
         kind, sequence = item
         if kind == "add":
-            if self.problems:
-                self._probe()  # a worker may be back
-            if self.problems:
-                self._release(sequence)
-                sequence.send(EngineError(grpc.StatusCode.UNAVAILABLE, "; ".join(self.problems)))
-                return
-            request = sequence.request
-            (uid,) = self._generator.insert(
-                [request.prompt],
+            self._add(sequence)
+        elif kind == "cancel" and sequence.key in self._active and not sequence.done:
+            self._finish(sequence, remove=True)
+
+    def _add(self, sequence: Sequence) -> None:
+        if self.problems:
+            self._probe()  # a worker may be back
+        if self.problems:
+            self._release(sequence)
+            sequence.send(EngineError(grpc.StatusCode.UNAVAILABLE, "; ".join(self.problems)))
+            return
+        request = sequence.request
+        cache, cached = self.prefix_cache.lookup(sequence.kind, request.prompt)
+        try:
+            if cache is None:
+                cache = self._new_cache(sequence.kind)
+            (sequence.uid,) = self._generator(sequence.kind).insert(
+                [request.prompt[cached:]],
                 max_tokens=[request.max_tokens],
+                caches=[cache],
+                all_tokens=[request.prompt[:cached]],
                 samplers=[request.sampler],
                 logits_processors=[request.processors],
                 stop_sequences=[request.stop_sequences],
             )
-            sequence.uid = uid
-            self._active[uid] = sequence
-            self.counters.prompt_tokens += len(request.prompt)
-        elif kind == "cancel" and sequence.uid in self._active and not sequence.done:
-            self._finish(sequence, remove=True)
+        except Exception as error:  # a bad cache kind or settings: this request fails, no other
+            log.exception("insert_failed")
+            self._release(sequence)
+            sequence.send(EngineError(grpc.StatusCode.INTERNAL, f"could not start the request: {error}"))
+            return
+        sequence.cached_tokens = cached
+        self._active[sequence.key] = sequence
+        self.counters.prompt_tokens += len(request.prompt)
+
+    def _has_work(self, kind: str) -> bool:
+        return any(key[0] == kind for key in self._active)
 
     def _step(self) -> None:
-        try:
-            with mx.stream(self._generator.stream):
-                _, responses = self._generator._next()
-        except ExpertCallError as error:
-            self._fail_all(error.code, str(error))
-            return
-        except Exception as error:  # never let one bad step take the server down
-            log.exception("engine_step_failed")
-            self._fail_all(grpc.StatusCode.INTERNAL, f"generation failed: {error}")
-            return
-        for response in responses:
-            sequence = self._active.get(response.uid)
-            if sequence is not None:
-                self._emit(sequence, response)
+        for kind, generator in list(self._generators.items()):
+            if not self._has_work(kind):
+                continue
+            self._limit_prefill_chunk(generator)
+            started = time.monotonic()
+            try:
+                with mx.stream(generator.stream):
+                    prompt_responses, responses = generator._next()
+            except ExpertCallError as error:
+                self._fail_all(error.code, str(error))
+                return
+            except Exception as error:  # never let one bad step take the server down
+                log.exception("engine_step_failed")
+                self._fail_all(grpc.StatusCode.INTERNAL, f"generation failed: {error}")
+                return
+            self._after_prefill(kind, generator, prompt_responses, started)
+            for response in responses:
+                sequence = self._active.get((kind, response.uid))
+                if sequence is not None:
+                    if sequence.prefill_started_at is None:
+                        sequence.prefill_started_at = started
+                    self._emit(sequence, response)
+        self.kv_cache_bytes = sum(g.prompt_cache_nbytes for g in self._generators.values())
         now = time.monotonic()
         for sequence in list(self._active.values()):
             if sequence.request.deadline is not None and now > sequence.request.deadline:
                 sequence.send(EngineError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"))
                 self._finish(sequence, remove=True)
 
+    def _limit_prefill_chunk(self, generator: BatchGenerator) -> None:
+        """Share the step's token budget: decoding sequences take one token each, the
+        sequences being prefilled split the rest. Mirrors how `BatchGenerator._next`
+        admits prompts, so the chunk it cuts next step stays within budget."""
+        decoding = len(generator._generation_batch)
+        joining = min(
+            generator.prefill_batch_size - len(generator._prompt_batch),
+            generator.completion_batch_size - decoding,
+            len(generator._unprocessed_sequences),
+        )
+        prefilling = len(generator._prompt_batch) + max(joining, 0)
+        if prefilling:
+            chunk = max(1, (self.config.max_num_batched_tokens - decoding) // prefilling)
+            generator.prefill_step_size = chunk
+            generator._prompt_batch.prefill_step_size = chunk
+
+    def _after_prefill(self, kind: str, generator: BatchGenerator, prompt_responses, started: float) -> None:
+        """Note when each sequence's prefill began, and keep the KV of every prompt whose
+        prefill just finished, so requests that share the prefix skip it."""
+        finished = []
+        for response in prompt_responses:
+            sequence = self._active.get((kind, response.uid))
+            if sequence is None:
+                continue
+            if sequence.prefill_started_at is None:
+                sequence.prefill_started_at = started
+            if response.end_of_segment and not response.end_of_prompt:
+                finished.append(response.uid)
+        if finished and self.prefix_cache.enabled:
+            for cache, tokens in generator.extract_cache(finished).values():
+                self.prefix_cache.store(kind, tokens[:], cache)
+
     def _emit(self, sequence: Sequence, response) -> None:
         request = sequence.request
         sequence.generated += 1
         self.counters.generation_tokens += 1
+        if sequence.first_token_at is None:
+            sequence.first_token_at = time.monotonic()
         chunk = core_pb2.GenerateChunk(request_id=request.request_id, token_ids=[response.token])
         finish = FINISH.get(response.finish_reason) if response.finish_reason else None
         is_stop_token = response.finish_reason == "stop"
@@ -245,15 +347,24 @@ class Engine:
             self._add_logprobs(chunk, response, request.top_logprobs)
         if sequence.emitter.stopped and finish is None:
             finish = core_pb2.FinishReason.STOP
-            self._finish(sequence, remove=True)
+            self._finish(sequence, remove=True, keep_prefix=True)
         if finish is not None:
             chunk.text += sequence.emitter.finish()
             chunk.finish_reason = finish
-            chunk.usage.prompt_tokens = len(request.prompt)
-            chunk.usage.completion_tokens = sequence.generated
+            self._fill_final(chunk, sequence)
             if not sequence.done:
+                if response.prompt_cache is not None:
+                    self.prefix_cache.store(sequence.kind, response.all_tokens, response.prompt_cache)
                 self._finish(sequence, remove=False)
         sequence.send(chunk)
+
+    def _fill_final(self, chunk: core_pb2.GenerateChunk, sequence: Sequence) -> None:
+        chunk.usage.prompt_tokens = len(sequence.request.prompt)
+        chunk.usage.completion_tokens = sequence.generated
+        chunk.usage.cached_prompt_tokens = sequence.cached_tokens
+        prefill_started = sequence.prefill_started_at or sequence.submitted_at
+        chunk.timings.queue_seconds = prefill_started - sequence.submitted_at
+        chunk.timings.prefill_seconds = (sequence.first_token_at or prefill_started) - prefill_started
 
     def _add_logprobs(self, chunk, response, top: int) -> None:
         logprobs = response.logprobs
@@ -273,20 +384,29 @@ class Engine:
         with self._admitted_lock:
             self._admitted -= 1
 
-    def _finish(self, sequence: Sequence, remove: bool) -> None:
+    def _finish(self, sequence: Sequence, remove: bool, keep_prefix: bool = False) -> None:
+        """The sequence leaves its batch. With `remove` its KV cache is freed now (a stop string,
+        a cancel, a deadline); with `keep_prefix` what it computed goes to the prefix cache."""
         self._release(sequence)
-        self._active.pop(sequence.uid, None)
+        self._active.pop(sequence.key, None)
         if remove:
-            self._generator.remove([sequence.uid])
+            generator = self._generators[sequence.kind]
+            keep = keep_prefix and self.prefix_cache.enabled
+            caches = generator.remove([sequence.uid], return_prompt_caches=keep)
+            for cache, tokens in caches.values():
+                self.prefix_cache.store(sequence.kind, tokens[:], cache)
 
     def _fail_all(self, code: grpc.StatusCode, message: str) -> None:
-        """A step failed midway: every sequence in it is lost; start a clean batch."""
+        """A step failed midway: every sequence in flight is lost; start clean batches."""
         log.error("step_failed", code=code.name, error=message, requests=len(self._active))
         for sequence in list(self._active.values()):
             self._release(sequence)
             sequence.send(EngineError(code, message))
         self._active.clear()
-        self._generator = self._new_generator()
+        for generator in self._generators.values():
+            generator.close()
+        self._generators.clear()
+        self.kv_cache_bytes = 0
         self._probe()
 
     def _probe(self) -> None:

@@ -40,6 +40,7 @@ class PreparedRequest:
     logprobs: bool
     top_logprobs: int
     deadline: float | None = None  # time.monotonic() deadline
+    kv_cache: str = ""  # KV cache kind; "" = the launch default (validated by the servicer)
     created: float = field(default_factory=time.time)
 
 

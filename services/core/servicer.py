@@ -39,6 +39,12 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
             prepared = self.preparer.prepare(request, context.time_remaining())
         except RequestError as error:
             await context.abort(error.code, str(error))
+        if request.kv_cache and request.kv_cache not in self.engine.kv_cache_kinds:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"kv_cache: unknown kind {request.kv_cache!r}; one of {', '.join(self.engine.kv_cache_kinds)}",
+            )
+        prepared.kv_cache = request.kv_cache
         out: asyncio.Queue = asyncio.Queue()
         try:
             sequence = self.engine.submit(prepared, out, asyncio.get_running_loop())
@@ -83,7 +89,16 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
             waiting_requests=self.engine.waiting,
             prompt_tokens_total=counters.prompt_tokens,
             generation_tokens_total=counters.generation_tokens,
+            kv_cache_bytes=self.engine.kv_cache_bytes,
+            kv_cache_default=self.engine.config.kv_cache,
         )
+        prefix = self.engine.prefix_cache
+        stats.prefix_cache.lookups = prefix.counters.lookups
+        stats.prefix_cache.hits = prefix.counters.hits
+        stats.prefix_cache.hit_tokens = prefix.counters.hit_tokens
+        stats.prefix_cache.entries = prefix.entries
+        stats.prefix_cache.bytes = prefix.nbytes
+        stats.prefix_cache.budget_bytes = prefix.budget_bytes
         if self.engine.layer_call_timings is not None:
             fill_layer_call_stats(
                 stats.layer_calls, self.engine.layer_call_timings.snapshot(request.reset_layer_calls)
