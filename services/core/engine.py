@@ -28,7 +28,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from services.common.logging import get_logger
-from services.core.expert_client import ExpertCallError
+from services.core.expert_client import BATCH_REQUEST_IDS, ExpertCallError
 from services.core.prefix_cache import PrefixCache
 from services.core.request_prep import PreparedRequest
 from services.core.text_output import TextEmitter
@@ -164,7 +164,7 @@ class Engine:
             request,
             out,
             loop,
-            TextEmitter(self.tokenizer.detokenizer, request.stop_strings),
+            TextEmitter(self.tokenizer.detokenizer, request.output),
             kind=request.kv_cache or self.config.kv_cache,
         )
         self._inbox.put(("add", sequence))
@@ -276,6 +276,10 @@ class Engine:
                 continue
             self._limit_prefill_chunk(generator)
             started = time.monotonic()
+            # The expert calls of this step carry these ids to the workers' logs.
+            BATCH_REQUEST_IDS.set(
+                tuple(s.request.request_id for key, s in self._active.items() if key[0] == kind)
+            )
             try:
                 with mx.stream(generator.stream):
                     prompt_responses, responses = generator._next()
@@ -342,15 +346,15 @@ class Engine:
         finish = FINISH.get(response.finish_reason) if response.finish_reason else None
         is_stop_token = response.finish_reason == "stop"
         if not is_stop_token:
-            chunk.text = sequence.emitter.add(response.token)
+            sequence.emitter.add(response.token).write_to(chunk)
         if request.logprobs:
             self._add_logprobs(chunk, response, request.top_logprobs)
         if sequence.emitter.stopped and finish is None:
             finish = core_pb2.FinishReason.STOP
             self._finish(sequence, remove=True, keep_prefix=True)
         if finish is not None:
-            chunk.text += sequence.emitter.finish()
-            chunk.finish_reason = finish
+            sequence.emitter.finish().write_to(chunk)
+            chunk.finish_reason = sequence.emitter.finish_reason(finish)
             self._fill_final(chunk, sequence)
             if not sequence.done:
                 if response.prompt_cache is not None:

@@ -16,6 +16,7 @@ from mlx_lm.generate import StopSequences
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from services.core.sampling import Sampler, SamplingError, make_processors, make_sampler
+from services.core.text_output import OutputSpec
 from services.proto.moemesh.v1 import core_pb2
 
 MAX_STOP_STRINGS = 16
@@ -41,6 +42,7 @@ class PreparedRequest:
     top_logprobs: int
     deadline: float | None = None  # time.monotonic() deadline
     kv_cache: str = ""  # KV cache kind; "" = the launch default (validated by the servicer)
+    output: OutputSpec = field(default_factory=OutputSpec)  # how the output stream is routed
     created: float = field(default_factory=time.time)
 
 
@@ -182,6 +184,7 @@ class RequestPreparer:
             processors=processors,
             stop_sequences=StopSequences(stop_ids or None),
             stop_strings=list(stopping.stop),
+            output=OutputSpec(stop_strings=list(stopping.stop)),
             logprobs=request.logprobs or request.top_logprobs > 0,
             top_logprobs=request.top_logprobs,
             deadline=None if time_remaining is None else time.monotonic() + time_remaining,
