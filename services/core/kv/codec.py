@@ -1,0 +1,94 @@
+"""TurboQuant encode/decode for one cache tensor (keys or values) of one layer.
+
+MSE stage (Zandieh et al. 2025, Algorithm 1): store |x| in float16, rotate x/|x| with
+a randomized Hadamard transform, quantize each coordinate to the nearest Lloyd-Max
+centroid for N(0, 1/P). QJL stage for keys (Algorithm 2): take the residual r of the
+unit vector, store |r| in float16 and sign(S r) as one bit per coordinate, so that
+
+    <q, k> ~= |k| (<Fq, c> + qjl_scale(P) |r| <S Fq, sign(S r)>)
+
+is unbiased (F the rotation, c the centroids). Attention never leaves the rotated
+domain: queries are rotated once (`rotate_queries`), keys are scored from their codes
+(`key_scores`), values are summed as centroids (`decode_rotated`) and the sum is
+rotated back once (`unrotate`).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from services.core.kv.codebook import codebook_for_dim
+from services.core.kv.compressed import CompressedTokens
+from services.core.kv.packing import pack_indices, pack_plane, unpack_indices, unpack_plane
+from services.core.kv.rotation import RandomizedHadamard, qjl_scale, random_orthogonal
+
+_TINY = 1e-12
+
+
+class TurboQuantCodec:
+    """Quantizes vectors of length `dim` to `bits` bits per coordinate (+1 QJL bit when
+    `qjl`). Deterministic given `seed`; instances hold only constants and may be shared
+    by any number of caches and threads."""
+
+    def __init__(self, dim: int, bits: int, qjl: bool, seed: int):
+        self.dim, self.bits, self.qjl = dim, bits, qjl
+        self.rotation = RandomizedHadamard(dim, seed)
+        self.padded = self.rotation.padded
+        centroids, boundaries = codebook_for_dim(bits, self.padded)
+        self.centroids = mx.array(centroids)
+        self.boundaries = mx.array(boundaries)
+        if qjl:
+            s = random_orthogonal(self.padded, seed + 7919)
+            self.qjl_matrix_t = mx.array(s.T.astype(np.float32))  # r @ S^T = (S r)^T
+            self.qjl_scale = qjl_scale(self.padded)
+
+    # ---- encode -------------------------------------------------------------------------
+
+    def quantize_unit(self, unit: mx.array) -> mx.array:
+        """Indices (uint8) of the nearest centroids of rotated unit vectors [..., P]."""
+        return mx.sum(unit[..., None] > self.boundaries, axis=-1).astype(mx.uint8)
+
+    def encode(self, x: mx.array) -> CompressedTokens:
+        x = x.astype(mx.float32)
+        norm = mx.linalg.norm(x, axis=-1)
+        unit = self.rotation.forward(x / mx.maximum(norm, _TINY)[..., None])
+        indices = self.quantize_unit(unit)
+        planes = pack_indices(indices, self.bits)
+        if not self.qjl:
+            return CompressedTokens(norm.astype(mx.float16), planes)
+        residual = unit - self.centroids[indices]
+        projected = residual @ self.qjl_matrix_t
+        signs = pack_plane((projected >= 0).astype(mx.uint8), 1)
+        residual_norm = mx.linalg.norm(residual, axis=-1)
+        return CompressedTokens(norm.astype(mx.float16), planes, residual_norm.astype(mx.float16), signs)
+
+    # ---- decode / attention in the rotated domain ---------------------------------------
+
+    def centroid_values(self, tokens: CompressedTokens) -> mx.array:
+        """The MSE-stage unit vectors in the rotated domain, float32 [B, H, T, P]."""
+        return self.centroids[unpack_indices(tokens.planes, self.bits)]
+
+    def decode_rotated(self, tokens: CompressedTokens) -> mx.array:
+        """|x| * centroids: the MSE reconstruction, still rotated, float32 [B, H, T, P]."""
+        return self.centroid_values(tokens) * tokens.norm.astype(mx.float32)[..., None]
+
+    def decode(self, tokens: CompressedTokens) -> mx.array:
+        """The MSE reconstruction in the original domain (tests and diagnostics)."""
+        return self.rotation.inverse(self.decode_rotated(tokens))
+
+    def rotate_queries(self, queries: mx.array) -> mx.array:
+        return self.rotation.forward(queries)
+
+    def unrotate(self, rotated: mx.array) -> mx.array:
+        return self.rotation.inverse(rotated)
+
+    def key_scores(self, rotated_queries: mx.array, tokens: CompressedTokens) -> mx.array:
+        """<q, k> estimates, [B, H, L, T], for rotated queries [B, H, L, P]."""
+        scores = rotated_queries @ self.centroid_values(tokens).swapaxes(-1, -2)
+        if self.qjl:
+            projected_q = rotated_queries @ self.qjl_matrix_t  # (S Fq)^T
+            signs = unpack_plane(tokens.qjl_signs, 1).astype(mx.float32) * 2 - 1
+            weight = tokens.residual_norm.astype(mx.float32) * self.qjl_scale
+            scores = scores + (projected_q @ signs.swapaxes(-1, -2)) * weight[..., None, :]
+        return scores * tokens.norm.astype(mx.float32)[..., None, :]

@@ -1,0 +1,29 @@
+"""Per-sequence cache construction and byte accounting for the engine."""
+
+from __future__ import annotations
+
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from services.core.kv.cache import TurboQuantKVCache
+from services.core.kv.settings import KV_CACHE_KINDS, KVCacheSettings
+
+
+def make_kv_cache(model, kind: str, settings: KVCacheSettings | None = None) -> list:
+    """The per-layer caches for one new sequence.
+
+    "fp16": exactly mlx-lm's make_prompt_cache(model). "turboquant": the same list with
+    every plain KVCache (full-attention layer) replaced by a TurboQuantKVCache; other
+    caches (e.g. qwen3_5_moe's ArraysCache for Gated DeltaNet layers, rotating caches of
+    sliding-window layers) stay as mlx-lm makes them."""
+    if kind not in KV_CACHE_KINDS:
+        raise ValueError(f"unknown KV cache kind {kind!r}; expected one of {', '.join(KV_CACHE_KINDS)}")
+    caches = make_prompt_cache(model)
+    if kind == "fp16":
+        return caches
+    settings = settings or KVCacheSettings()
+    return [TurboQuantKVCache(settings, layer) if type(c) is KVCache else c for layer, c in enumerate(caches)]
+
+
+def kv_cache_bytes(caches) -> int:
+    """Bytes held by a list of caches (compressed runs at their packed size)."""
+    return sum(c.nbytes for c in caches)

@@ -1,0 +1,43 @@
+"""Launch-time choice of KV cache and the TurboQuant knobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.core.kv.codebook import SUPPORTED_BITS
+
+KV_CACHE_KINDS = ("fp16", "turboquant")
+
+
+@dataclass(frozen=True)
+class KVCacheSettings:
+    """TurboQuant settings; the default is the issue's K3+QJL / V3 (~4.25 / 3.125 bits
+    per coordinate at head_dim 128), which keeps the demo model's perplexity within 3%.
+
+    key_bits / value_bits: MSE-stage bits (2, 3 or 4; 1 is allowed for experiments).
+    key_qjl: add the 1-bit QJL residual stage to keys (unbiased inner products).
+    sink_tokens: the first tokens of a sequence, kept exact (attention sinks).
+    recent_window: the newest tokens kept exact; older ones are compressed in blocks of
+    block_size as they age. seed: the rotations of layer i use seed + i."""
+
+    key_bits: int = 3
+    value_bits: int = 3
+    key_qjl: bool = True
+    sink_tokens: int = 4
+    recent_window: int = 128
+    block_size: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("key_bits", "value_bits"):
+            if getattr(self, name) not in SUPPORTED_BITS:
+                raise ValueError(f"{name} must be one of {SUPPORTED_BITS}, got {getattr(self, name)}")
+        for name in ("sink_tokens", "recent_window"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+    def describe(self) -> str:
+        qjl = "+QJL" if self.key_qjl else ""
+        return f"K{self.key_bits}{qjl}/V{self.value_bits}"
