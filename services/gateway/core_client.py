@@ -1,4 +1,4 @@
-"""Thin async client for the core's gRPC API, and the chat request → `GenerateRequest` mapping.
+"""Thin async client for the core's gRPC API.
 
 Contract:
 - one `grpc.aio` channel per gateway process, created inside the running event loop (grpc.aio
@@ -12,18 +12,16 @@ Contract:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.grpc_util import channel_options, normalize_address
+from services.common.grpc_util import aio_channel
 from services.common.logging import REQUEST_ID_METADATA_KEY
-from services.gateway.openai_schema import ChatCompletionRequest, ChatMessage
+from services.common.tls import TlsFiles
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 
-UINT64_MASK = 2**64 - 1
 CORE_HEALTH_SERVICE_NAMES = ("moemesh.v1.Core", "")  # the specific service first, then the server
 
 
@@ -33,6 +31,7 @@ class CoreClientConfig:
     generate_timeout_s: float = 600.0
     unary_timeout_s: float = 5.0
     max_message_bytes: int = 64 * 1024 * 1024
+    tls: TlsFiles | None = None  # mTLS to core (the gateway's certificate from `moe-mesh certs`)
 
 
 class CoreClient:
@@ -40,11 +39,9 @@ class CoreClient:
 
     def __init__(self, config: CoreClientConfig) -> None:
         self.config = config
-        # channel_options: explicit size caps and a short reconnect backoff, so a gateway that
+        # aio_channel: explicit size caps and a short reconnect backoff, so a gateway that
         # started before core (or outlived a core restart) reaches it within ~2 s of it coming up.
-        self._channel = grpc.aio.insecure_channel(
-            normalize_address(config.target), options=channel_options(config.max_message_bytes)
-        )
+        self._channel = aio_channel(config.target, config.tls, config.max_message_bytes)
         self._core = core_pb2_grpc.CoreStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -69,6 +66,14 @@ class CoreClient:
         )
         return list(response.models)
 
+    async def stats(self, request_id: str = "") -> core_pb2.CoreStats:
+        """Core's counters and gauges (running/waiting requests) for `/metrics`."""
+        return await self._core.GetStats(
+            core_pb2.GetStatsRequest(),
+            metadata=self._metadata(request_id),
+            timeout=self.config.unary_timeout_s,
+        )
+
     async def health(self) -> str:
         """Core's grpc.health.v1 status name: SERVING, NOT_SERVING, ... or UNREACHABLE.
 
@@ -90,72 +95,3 @@ class CoreClient:
 
     async def close(self) -> None:
         await self._channel.close(grace=None)
-
-
-def build_generate_request(request: ChatCompletionRequest, request_id: str) -> core_pb2.GenerateRequest:
-    """Map a validated chat request to core's wire message; unset options stay unset so core applies
-    the model's own defaults (generation_config) rather than ours."""
-    chat = core_pb2.ChatInput(
-        messages=[_chat_message(message) for message in request.messages],
-        add_generation_prompt=True,
-    )
-    # tool_choice "none" means the model must not call tools: do not show it any.
-    if request.tools and request.tool_choice != "none":
-        chat.tools.extend(
-            core_pb2.Tool(
-                name=tool.function.name,
-                description=tool.function.description,
-                parameters_json=json.dumps(tool.function.parameters) if tool.function.parameters else "",
-            )
-            for tool in request.tools
-        )
-    if request.chat_template_kwargs:
-        chat.template_kwargs_json = json.dumps(request.chat_template_kwargs)
-
-    sampling = core_pb2.SamplingParams()
-    for field in (
-        "temperature",
-        "top_p",
-        "min_p",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-    ):
-        value = getattr(request, field)
-        if value is not None:
-            setattr(sampling, field, value)
-    if request.top_k is not None and request.top_k > 0:  # -1 and 0 both mean "no top-k"
-        sampling.top_k = request.top_k
-    if request.seed is not None:
-        sampling.seed = request.seed & UINT64_MASK  # OpenAI seeds are signed; core's are uint64
-
-    stopping = core_pb2.StoppingCriteria(
-        stop=request.stop_sequences(),
-        stop_token_ids=request.stop_token_ids or [],
-        ignore_eos=request.ignore_eos,
-    )
-    if (max_tokens := request.max_new_tokens()) is not None:
-        stopping.max_tokens = max_tokens
-
-    return core_pb2.GenerateRequest(
-        request_id=request_id,
-        model=request.model,
-        chat=chat,
-        sampling=sampling,
-        stopping=stopping,
-        logprobs=request.logprobs,
-        top_logprobs=request.top_logprobs or 0,
-    )
-
-
-def _chat_message(message: ChatMessage) -> core_pb2.ChatMessage:
-    return core_pb2.ChatMessage(
-        role=message.role,
-        content=message.text(),
-        name=message.name or "",
-        tool_call_id=message.tool_call_id or "",
-        tool_calls=[
-            core_pb2.ToolCall(id=call.id, name=call.function.name, arguments=call.function.arguments)
-            for call in message.tool_calls or []
-        ],
-    )

@@ -1,7 +1,9 @@
 """OpenAI error envelope and the mapping from gRPC status codes and validation errors to HTTP.
 
 Contract: every error response from the gateway is
-`{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}`.
+`{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}`, except under
+`/v1/messages`, where it is Anthropic's `{"type": "error", "error": {"type": str, "message": str}}`
+(same status codes), because the `anthropic` client parses only that shape.
 Bad input is always a 4xx (never a 5xx); a 5xx never carries a traceback or core's internal
 details, because those can name files, sockets and hosts the client has no business seeing.
 Messages of 4xx statuses coming from core are passed through: core writes them for the client
@@ -46,6 +48,21 @@ _HTTP_BY_GRPC_CODE: dict[grpc.StatusCode, tuple[int, bool]] = {
     grpc.StatusCode.CANCELLED: (503, False),
 }
 
+ANTHROPIC_ERROR_TYPE_BY_HTTP_STATUS: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+ANTHROPIC_PATH_PREFIX = "/v1/messages"
+# Core writes this prefix on the INVALID_ARGUMENT it sends when prompt + max_tokens do not fit.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
 _SAFE_MESSAGE_BY_HTTP_STATUS: dict[int, str] = {
     500: "internal error while generating; the request id in X-Request-Id names it in the logs",
     503: "the model server (core) is unavailable; retry later",
@@ -74,8 +91,14 @@ class OpenAIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        kind = ANTHROPIC_ERROR_TYPE_BY_HTTP_STATUS.get(self.status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, headers: dict[str, str] | None = None, *, path: str = "") -> JSONResponse:
+        """The error as an HTTP response, in the shape the API under `path` uses."""
+        body = self.anthropic_body() if path.startswith(ANTHROPIC_PATH_PREFIX) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=headers)
 
 
 def error_from_grpc(error: grpc.aio.AioRpcError | grpc.RpcError) -> OpenAIError:
@@ -89,6 +112,8 @@ def error_from_grpc(error: grpc.aio.AioRpcError | grpc.RpcError) -> OpenAIError:
         message = details
     else:
         message = _SAFE_MESSAGE_BY_HTTP_STATUS.get(status, f"request failed ({code.name.lower()})")
+    if status == 400 and details.startswith(CONTEXT_LENGTH_EXCEEDED):
+        return OpenAIError(status, message, param="messages", code=CONTEXT_LENGTH_EXCEEDED)
     return OpenAIError(status, message, code=code.name.lower())
 
 
@@ -132,22 +157,24 @@ def error_from_validation(exc: RequestValidationError) -> OpenAIError:
 
 async def _openai_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, OpenAIError)
-    return exc.response()
+    return exc.response(path=request.url.path)
 
 
 async def _validation_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return error_from_validation(exc).response()
+    return error_from_validation(exc).response(path=request.url.path)
 
 
 async def _http_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    return OpenAIError(exc.status_code, str(exc.detail)).response(headers=dict(exc.headers or {}))
+    return OpenAIError(exc.status_code, str(exc.detail)).response(
+        headers=dict(exc.headers or {}), path=request.url.path
+    )
 
 
 async def _grpc_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, grpc.RpcError)
-    return error_from_grpc(exc).response()
+    return error_from_grpc(exc).response(path=request.url.path)
 
 
 def internal_error() -> OpenAIError:

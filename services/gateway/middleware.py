@@ -60,7 +60,9 @@ class RequestIdMiddleware:
             except Exception:
                 log.exception("unhandled error", path=scope.get("path"))
                 if not response_started:
-                    await internal_error().response()(scope, receive, send_with_request_id)
+                    await internal_error().response(path=scope.get("path", ""))(
+                        scope, receive, send_with_request_id
+                    )
                 # A response already under way cannot change status; returning ends it.
 
 
@@ -84,7 +86,7 @@ class BodySizeLimitMiddleware:
         )
         declared = Headers(scope=scope).get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
-            await too_large.response()(scope, receive, send)
+            await too_large.response(path=scope.get("path", ""))(scope, receive, send)
             return
         received = 0
 

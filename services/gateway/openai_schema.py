@@ -2,14 +2,14 @@
 
 Contract: a request that validates here can always be mapped to a `GenerateRequest`; anything the
 server cannot honour is rejected *here*, so the client gets a 400 naming the field instead of a
-silently different answer (`n` > 1, `tool_choice` that forces a call, non-text content parts).
+silently different answer (`n` > 1, non-text content parts, a tool_choice naming an unknown tool).
 
 Unknown fields are ignored, as vLLM does: clients written for other servers send extras
 (`parallel_tool_calls`, `metadata`, `store`, ...) and should not fail because of them.
 
-Growth path: content parts are a discriminated union (add `ImageContentPart` to `ContentPart`),
-and every model derives from `ApiModel`, so the Anthropic Messages models can live next to these and
-share the same validation-to-400 machinery in `errors.py`.
+Content parts are a discriminated union (add `ImageContentPart` to `ContentPart` later), and every
+model derives from `ApiModel`, so the completions and Anthropic models share the same
+validation-to-400 machinery in `errors.py`.
 """
 
 from __future__ import annotations
@@ -51,11 +51,15 @@ class ToolCall(ApiModel):
 class ChatMessage(ApiModel):
     """One conversation turn. `content` may be absent for an assistant turn that only calls tools."""
 
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+
+    def core_role(self) -> str:
+        """OpenAI's newer `developer` role is the system prompt for open-weight chat templates."""
+        return "system" if self.role == "developer" else self.role
 
     def text(self) -> str:
         """The content as one string: text parts are joined without separators, as OpenAI does."""
@@ -90,37 +94,73 @@ class StreamOptions(ApiModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(ApiModel):
-    """`POST /v1/chat/completions` body (OpenAI, plus vLLM's common sampling extensions)."""
+class TextResponseFormat(ApiModel):
+    type: Literal["text"]
+
+
+class JsonObjectResponseFormat(ApiModel):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(ApiModel):
+    name: str = Field(default="response", max_length=64)
+    description: str = ""
+    # `schema` shadows a BaseModel attribute, hence the alias.
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class JsonSchemaResponseFormat(ApiModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[
+    TextResponseFormat | JsonObjectResponseFormat | JsonSchemaResponseFormat, Field(discriminator="type")
+]
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's documented range is -100..100
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_STOP_SEQUENCES = 16
+
+
+def validate_logit_bias(bias: dict[str, float] | None) -> dict[str, float] | None:
+    """Keys are token ids as strings (JSON object keys); values within -100..100."""
+    if bias is None:
+        return None
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} entries are allowed")
+    for key, value in bias.items():
+        if not key.isdigit() or int(key) > UINT32_MAX:
+            raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+        if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            raise ValueError(f"bias for token {key} must be within -100..100, got {value}")
+    return bias
+
+
+class GenerationOptions(ApiModel):
+    """Sampling and stopping fields shared by chat and text completions (OpenAI plus vLLM's extensions)."""
 
     model: str = ""  # empty: core serves its one model
-    messages: list[ChatMessage] = Field(min_length=1)
-
     stream: bool = False
     stream_options: StreamOptions | None = None
 
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)  # extension; -1 or 0 = disabled (vLLM)
+    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)  # extension; -1 or 0 = disabled (vLLM)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-(2**63), le=UINT64_MAX)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    logit_bias: dict[str, float] | None = None
 
     max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=UINT32_MAX)]] | None = None  # vLLM extension
     ignore_eos: bool = False  # vLLM extension, handy for benchmarks
 
     n: int = 1
-    tools: list[ToolDefinition] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     user: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension, e.g. {"enable_thinking": false}
 
     @field_validator("n")
     @classmethod
@@ -133,20 +173,52 @@ class ChatCompletionRequest(ApiModel):
 
     @field_validator("stop")
     @classmethod
-    def _stop_list_size(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(stop, list) and len(stop) > 16:
-            raise ValueError("at most 16 stop sequences are allowed")
+    def _stop_sequences(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+        if stop == "" or (isinstance(stop, list) and "" in stop):
+            raise ValueError("stop sequences must not be empty strings")
         return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        return validate_logit_bias(bias)
+
+    def stop_sequences(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(GenerationOptions):
+    """`POST /v1/chat/completions` body."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension, e.g. {"enable_thinking": false}
 
     @field_validator("tool_choice")
     @classmethod
-    def _supported_tool_choice(
-        cls, choice: Literal["none", "auto", "required"] | NamedToolChoice | None
+    def _tool_choice_names_a_tool(
+        cls, choice: Literal["none", "auto", "required"] | NamedToolChoice | None, info: ValidationInfo
     ) -> Literal["none", "auto", "required"] | NamedToolChoice | None:
-        # Forcing a tool call needs constrained decoding in core; pretending would return text
-        # the client did not ask for, so refuse clearly instead.
-        if choice == "required" or isinstance(choice, NamedToolChoice):
-            raise ValueError("only tool_choice 'auto' and 'none' are supported by this server")
+        names = {tool.function.name for tool in info.data.get("tools") or []}
+        if choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs at least one tool in tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {choice.function.name!r}, which is not in tools")
         return choice
 
     @field_validator("top_logprobs")
@@ -156,14 +228,6 @@ class ChatCompletionRequest(ApiModel):
             raise ValueError("top_logprobs requires logprobs=true")
         return top
 
-    def stop_sequences(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
     def max_new_tokens(self) -> int | None:
         """`max_completion_tokens` is the current OpenAI name; `max_tokens` the deprecated one."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    def include_usage_in_stream(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)

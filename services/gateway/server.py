@@ -16,6 +16,7 @@ import logging
 import uvicorn
 
 from services.common.logging import configure_logging, get_logger
+from services.common.tls import TlsFiles
 from services.gateway.app import create_app
 
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
@@ -51,12 +52,14 @@ def run_gateway(
     *,
     model_name_hint: str | None = None,
     graceful_shutdown_s: float = 30.0,
+    core_tls: TlsFiles | None = None,
+    api_keys: tuple[str, ...] = (),
 ) -> None:
     """Serve the OpenAI-compatible HTTP API on host:port until SIGTERM/SIGINT."""
     configure_logging("gateway", log_level)
     level = logging.getLevelName(log_level.upper())
     _route_uvicorn_logs_to_structlog(level)
-    app = create_app(core_target, model_name_hint=model_name_hint)
+    app = create_app(core_target, model_name_hint=model_name_hint, core_tls=core_tls, api_keys=api_keys)
     config = uvicorn.Config(
         app,
         host=host,

@@ -2,7 +2,10 @@
 
 It streams the words of "The capital of France is Paris." as text deltas (one token id each),
 records every request and its metadata, and can be told (through `CoreDouble.script`) to abort
-with a status code, to stream slowly, to return tool calls, or to end without a finish reason.
+with a status code, to stream slowly, to stream thinking text first (`reasoning`, as core's
+reasoning parser emits it), to return tool calls (complete, one chunk each, as core's tool parser
+emits them), or to end without a finish reason. `echo` requests get the prompt as the first chunk's
+text, as core's contract says; `GetStats` reports the Generate calls in flight as running.
 It runs on its own event loop in a background thread, so tests may call the gateway with blocking
 clients (the sync `openai` client) without starving it.
 """
@@ -36,11 +39,19 @@ class Script:
     abort_after_chunks: int = 0  # chunks sent before the abort
     finish_reason: int = core_pb2.STOP
     tool_calls: list[core_pb2.ToolCall] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
     send_finish_chunk: bool = True
+    cached_prompt_tokens: int = 0
+    queue_seconds: float = 0.002
+    prefill_seconds: float = 0.003
 
 
 def prompt_token_count(request: core_pb2.GenerateRequest) -> int:
     """Deterministic stand-in for tokenizing: one token per whitespace-separated word."""
+    if request.WhichOneof("input") == "prompt":
+        return len(request.prompt.split())
+    if request.WhichOneof("input") == "token_ids":
+        return len(request.token_ids.ids)
     return sum(len(message.content.split()) for message in request.chat.messages)
 
 
@@ -51,6 +62,7 @@ class CoreDouble(core_pb2_grpc.CoreServicer):
         self.metadata: list[dict[str, str]] = []
         self.cancelled = threading.Event()  # set when a Generate call is cancelled by the client
         self.generate_started = threading.Event()
+        self.running = 0
 
     def reset(self) -> None:
         self.script = Script()
@@ -64,8 +76,18 @@ class CoreDouble(core_pb2_grpc.CoreServicer):
         self.requests.append(request)
         self.metadata.append({key: value for key, value in context.invocation_metadata()})
         self.generate_started.set()
+        self.running += 1
         try:
+            if request.model and request.model != MODEL_ID:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served")
             await asyncio.sleep(script.delay_before_first_s)
+            if request.echo:
+                yield core_pb2.GenerateChunk(text=request.prompt, request_id=request.request_id)
+            for index, thought in enumerate(script.reasoning):
+                token_id = FIRST_TOKEN_ID - 1 - index
+                yield core_pb2.GenerateChunk(
+                    reasoning=thought, token_ids=[token_id], request_id=request.request_id
+                )
             words = list(script.words)
             finish_reason = script.finish_reason
             if request.stopping.HasField("max_tokens") and request.stopping.max_tokens < len(words):
@@ -97,13 +119,23 @@ class CoreDouble(core_pb2_grpc.CoreServicer):
                     tool_calls=script.tool_calls,
                     finish_reason=finish_reason,
                     usage=core_pb2.Usage(
-                        prompt_tokens=prompt_token_count(request), completion_tokens=len(words)
+                        prompt_tokens=prompt_token_count(request),
+                        completion_tokens=len(words) + len(script.reasoning),
+                        cached_prompt_tokens=script.cached_prompt_tokens,
+                    ),
+                    timings=core_pb2.RequestTimings(
+                        queue_seconds=script.queue_seconds, prefill_seconds=script.prefill_seconds
                     ),
                     request_id=request.request_id,
                 )
         except asyncio.CancelledError:
             self.cancelled.set()
             raise
+        finally:
+            self.running -= 1
+
+    async def GetStats(self, request, context):
+        return core_pb2.CoreStats(running_requests=self.running, waiting_requests=0)
 
     async def ListModels(self, request, context):
         return core_pb2.ListModelsResponse(

@@ -8,10 +8,11 @@ import grpc
 import pytest
 from pydantic import ValidationError
 
-from services.gateway.core_client import build_generate_request
+from services.gateway.chat_format import ChatFormatter
+from services.gateway.generate_mapping import build_chat_request as build_generate_request
 from services.gateway.errors import error_from_grpc, param_from_location
 from services.gateway.openai_schema import ChatCompletionRequest
-from services.gateway.responses import CompletionMeta, CompletionState, stream_chunks
+from services.gateway.generation_state import CompletionMeta
 from services.proto.moemesh.v1 import core_pb2
 
 USER = [{"role": "user", "content": "Hi"}]
@@ -63,6 +64,10 @@ def test_unknown_fields_are_ignored() -> None:
         {"seed": 2**64},
         {"messages": []},
         {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+        {"tool_choice": "required"},
+        {"logit_bias": {"a": 1}},
+        {"stop": ""},
+        {"response_format": {"type": "xml"}},
     ],
 )
 def test_schema_refuses(fields: dict[str, object]) -> None:
@@ -113,27 +118,39 @@ def test_grpc_error_mapping_hides_internal_details() -> None:
     }
 
 
+def frames(raw: list[bytes]) -> list[dict]:
+    return [
+        json.loads(line.removeprefix(b"data: ")) for frame in raw for line in frame.split(b"\n\n") if line
+    ]
+
+
 def test_finish_chunk_with_text_gives_delta_then_finish() -> None:
-    meta = CompletionMeta(id="chatcmpl-x", created=1, model="m")
-    state = CompletionState()
+    formatter = ChatFormatter(
+        CompletionMeta(id="chatcmpl-x", created=1, model="m"), include_usage=False, with_logprobs=False
+    )
     last = core_pb2.GenerateChunk(
         text="end",
         token_ids=[1, 2],
         finish_reason=core_pb2.LENGTH,
         usage=core_pb2.Usage(prompt_tokens=4, completion_tokens=2),
     )
-    state.add(last)
-    chunks = stream_chunks(meta, last, state, include_usage=False)
+    formatter.state.add(last)
+    chunks = frames(formatter.on_chunk(last))
     assert [c["choices"][0]["delta"] for c in chunks] == [{"content": "end"}, {}]
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, "length"]
     assert "usage" not in chunks[0]
-    assert state.usage() == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    assert formatter.result()["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 2,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_usage_falls_back_to_counted_tokens() -> None:
-    state = CompletionState()
-    state.add(core_pb2.GenerateChunk(text="a", token_ids=[1]))
-    state.add(core_pb2.GenerateChunk(text="b", token_ids=[2, 3], finish_reason=core_pb2.STOP))
-    completion = state.completion(CompletionMeta("chatcmpl-y", 1, "m"), with_logprobs=False)
+    formatter = ChatFormatter(CompletionMeta("chatcmpl-y", 1, "m"), include_usage=False, with_logprobs=False)
+    formatter.state.add(core_pb2.GenerateChunk(text="a", token_ids=[1]))
+    formatter.state.add(core_pb2.GenerateChunk(text="b", token_ids=[2, 3], finish_reason=core_pb2.STOP))
+    completion = formatter.result()
     assert completion["usage"]["completion_tokens"] == 3
     assert completion["choices"][0]["message"] == {"role": "assistant", "content": "ab"}

@@ -179,7 +179,11 @@ def test_tool_calls_round_trip(gateway_url: str, core: CoreDouble) -> None:
         model=MODEL_ID, messages=messages, tools=tools, stream=True
     )
     calls = [call for chunk in stream for call in (chunk.choices[0].delta.tool_calls or [])]
-    assert [(call.index, call.function.name) for call in calls] == [(0, "get_weather")]
+    # OpenAI's shape: a head delta (index, id, type, name, empty arguments), then argument deltas.
+    assert [(call.index, call.id, call.function.name, call.function.arguments) for call in calls] == [
+        (0, "call_1", "get_weather", ""),
+        (0, None, None, '{"city": "Paris"}'),
+    ]
 
 
 def test_tool_choice_none_hides_tools(gateway_url: str, core: CoreDouble) -> None:

@@ -1,0 +1,112 @@
+"""Anthropic Messages request → core's `GenerateRequest`.
+
+Contract: Anthropic's block structure becomes the role/tool-call structure chat templates know:
+`system` → a system message; an assistant turn's `tool_use` blocks → that message's tool calls (input
+as JSON text); a user turn's `tool_result` blocks → `tool` messages carrying `tool_call_id`, in the
+order they appear, with the turn's text around them as user messages; thinking blocks are dropped.
+tool_choice auto/any/tool/none → core's AUTO/REQUIRED/NAMED/NONE.
+"""
+
+from __future__ import annotations
+
+import json
+
+from services.gateway.anthropic_schema import (
+    Message,
+    MessagesRequest,
+    TextBlock,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from services.proto.moemesh.v1 import core_pb2
+
+TOOL_CHOICE_MODES = {
+    "auto": core_pb2.ToolChoice.AUTO,
+    "any": core_pb2.ToolChoice.REQUIRED,
+    "tool": core_pb2.ToolChoice.NAMED,
+    "none": core_pb2.ToolChoice.NONE,
+}
+
+
+def core_messages(request: MessagesRequest) -> list[core_pb2.ChatMessage]:
+    out: list[core_pb2.ChatMessage] = []
+    if system := request.system_text():
+        out.append(core_pb2.ChatMessage(role="system", content=system))
+    for message in request.messages:
+        out.extend(_user_turn(message) if message.role == "user" else [_assistant_turn(message)])
+    return out
+
+
+def _user_turn(message: Message) -> list[core_pb2.ChatMessage]:
+    out: list[core_pb2.ChatMessage] = []
+    text: list[str] = []
+
+    def flush_text() -> None:
+        if text:
+            out.append(core_pb2.ChatMessage(role="user", content="".join(text)))
+            text.clear()
+
+    for block in message.blocks():
+        if isinstance(block, TextBlock):
+            text.append(block.text)
+        elif isinstance(block, ToolResultBlock):
+            flush_text()
+            content = block.text()
+            out.append(
+                core_pb2.ChatMessage(
+                    role="tool",
+                    content=f"Error: {content}" if block.is_error else content,
+                    tool_call_id=block.tool_use_id,
+                )
+            )
+        # tool_use in a user turn and thinking blocks carry nothing a template can show
+    flush_text()
+    return out or [core_pb2.ChatMessage(role="user", content="")]
+
+
+def _assistant_turn(message: Message) -> core_pb2.ChatMessage:
+    blocks = message.blocks()
+    calls = [block for block in blocks if isinstance(block, ToolUseBlock)]
+    return core_pb2.ChatMessage(
+        role="assistant",
+        content="".join(block.text for block in blocks if isinstance(block, TextBlock)),
+        tool_calls=[
+            core_pb2.ToolCall(id=call.id, name=call.name, arguments=json.dumps(call.input), index=i)
+            for i, call in enumerate(calls)
+        ],
+    )
+
+
+def build_messages_request(request: MessagesRequest, request_id: str) -> core_pb2.GenerateRequest:
+    choice = request.tool_choice
+    mode = TOOL_CHOICE_MODES[choice.type] if choice else core_pb2.ToolChoice.AUTO
+    chat = core_pb2.ChatInput(
+        messages=core_messages(request),
+        add_generation_prompt=True,
+        tool_choice=core_pb2.ToolChoice(
+            mode=mode, function_name=choice.name or "" if choice and choice.type == "tool" else ""
+        ),
+    )
+    if request.tools and mode != core_pb2.ToolChoice.NONE:
+        chat.tools.extend(
+            core_pb2.Tool(
+                name=tool.name, description=tool.description, parameters_json=json.dumps(tool.input_schema)
+            )
+            for tool in request.tools
+        )
+    if request.thinking is not None:
+        chat.template_kwargs_json = json.dumps({"enable_thinking": request.thinking.type == "enabled"})
+    sampling = core_pb2.SamplingParams()
+    if request.temperature is not None:
+        sampling.temperature = request.temperature
+    if request.top_p is not None:
+        sampling.top_p = request.top_p
+    if request.top_k:
+        sampling.top_k = request.top_k
+    return core_pb2.GenerateRequest(
+        request_id=request_id,
+        model=request.model,
+        chat=chat,
+        sampling=sampling,
+        stopping=core_pb2.StoppingCriteria(max_tokens=request.max_tokens, stop=request.stop_sequences or []),
+    )

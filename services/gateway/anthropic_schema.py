@@ -1,0 +1,125 @@
+"""Pydantic models for the Anthropic Messages request body, `POST /v1/messages`.
+
+Contract: what validates here maps to a `GenerateRequest` (see `anthropic_mapping.py`). Content is a
+string or a list of blocks: `text`, `tool_use` (assistant turns), `tool_result` (user turns) and
+`thinking`/`redacted_thinking` (accepted and dropped, as Anthropic itself drops earlier turns'
+thinking from the prompt). Images and documents are refused with a 400 naming the block, since the
+served models are text-only. `max_tokens` is required, as in Anthropic's API.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from services.gateway.openai_schema import UINT32_MAX, ApiModel
+
+
+class TextBlock(ApiModel):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(ApiModel):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolResultBlock(ApiModel):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+
+
+class ThinkingBlock(ApiModel):
+    type: Literal["thinking"]
+    thinking: str = ""
+    signature: str = ""
+
+
+class RedactedThinkingBlock(ApiModel):
+    type: Literal["redacted_thinking"]
+    data: str = ""
+
+
+ContentBlock = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
+]
+
+
+class Message(ApiModel):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+    def blocks(self) -> list[Any]:
+        return [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
+
+
+class ToolSpec(ApiModel):
+    name: str = Field(min_length=1, max_length=128)
+    description: str = ""
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+
+
+class ToolChoice(ApiModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class ThinkingConfig(ApiModel):
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = None
+
+
+class MessagesRequest(ApiModel):
+    """`POST /v1/messages` body (Anthropic Messages API)."""
+
+    model: str
+    max_tokens: int = Field(ge=1, le=UINT32_MAX)
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[str] | None = Field(default=None, max_length=16)
+    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+    metadata: dict[str, Any] | None = None
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _non_empty_stops(cls, stops: list[str] | None) -> list[str] | None:
+        if stops and "" in stops:
+            raise ValueError("stop sequences must not be empty strings")
+        return stops
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_names_a_tool(cls, choice: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        if choice is None:
+            return None
+        names = {tool.name for tool in info.data.get("tools") or []}
+        if choice.type == "any" and not names:
+            raise ValueError("tool_choice 'any' needs at least one tool in tools")
+        if choice.type == "tool":
+            if not choice.name:
+                raise ValueError("tool_choice of type 'tool' needs a name")
+            if choice.name not in names:
+                raise ValueError(f"tool_choice names tool {choice.name!r}, which is not in tools")
+        return choice
+
+    def system_text(self) -> str:
+        if self.system is None:
+            return ""
+        return self.system if isinstance(self.system, str) else "".join(b.text for b in self.system)

@@ -1,0 +1,130 @@
+"""Core `GenerateChunk`s → OpenAI `text_completion` objects (whole or as SSE chunks).
+
+Completions logprobs use the legacy shape: parallel lists `tokens`, `token_logprobs`,
+`top_logprobs` (one {token: logprob} map per token) and `text_offset` (each token's character
+offset in the returned text, which starts with the prompt when `echo` is set; core sends the echoed
+prompt as the first chunk's text, without logprobs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.gateway.chat_format import finish_reason_name, usage_json
+from services.gateway.errors import OpenAIError
+from services.gateway.generation_state import CompletionMeta, GenerationState, sse_data
+from services.proto.moemesh.v1 import core_pb2
+
+
+class LegacyLogprobs:
+    """Accumulates the four parallel lists of the completions `logprobs` object."""
+
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float] = []
+        self.top_logprobs: list[dict[str, float]] = []
+        self.text_offset: list[int] = []
+
+    def add(self, items: list[core_pb2.TokenLogprob], offset: int) -> dict[str, Any]:
+        """Record `items` whose text starts at character `offset`; returns just their part."""
+        part = LegacyLogprobs()
+        for item in items:
+            part.tokens.append(item.token)
+            part.token_logprobs.append(item.logprob)
+            part.top_logprobs.append({top.token: top.logprob for top in item.top})
+            part.text_offset.append(offset)
+            offset += len(item.token)
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(self, name).extend(getattr(part, name))
+        return part.json()
+
+    def json(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
+        }
+
+
+class CompletionFormatter:
+    """Renders one text completion, streamed or whole."""
+
+    log_event = "text completion"
+
+    def __init__(self, meta: CompletionMeta, *, include_usage: bool, with_logprobs: bool) -> None:
+        self.meta = meta
+        self.state = GenerationState()
+        self.include_usage = include_usage
+        self.with_logprobs = with_logprobs
+        self._logprobs = LegacyLogprobs()
+        self._chars = 0  # characters of text returned so far, for text_offset
+
+    def _record(self, chunk: core_pb2.GenerateChunk) -> dict[str, Any] | None:
+        part = self._logprobs.add(list(chunk.logprobs), self._chars) if self.with_logprobs else None
+        self._chars += len(chunk.text)
+        return part
+
+    def result(self) -> dict[str, Any]:
+        # Whole responses never call on_chunk: rebuild the logprobs from the accumulated state.
+        state = self.state
+        finish = state.require_finished()
+        logprobs = None
+        if self.with_logprobs:
+            text_before_logprobs = state.full_text()[
+                : len(state.full_text()) - sum(len(item.token) for item in state.logprobs)
+            ]
+            logprobs = LegacyLogprobs().add(state.logprobs, len(text_before_logprobs))
+        return self._object(
+            [
+                {
+                    "index": 0,
+                    "text": state.full_text(),
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason_name(finish),
+                }
+            ],
+            usage=usage_json(state),
+        )
+
+    def opening(self) -> list[bytes]:
+        return []
+
+    def on_chunk(self, chunk: core_pb2.GenerateChunk) -> list[bytes]:
+        out = []
+        logprobs = self._record(chunk)
+        if chunk.text or chunk.logprobs:
+            choice = {"index": 0, "text": chunk.text, "logprobs": logprobs, "finish_reason": None}
+            out.append(sse_data(self._object([choice], usage=None)))
+        if chunk.finish_reason != core_pb2.FINISH_REASON_UNSPECIFIED:
+            choice = {
+                "index": 0,
+                "text": "",
+                "logprobs": None,
+                "finish_reason": finish_reason_name(chunk.finish_reason),
+            }
+            out.append(sse_data(self._object([choice], usage=None)))
+        return out
+
+    def closing(self) -> list[bytes]:
+        self.state.require_finished()
+        out = []
+        if self.include_usage:
+            out.append(sse_data(self._object([], usage=usage_json(self.state))))
+        out.append(sse_data("[DONE]"))
+        return out
+
+    def error_event(self, error: OpenAIError) -> bytes:
+        return sse_data(error.body())
+
+    def _object(self, choices: list[dict[str, Any]], *, usage: dict[str, Any] | None) -> dict[str, Any]:
+        result: dict[str, Any] = {
+            "id": self.meta.id,
+            "object": "text_completion",
+            "created": self.meta.created,
+            "model": self.meta.model,
+            "choices": choices,
+        }
+        if usage is not None or self.include_usage or not choices:
+            result["usage"] = usage
+        return result

@@ -1,0 +1,65 @@
+"""Pydantic model for the OpenAI (legacy) Completions request body, `POST /v1/completions`.
+
+Contract: `prompt` is one prompt — a string or a list of token ids (a one-element list of either is
+accepted too, since clients often wrap it); batches of several prompts, `best_of` > 1 and `suffix`
+are refused with a 400 naming the field, because core serves one sequence per request and has no
+fill-in-the-middle template. `max_tokens` defaults to 16, as OpenAI's and vLLM's do.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, field_validator
+
+from services.gateway.openai_schema import UINT32_MAX, GenerationOptions
+
+TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+MAX_COMPLETION_LOGPROBS = 20
+
+
+class CompletionRequest(GenerationOptions):
+    """`POST /v1/completions` body."""
+
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1, le=UINT32_MAX)
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(
+        cls, prompt: str | list[int] | list[str] | list[list[int]]
+    ) -> str | list[int] | list[str] | list[list[int]]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise ValueError(f"{len(prompt)} prompts given; this server completes one prompt per request")
+            prompt = prompt[0]
+        if len(prompt) == 0:
+            raise ValueError("prompt must not be empty")
+        return prompt
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_one(cls, best_of: int | None) -> int | None:
+        if best_of not in (None, 1):
+            raise ValueError(f"best_of={best_of} is not supported: this server generates one sequence")
+        return best_of
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
+            raise ValueError("suffix (fill-in-the-middle) is not supported by this server")
+        return suffix
+
+    def prompt_text(self) -> str | None:
+        """The prompt when it is text; None when it is token ids."""
+        return self.prompt if isinstance(self.prompt, str) else None
+
+    def prompt_token_ids(self) -> list[int]:
+        assert not isinstance(self.prompt, str)
+        return [int(token) for token in self.prompt]  # type: ignore[arg-type]

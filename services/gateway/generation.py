@@ -1,0 +1,176 @@
+"""Run one `Core.Generate` call for an HTTP request and answer whole or as server-sent events.
+
+Contract, for every API (chat, completions, Anthropic messages):
+- a core error before the first chunk is a normal HTTP error (429, 404, 400 ...) in the API's
+  shape; one after streaming began is sent as the API's error event and the stream ends, since the
+  status line is gone;
+- a client that goes away cancels the core call, so core frees the sequence and its KV cache now
+  rather than generating for nobody until max_tokens;
+- successful requests are timed into the Prometheus metrics and logged once, with the request id
+  (bound by the middleware) on the line.
+The API-specific shapes live in the formatters (`chat_format`, `completions_format`,
+`anthropic_format`), which all implement `ResponseFormatter`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+import grpc
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from services.common.logging import get_logger
+from services.gateway.core_client import CoreClient
+from services.gateway.errors import OpenAIError, error_from_grpc, internal_error
+from services.gateway.generation_state import GenerationState, MissingFinishReason
+from services.gateway.metrics import GatewayMetrics, RequestTimer
+from services.proto.moemesh.v1 import core_pb2
+
+log = get_logger(__name__)
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "client went away"; nobody receives it
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ResponseFormatter(Protocol):
+    """Turns the chunks of one Generate stream into one API's response objects or SSE frames."""
+
+    state: GenerationState
+    log_event: str
+
+    def result(self) -> dict[str, Any]: ...
+    def opening(self) -> list[bytes]: ...
+    def on_chunk(self, chunk: core_pb2.GenerateChunk) -> list[bytes]: ...
+    def closing(self) -> list[bytes]: ...
+    def error_event(self, error: OpenAIError) -> bytes: ...
+
+
+class _Disconnect:
+    """Watches the HTTP connection and cancels the core call when the client goes away."""
+
+    def __init__(self, request: Request, call: grpc.aio.UnaryStreamCall) -> None:
+        self.happened = False
+        self._task = asyncio.create_task(self._watch(request, call))
+
+    async def _watch(self, request: Request, call: grpc.aio.UnaryStreamCall) -> None:
+        try:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # a receive that fails means the connection is gone too
+            log.debug("receive failed; treating it as a disconnect", exc_info=True)
+        self.happened = True
+        call.cancel()
+        log.info("client disconnected; core call cancelled")
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+def _cancelled_by_us(disconnect: _Disconnect) -> bool:
+    """A cancelled gRPC call raises CancelledError in its reader; tell it apart from this task
+    being cancelled (which must propagate)."""
+    task = asyncio.current_task()
+    return disconnect.happened and (task is None or task.cancelling() == 0)
+
+
+async def serve_generation(
+    request: Request,
+    generate: core_pb2.GenerateRequest,
+    formatter: ResponseFormatter,
+    *,
+    stream: bool,
+    model_label: str,
+) -> Response:
+    core: CoreClient = request.app.state.core
+    metrics: GatewayMetrics = request.app.state.metrics
+    timer = RequestTimer(metrics, model_label)
+    call = core.generate(generate)
+    disconnect = _Disconnect(request, call)
+    streaming = False
+    try:
+        first = await call.read()
+        if stream:
+            streaming = True
+            return StreamingResponse(
+                _sse(call, first, formatter, disconnect, timer),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
+            )
+        chunk = first
+        while chunk is not grpc.aio.EOF:
+            formatter.state.add(chunk)
+            timer.on_chunk(chunk)
+            chunk = await call.read()
+        result = formatter.result()
+        _done(formatter, timer, stream=False)
+        return JSONResponse(result)
+    except grpc.aio.AioRpcError as error:
+        raise _logged(error_from_grpc(error), error) from None
+    except MissingFinishReason as error:
+        log.error(str(error))
+        raise internal_error() from None
+    except asyncio.CancelledError:
+        if _cancelled_by_us(disconnect):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        raise
+    finally:
+        if not streaming:  # the stream generator owns call and watcher from here on
+            disconnect.stop()
+            call.cancel()
+
+
+async def _sse(
+    call: grpc.aio.UnaryStreamCall,
+    first: Any,
+    formatter: ResponseFormatter,
+    disconnect: _Disconnect,
+    timer: RequestTimer,
+) -> AsyncIterator[bytes]:
+    try:
+        for frame in formatter.opening():
+            yield frame
+        chunk = first
+        while chunk is not grpc.aio.EOF:
+            formatter.state.add(chunk)
+            timer.on_chunk(chunk)
+            frames = formatter.on_chunk(chunk)
+            if frames:
+                yield b"".join(frames)
+            chunk = await call.read()
+        yield b"".join(formatter.closing())
+        _done(formatter, timer, stream=True)
+    except grpc.aio.AioRpcError as error:
+        yield formatter.error_event(_logged(error_from_grpc(error), error))
+    except MissingFinishReason as error:
+        log.error(str(error))
+        yield formatter.error_event(internal_error())
+    except asyncio.CancelledError:
+        if not _cancelled_by_us(disconnect):
+            raise
+    except Exception:  # the status line is sent: an error event is all we can still do
+        log.exception("stream failed")
+        yield formatter.error_event(internal_error())
+    finally:
+        disconnect.stop()
+        call.cancel()  # no-op when finished; frees the sequence in core when the client left early
+
+
+def _logged(error: OpenAIError, cause: grpc.aio.AioRpcError) -> OpenAIError:
+    log.warning("core call failed", status=error.status, grpc_code=cause.code().name, details=cause.details())
+    return error
+
+
+def _done(formatter: ResponseFormatter, timer: RequestTimer, *, stream: bool) -> None:
+    state = formatter.state
+    timer.finished(state)
+    log.info(
+        formatter.log_event,
+        stream=stream,
+        finish_reason=core_pb2.FinishReason.Name(state.finish_reason or 0),
+        prompt_tokens=state.prompt_tokens,
+        completion_tokens=state.completion_tokens,
+        duration_ms=round((time.perf_counter() - timer.started) * 1000, 1),
+    )

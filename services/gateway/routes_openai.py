@@ -1,0 +1,51 @@
+"""OpenAI routes: `POST /v1/chat/completions` and `POST /v1/completions`.
+
+Thin: validate (pydantic, 400 on failure), map to a `GenerateRequest`, hand to `serve_generation`
+with the API's formatter. The response id embeds the request id, so a client's id finds the logs.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from services.gateway.chat_format import ChatFormatter
+from services.gateway.completions_format import CompletionFormatter
+from services.gateway.completions_schema import CompletionRequest
+from services.gateway.generate_mapping import build_chat_request, build_completion_request
+from services.gateway.generation import serve_generation
+from services.gateway.generation_state import CompletionMeta
+from services.gateway.openai_schema import ChatCompletionRequest
+from services.gateway.served_model import served_model_name
+
+router = APIRouter()
+
+
+def response_id(prefix: str, request_id: str) -> str:
+    return request_id if request_id.startswith(prefix) else f"{prefix}{request_id}"
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    request_id: str = request.state.request_id
+    model = body.model or await served_model_name(request)
+    meta = CompletionMeta(id=response_id("chatcmpl-", request_id), created=int(time.time()), model=model)
+    formatter = ChatFormatter(meta, include_usage=body.include_usage_in_stream(), with_logprobs=body.logprobs)
+    return await serve_generation(
+        request, build_chat_request(body, request_id), formatter, stream=body.stream, model_label=model
+    )
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    request_id: str = request.state.request_id
+    model = body.model or await served_model_name(request)
+    meta = CompletionMeta(id=response_id("cmpl-", request_id), created=int(time.time()), model=model)
+    formatter = CompletionFormatter(
+        meta, include_usage=body.include_usage_in_stream(), with_logprobs=body.logprobs is not None
+    )
+    return await serve_generation(
+        request, build_completion_request(body, request_id), formatter, stream=body.stream, model_label=model
+    )
