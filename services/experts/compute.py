@@ -106,17 +106,25 @@ class ExpertCompute:
             )
         t1 = time.perf_counter()
 
-        if everything_asked:
-            out = module(hidden, mx.array(local)).reshape(-1, hidden_size)
+        # The store says where each expert's weights sit (reading the missing ones from disk);
+        # a call whose experts do not fit its memory together is computed group by group.
+        groups = self.store.plan(call.layer, np.unique(ids[asked]).tolist())
+        if len(groups) <= 1:
+            slot = self.store.load(call.layer, groups[0] if groups else [])[ids]
+            if everything_asked:
+                out = module(hidden, mx.array(slot)).reshape(-1, hidden_size)
+            else:
+                rows, cols = np.nonzero(asked)
+                pairs = module(hidden[mx.array(rows)], mx.array(slot[rows, cols])[:, None])
+                out = pairs.reshape(-1, hidden_size)
+            wire = tensor_codec.wire_form(out.astype(self.hidden_dtype))  # replies are in the model dtype
+            mx.eval(wire)  # the one synchronisation of the call on the worker side
+            reply = np.asarray(wire)
         else:
-            rows, cols = np.nonzero(asked)
-            pairs = module(hidden[mx.array(rows)], mx.array(local[rows, cols])[:, None])
-            out = pairs.reshape(-1, hidden_size)
-        wire = tensor_codec.wire_form(out.astype(self.hidden_dtype))  # replies are in the model dtype
-        mx.eval(wire)  # the one synchronisation of the call on the worker side
+            reply = self._run_in_groups(call.layer, module, hidden, ids, asked, groups)
         t2 = time.perf_counter()
         result = expert_pb2.ExpertResult(call_id=call.call_id)
-        tensor_codec.encode_numpy(np.asarray(wire), self.hidden_wire_dtype, result.output)
+        tensor_codec.encode_numpy(reply, self.hidden_wire_dtype, result.output)
         t3 = time.perf_counter()
         stats = result.stats
         stats.decode_us, stats.compute_us, stats.encode_us = (
@@ -126,3 +134,23 @@ class ExpertCompute:
         )
         stats.pairs = int(asked.sum())
         return result
+
+    def _run_in_groups(self, layer, module, hidden, ids, asked, groups) -> np.ndarray:
+        """Rows of the asked pairs, computed one planned group of experts at a time.
+
+        Each group is evaluated before the next `load` may reuse its memory; every pair
+        goes through the module on its own row, as in the one-group path for partial calls.
+        """
+        pair_index = (np.cumsum(asked.ravel()) - 1).reshape(asked.shape)
+        reply = None
+        for group in groups:
+            slot_of = self.store.load(layer, group)
+            rows, cols = np.nonzero(asked & np.isin(ids, group))
+            pairs = module(hidden[mx.array(rows)], mx.array(slot_of[ids[rows, cols]])[:, None])
+            wire = tensor_codec.wire_form(pairs.reshape(-1, hidden.shape[1]).astype(self.hidden_dtype))
+            mx.eval(wire)
+            part = np.asarray(wire)
+            if reply is None:
+                reply = np.empty((int(asked.sum()), hidden.shape[1]), dtype=part.dtype)
+            reply[pair_index[rows, cols]] = part
+        return reply

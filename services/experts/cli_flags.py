@@ -1,0 +1,103 @@
+"""Command-line pieces of expert streaming: worker flags and the `iobench` / `plan` commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from services.experts.cache_policy import POLICIES
+from services.experts.io import DEFAULT_IO_THREADS, IO_MODES
+from services.experts.store_setup import DEFAULT_IO_MODE, DEFAULT_POLICY
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
+def add_streaming_flags(parser: argparse.ArgumentParser) -> None:
+    """`moe-mesh expert` flags: --memory-gb, --io, --cache-policy, --io-threads."""
+    parser.add_argument(
+        "--memory-gb",
+        type=_positive_float,
+        default=None,
+        help="keep at most this many GB of expert weights in RAM and read the rest from the layer "
+        "files on demand (default: all resident)",
+    )
+    parser.add_argument(
+        "--io",
+        choices=IO_MODES,
+        default=DEFAULT_IO_MODE,
+        help="reads of streamed experts: direct I/O or page cache",
+    )
+    parser.add_argument("--cache-policy", choices=POLICIES, default=DEFAULT_POLICY)
+    parser.add_argument(
+        "--io-threads", type=_positive_int, default=DEFAULT_IO_THREADS, help="parallel reads (queue depth)"
+    )
+
+
+def streaming_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        memory_gb=args.memory_gb, io_mode=args.io, cache_policy=args.cache_policy, io_threads=args.io_threads
+    )
+
+
+def add_storage_commands(sub) -> None:
+    """`moe-mesh iobench PATH` and `moe-mesh plan --model M --memory-gb X`."""
+    p = sub.add_parser("iobench", help="this disk's random-read GB/s at a split's expert record size")
+    p.add_argument("path", help="a split folder (its layer files and record size) or any large file")
+    p.add_argument(
+        "--record-size", type=_positive_int, default=None, help="bytes per read (default: the split's)"
+    )
+    p.add_argument("--queue-depths", default="1,2,4,8,16,32", help="comma-separated thread counts")
+    p.add_argument("--modes", default="direct,buffered", help="comma-separated: direct, buffered")
+    p.add_argument("--seconds", type=_positive_float, default=1.0, help="time per (mode, queue depth)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(func=_iobench)
+
+    p = sub.add_parser("plan", help="print the memory plan of a model before anything loads")
+    p.add_argument("--model", required=True, help="split folder or mlx-lm checkpoint folder")
+    p.add_argument("--memory-gb", type=_positive_float, required=True, help="expert RAM budget per worker")
+    p.add_argument("--workers", type=_positive_int, default=1, help="expert workers sharing the experts")
+    p.add_argument("--context", type=_positive_int, default=4096, help="tokens of context per sequence")
+    p.add_argument("--seqs", type=_positive_int, default=1, help="concurrent sequences")
+    p.add_argument("--kv-bytes", type=float, default=2.0, help="bytes per KV element (2 = fp16)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_plan)
+
+
+def _iobench(args) -> None:
+    from services.experts.iobench import format_table, run_iobench
+
+    result = run_iobench(
+        Path(args.path),
+        record_size=args.record_size,
+        queue_depths=[int(q) for q in args.queue_depths.split(",") if q],
+        modes=[m for m in args.modes.split(",") if m],
+        seconds=args.seconds,
+    )
+    print(json.dumps(result) if args.json else format_table(result))
+
+
+def _plan(args) -> None:
+    from services.plan import format_plan, memory_plan
+
+    plan = memory_plan(
+        Path(args.model),
+        memory_gb=args.memory_gb,
+        workers=args.workers,
+        context=args.context,
+        seqs=args.seqs,
+        kv_element_bytes=args.kv_bytes,
+    )
+    print(json.dumps(plan, indent=1) if args.json else format_plan(plan))

@@ -1,0 +1,184 @@
+"""`moe-mesh plan`: where a model's bytes will live, computed before anything loads.
+
+From a split's manifest (or a checkpoint's lazily loaded shapes — no weight is read):
+core bytes, every worker's owned / resident / streamed expert bytes under the budget,
+the KV cache for the requested context, and the SSD bytes each token is expected to
+read. The expectation assumes uniform routing, under which an LRU cache of s of the
+n owned experts hits s/n of the time; real routers are skewed, so real traffic reads
+less (bench/stream.py reports the measured hit rate).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from services.common.manifest import Manifest
+
+
+def _text_config(config: dict) -> dict:
+    return {**config, **(config.get("text_config") or {})}
+
+
+def _top_k(config: dict) -> int:
+    text = _text_config(config)
+    for key in ("num_experts_per_tok", "moe_topk", "top_k", "experts_per_token"):
+        if key in text:
+            return int(text[key])
+    return 1
+
+
+def kv_bytes_per_token(config: dict, element_bytes: float) -> tuple[float, str]:
+    """KV bytes per token over the attention layers, and how it was estimated."""
+    text = _text_config(config)
+    layers = int(text.get("num_hidden_layers", 0))
+    heads = int(text.get("num_attention_heads", 1))
+    kv_heads = int(text.get("num_key_value_heads", heads))
+    head_dim = int(text.get("head_dim") or text.get("hidden_size", 0) // max(heads, 1))
+    note = "2 x kv_heads x head_dim per attention layer"
+    if "kv_lora_rank" in text:  # MLA caches the compressed latent plus the rope key
+        per_layer = int(text["kv_lora_rank"]) + int(text.get("qk_rope_head_dim", 0))
+        note = "MLA: kv_lora_rank + qk_rope_head_dim per layer"
+    else:
+        per_layer = 2 * kv_heads * head_dim
+    attention_layers = layers
+    if "full_attention_interval" in text:  # hybrid: the other layers keep a fixed-size recurrent state
+        attention_layers = layers // int(text["full_attention_interval"])
+        note += f"; {attention_layers} of {layers} layers attend (hybrid)"
+    return attention_layers * per_layer * element_bytes, note
+
+
+def _from_split(split: Path) -> dict:
+    manifest = Manifest.load(split)
+    core_bytes = sum(f.stat().st_size for f in (split / "core").glob("*.safetensors"))
+    layers = [
+        {
+            "layer": layer.layer,
+            "experts": layer.num_experts,
+            "expert_bytes": sum(t.nbytes for t in layer.tensors),
+            "record_size": layer.record_size,
+        }
+        for layer in manifest.layers
+    ]
+    return {"config": manifest.config, "core_bytes": core_bytes, "layers": layers, "source": "split manifest"}
+
+
+def _from_checkpoint(path: Path) -> dict:
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    from services.common.model_build import UnsupportedModelError, expert_modules
+
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path}: neither a split (manifest.json) nor a checkpoint (config.json)")
+    model, config = load_model(path, lazy=True)  # shapes only: nothing is evaluated
+    total = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
+    layers = []
+    for order, (_, module) in enumerate(expert_modules(model)):
+        params = [a for _, a in tree_flatten(module.parameters())]
+        count = params[0].shape[0]
+        per_expert = sum(a.nbytes for a in params) // count
+        layers.append(
+            {"layer": order, "experts": count, "expert_bytes": per_expert, "record_size": per_expert}
+        )
+    if not layers:
+        raise UnsupportedModelError(f"{path.name} is a dense model: no routed experts")
+    expert_total = sum(layer["experts"] * layer["expert_bytes"] for layer in layers)
+    return {
+        "config": config,
+        "core_bytes": total - expert_total,
+        "layers": layers,
+        "source": "checkpoint shapes",
+    }
+
+
+def memory_plan(
+    model: Path,
+    memory_gb: float,
+    workers: int = 1,
+    context: int = 4096,
+    seqs: int = 1,
+    kv_element_bytes: float = 2.0,
+) -> dict:
+    model = Path(model).expanduser()
+    facts = _from_split(model) if (model / "manifest.json").exists() else _from_checkpoint(model)
+    layers, config = facts["layers"], facts["config"]
+    experts_per_layer = layers[0]["experts"]
+    if not 1 <= workers <= experts_per_layer:
+        raise ValueError(f"--workers must be between 1 and {experts_per_layer}")
+    budget = int(memory_gb * 1e9)
+    top_k = _top_k(config)
+    bounds = [round(i * experts_per_layer / workers) for i in range(workers + 1)]
+    plan_workers = []
+    ssd_bytes_per_token = 0.0
+    for w in range(workers):
+        owned = bounds[w + 1] - bounds[w]
+        shard = sum(owned * layer["expert_bytes"] for layer in layers)
+        resident = min(budget, shard)
+        fraction = resident / shard if shard else 1.0
+        # Per layer, top_k of the layer's experts are routed; this worker owns owned/E of them.
+        reads = sum(
+            top_k * owned / layer["experts"] * (1 - fraction) * layer["record_size"] for layer in layers
+        )
+        ssd_bytes_per_token += reads
+        plan_workers.append(
+            {
+                "worker": w,
+                "experts": f"{bounds[w]}-{bounds[w + 1] - 1}",
+                "shard_bytes": shard,
+                "resident_bytes": resident,
+                "streamed_bytes": shard - resident,
+                "resident_fraction": round(fraction, 4),
+                "expected_ssd_bytes_per_token": int(reads),
+            }
+        )
+    kv_per_token, kv_note = kv_bytes_per_token(config, kv_element_bytes)
+    expert_total = sum(layer["experts"] * layer["expert_bytes"] for layer in layers)
+    return {
+        "model": str(model),
+        "source": facts["source"],
+        "model_type": config.get("model_type"),
+        "core_bytes": facts["core_bytes"],
+        "expert_bytes": expert_total,
+        "moe_layers": len(layers),
+        "experts_per_layer": experts_per_layer,
+        "top_k": top_k,
+        "memory_budget_bytes_per_worker": budget,
+        "workers": plan_workers,
+        "kv": {
+            "bytes_per_token": int(kv_per_token),
+            "context": context,
+            "seqs": seqs,
+            "budget_bytes": int(kv_per_token * context * seqs),
+            "estimate": kv_note,
+        },
+        "expected_ssd_bytes_per_token": int(ssd_bytes_per_token),
+        "assumption": "uniform routing; an LRU cache of s of n experts hits s/n of the time",
+    }
+
+
+def format_plan(plan: dict) -> str:
+    gb = lambda n: f"{n / 1e9:.2f} GB"  # noqa: E731
+    lines = [
+        f"{plan['model']} ({plan['model_type']}, from {plan['source']})",
+        f"core (attention, embeddings, routers, shared experts): {gb(plan['core_bytes'])}",
+        f"routed experts: {gb(plan['expert_bytes'])} = {plan['moe_layers']} MoE layers x "
+        f"{plan['experts_per_layer']} experts, top-{plan['top_k']}",
+        f"KV cache: {plan['kv']['bytes_per_token'] / 1e3:.1f} KB/token x {plan['kv']['context']} tokens x "
+        f"{plan['kv']['seqs']} seqs = {gb(plan['kv']['budget_bytes'])} ({plan['kv']['estimate']})",
+        f"per worker, budget {gb(plan['memory_budget_bytes_per_worker'])}:",
+    ]
+    for w in plan["workers"]:
+        lines.append(
+            f"  worker {w['worker']} (experts {w['experts']}): shard {gb(w['shard_bytes'])}, resident "
+            f"{gb(w['resident_bytes'])} ({w['resident_fraction']:.0%}), streamed {gb(w['streamed_bytes'])}, "
+            f"~{w['expected_ssd_bytes_per_token'] / 1e6:.1f} MB/token from SSD"
+        )
+    lines.append(
+        f"expected SSD reads: {plan['expected_ssd_bytes_per_token'] / 1e6:.1f} MB per token ({plan['assumption']})"
+    )
+    return "\n".join(lines)
+
+
+def plan_json(plan: dict) -> str:
+    return json.dumps(plan, indent=1)
