@@ -2,7 +2,10 @@
 
 Addresses are `unix:/path/to.sock` (same host; ~2x faster round trips than
 loopback TCP) or `host:port`. Every server and channel sets explicit message size
-caps instead of gRPC's defaults or "unlimited".
+caps instead of gRPC's defaults or "unlimited". With `TlsFiles` given, servers
+require mTLS and channels present a client certificate; binding a non-loopback
+address without TLS works but logs a warning, since anyone on the network could
+then drive the service.
 """
 
 from __future__ import annotations
@@ -18,7 +21,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.logging import get_logger
+from services.common.tls import TlsFiles, channel_credentials, server_credentials
+
+log = get_logger(__name__)
 DEFAULT_MAX_MESSAGE_BYTES = 512 * 1024 * 1024
+DEFAULT_GRACE_S = 10.0
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -56,14 +64,40 @@ def unix_socket_path(address: str) -> Path | None:
     return Path(address[len("unix:") :]) if address.startswith("unix:") else None
 
 
-def bind(server: grpc.aio.Server, address: str) -> str:
+def is_loopback_address(address: str) -> bool:
+    from services.cluster import is_loopback
+
+    return is_loopback(normalize_address(address))
+
+
+def aio_channel(
+    address: str, tls: TlsFiles | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> grpc.aio.Channel:
+    """A grpc.aio channel to `address`, mTLS when `tls` is given (create it inside its loop)."""
+    options = channel_options(max_message_bytes)
+    address = normalize_address(address)
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, channel_credentials(tls), options=options)
+
+
+def bind(server: grpc.aio.Server, address: str, tls: TlsFiles | None = None) -> str:
     address = normalize_address(address)
     path = unix_socket_path(address)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():
             path.unlink()  # a stale socket from a killed process
-    port = server.add_insecure_port(address)
+    if tls is not None:
+        port = server.add_secure_port(address, server_credentials(tls))
+    else:
+        if not is_loopback_address(address):
+            log.warning(
+                "insecure_bind",
+                address=address,
+                hint="reachable from other hosts without TLS; add [tls] to cluster.toml (moe-mesh certs)",
+            )
+        port = server.add_insecure_port(address)
     if path is None and port == 0:
         raise OSError(f"cannot bind {address}")
     return address
@@ -99,15 +133,24 @@ class RunningServer:
     async def set_serving(self, serving: bool) -> None:
         await set_serving(self.health, [self.service_name], serving)
 
-    async def serve_until_signal(self, on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Serve until SIGTERM/SIGINT: health goes NOT_SERVING first, then `on_stop`, then the stop."""
+    async def serve_until_signal(
+        self, on_stop: Callable[[], Awaitable[None]] | None = None, grace_s: float = DEFAULT_GRACE_S
+    ) -> None:
+        """Serve until SIGTERM/SIGINT, then drain: health goes NOT_SERVING first (balancers and
+        `moe-mesh up` stop sending), new RPCs are refused while in-flight ones get up to `grace_s`
+        to finish, and only then `on_stop` runs (core stops its engine there)."""
 
-        async def stopping() -> None:
+        async def draining() -> None:
+            log.info("draining", address=self.address, grace_s=grace_s)
             await self.set_serving(False)
-            if on_stop is not None:
-                await on_stop()
 
-        await run_until_signal(self.server, stopping, socket_path=unix_socket_path(self.address))
+        await run_until_signal(
+            self.server,
+            draining,
+            grace_s=grace_s,
+            socket_path=unix_socket_path(self.address),
+            after_stop=on_stop,
+        )
 
 
 async def start_server(
@@ -116,12 +159,14 @@ async def start_server(
     listen: str,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     serving: bool = True,
+    tls: TlsFiles | None = None,
 ) -> RunningServer:
-    """A started grpc.aio server with our servicer, health (starting at `serving`) and reflection."""
+    """A started grpc.aio server with our servicer, health (starting at `serving`) and reflection;
+    mTLS-only when `tls` is given."""
     server = grpc.aio.server(options=server_options(max_message_bytes))
     add_servicer(server)
     health_servicer = add_health_and_reflection(server, [service_name])
-    address = bind(server, listen)
+    address = bind(server, listen, tls)
     await server.start()
     running = RunningServer(server, address, health_servicer, service_name)
     await running.set_serving(serving)
@@ -131,10 +176,12 @@ async def start_server(
 async def run_until_signal(
     server: grpc.aio.Server,
     on_stop: Callable[[], Awaitable[None]] | None = None,
-    grace_s: float = 5.0,
+    grace_s: float = DEFAULT_GRACE_S,
     socket_path: Path | None = None,
+    after_stop: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """Serve until SIGTERM/SIGINT, then stop gracefully and remove the Unix socket."""
+    """Serve until SIGTERM/SIGINT; then `on_stop`, a graceful stop (in-flight RPCs get `grace_s`),
+    `after_stop`, and the Unix socket is removed."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -145,6 +192,8 @@ async def run_until_signal(
         if on_stop is not None:
             await on_stop()
         await server.stop(grace_s)
+        if after_stop is not None:
+            await after_stop()
         if socket_path is not None and socket_path.exists():
             try:
                 os.unlink(socket_path)
@@ -152,8 +201,10 @@ async def run_until_signal(
                 pass
 
 
-async def check_health(target: str, service: str = "", timeout_s: float = 2.0) -> bool:
-    async with grpc.aio.insecure_channel(normalize_address(target)) as channel:
+async def check_health(
+    target: str, service: str = "", timeout_s: float = 2.0, tls: TlsFiles | None = None
+) -> bool:
+    async with aio_channel(target, tls) as channel:
         try:
             reply = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
@@ -170,3 +221,15 @@ def install_uvloop() -> None:
         uvloop.install()
     except ImportError:  # pragma: no cover - uvloop is a dependency everywhere but Windows
         pass
+
+
+def start_metrics_server(listen: str | None) -> None:
+    """Serve prometheus_client's default registry over HTTP at `host:port` (or a bare port on
+    loopback); None = no endpoint. Metrics name workers and layers, hence loopback by default."""
+    if not listen:
+        return
+    from prometheus_client import start_http_server
+
+    host, port = ("127.0.0.1", listen) if ":" not in listen else listen.rsplit(":", 1)
+    start_http_server(int(port), addr=host.strip("[]"))
+    log.info("metrics_listening", address=f"{host}:{port}")

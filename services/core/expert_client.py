@@ -12,11 +12,22 @@ Hidden states travel in the model's own dtype as raw bytes; grouping and reassem
 are numpy index operations on host memory, so the layer costs exactly one MLX
 synchronisation (`mx.eval` of hidden states and expert ids together) and one array
 construction on the way back.
+
+Replicas and failover: an expert may be held by several workers. Each call spreads
+the experts over their live replicas (rotating, so load balances across calls); a
+part that fails on a link (reset, closed stream, no answer in time) marks that link
+down and is re-sent to another replica within the same call deadline, so the engine
+never sees the failure. Only when some (layer, expert) has no live replica left does
+the call fail, with UNAVAILABLE naming the missing ranges. A down link is re-described
+in the background with exponential backoff and used again as soon as it answers with
+the right model: no core restart. A layer call is a pure function of its inputs, so a
+retry gives the same numbers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import queue
 import threading
@@ -28,10 +39,22 @@ import mlx.core as mx
 import numpy as np
 
 from services.common import tensor_codec
-from services.common.grpc_util import channel_options, normalize_address
+from services.common.grpc_util import aio_channel, normalize_address
+from services.common.logging import get_logger
 from services.common.manifest import Manifest
 from services.common.ranges import format_ranges
+from services.common.tls import TlsFiles
+from services.core import expert_metrics
 from services.proto.moemesh.v1 import expert_pb2, expert_pb2_grpc, tensor_pb2
+
+log = get_logger(__name__)
+
+# The request ids of the batch being stepped, set by the engine thread before each step
+# (the layer calls run on that same thread); they ride in every ExpertCall for worker logs.
+BATCH_REQUEST_IDS: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    "batch_request_ids", default=()
+)
+RECONNECT_BACKOFF_S = (0.1, 5.0)  # first retry, cap; doubles in between
 
 
 class ExpertCallError(RuntimeError):
@@ -69,14 +92,21 @@ class LayerCallTimings:
 
 
 class WorkerLink:
-    """One worker: its channel and its long-lived Forward stream (recreated after a failure)."""
+    """One worker: its channel, its long-lived Forward stream (recreated after a failure),
+    what it holds (from Describe) and whether core currently routes to it."""
 
-    def __init__(self, address: str, max_message_bytes: int):
+    def __init__(self, address: str, max_message_bytes: int, tls: TlsFiles | None):
         self.address = normalize_address(address)
-        self.channel = grpc.aio.insecure_channel(self.address, options=channel_options(max_message_bytes))
+        self.channel = aio_channel(self.address, tls, max_message_bytes)
         self.stub = expert_pb2_grpc.ExpertWorkerStub(self.channel)
         self.stream: grpc.aio.StreamStreamCall | None = None
         self.describe: expert_pb2.DescribeResponse | None = None
+        self.up = False
+        self.reconnecting: asyncio.Task | None = None
+        self.calls_metric = expert_metrics.WORKER_CALLS.labels(self.address)
+        self.retries_metric = expert_metrics.WORKER_RETRIES.labels(self.address)
+        self.up_metric = expert_metrics.WORKER_UP.labels(self.address)
+        self.up_metric.set(0)
 
     def open_stream(self) -> grpc.aio.StreamStreamCall:
         if self.stream is None or self.stream.done():
@@ -88,9 +118,28 @@ class WorkerLink:
             self.stream.cancel()
         self.stream = None
 
+    def set_up(self, up: bool) -> None:
+        self.up = up
+        self.up_metric.set(1 if up else 0)
+
+
+class _Part:
+    """The pairs of one layer call sent to one worker. `mask` [T, k] marks them (None = all)."""
+
+    __slots__ = ("hidden", "ids", "link", "mask")
+
+    def __init__(self, link: int, mask: np.ndarray | None, hidden: np.ndarray, ids: np.ndarray):
+        self.link, self.mask, self.hidden, self.ids = link, mask, hidden, ids
+
 
 class ExpertDispatcher:
-    """Routes every (token, expert) pair of a layer call to the worker that owns the expert."""
+    """Routes every (token, expert) pair of a layer call to a live worker that holds the expert.
+
+    Contract: `call()` returns [T, k, H] or raises ExpertCallError — UNAVAILABLE only when some
+    routed expert has no live replica (the message names the (layer, expert) ranges) or the call
+    deadline passed; INVALID_ARGUMENT/INTERNAL answered in-band by a worker are not retried on the
+    same worker but are on a replica (a bad disk on one host must not fail the request).
+    """
 
     def __init__(
         self,
@@ -98,72 +147,135 @@ class ExpertDispatcher:
         worker_addresses: list[str],
         call_timeout_s: float = 60.0,
         max_message_bytes: int = 512 * 1024 * 1024,
+        tls: TlsFiles | None = None,
     ):
         if not worker_addresses:
             raise ValueError("at least one expert worker address is needed")
         self.manifest = manifest
         self.call_timeout_s = call_timeout_s
+        self.tls = tls
         # The I/O loop and its thread. Channels are created inside the loop (see _discover)
         # so they bind to it and to no other loop.
         self.loop = _new_event_loop()
         self._io_thread = threading.Thread(target=self.loop.run_forever, name="expert-io", daemon=True)
         self._io_thread.start()
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
-        self._addresses = list(worker_addresses)
+        self._addresses = list(dict.fromkeys(worker_addresses))
         self._max_message_bytes = max_message_bytes
         self.links: list[WorkerLink] = []
-        # owner[layer][expert] = index into self.links, -1 = nobody
-        self.owner: dict[int, np.ndarray] = {
-            layer.layer: np.full(layer.num_experts, -1, dtype=np.int32) for layer in manifest.layers
-        }
+        self._num_experts = {layer.layer: layer.num_experts for layer in manifest.layers}
+        # routes[layer] = (replicas [E, R] link indices padded with -1, live replica count [E]);
+        # swapped whole (never mutated) so the engine thread always reads a consistent table.
+        self.routes: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._rebuild_routes()
         self.hidden_dtype = tensor_codec.MLX_DTYPE_BY_NAME[manifest.dtype]
         self.timings = LayerCallTimings()
         self._call_ids = itertools.count(1)
+        self._rotation = itertools.count()
+        self._layer_seconds = {
+            layer: expert_metrics.LAYER_CALL_SECONDS.labels(str(layer)) for layer in self._num_experts
+        }
+        self._closing = False
 
     # ---- placement -------------------------------------------------------------------------
 
     def discover(self, timeout_s: float = 5.0) -> list[str]:
-        """Describe every worker, build the owner table; return problems (empty = all covered)."""
+        """Describe every worker, rebuild the routes; return problems (empty = all covered)."""
         return asyncio.run_coroutine_threadsafe(self._discover(timeout_s), self.loop).result()
 
     async def _discover(self, timeout_s: float) -> list[str]:
         if not self.links:
-            self.links = [WorkerLink(address, self._max_message_bytes) for address in self._addresses]
-        problems = []
-        for table in self.owner.values():
-            table.fill(-1)
+            self.links = [WorkerLink(a, self._max_message_bytes, self.tls) for a in self._addresses]
         replies = await asyncio.gather(
-            *(link.stub.Describe(expert_pb2.DescribeRequest(), timeout=timeout_s) for link in self.links),
-            return_exceptions=True,
+            *(self._describe(link, timeout_s) for link in self.links), return_exceptions=True
         )
-        for index, (link, reply) in enumerate(zip(self.links, replies, strict=True)):
-            if isinstance(reply, BaseException):
-                link.describe = None
-                detail = reply.details() if isinstance(reply, grpc.aio.AioRpcError) else repr(reply)
-                problems.append(f"expert worker {link.address} is unreachable: {detail}")
-                continue
-            if reply.model_fingerprint != self.manifest.fingerprint:
-                problems.append(
-                    f"expert worker {link.address} serves model {reply.model_fingerprint}, core has {self.manifest.fingerprint}"
-                )
-                continue
-            link.describe = reply
-            for held in reply.layers:
-                table = self.owner.get(held.layer)
-                if table is not None:
-                    experts = np.array(held.experts, dtype=np.int64)
-                    free = experts[table[experts] < 0]  # first owner wins; replicas are a later feature
-                    table[free] = index
+        problems = [str(reply) for reply in replies if isinstance(reply, BaseException)]
+        self._rebuild_routes()
         problems.extend(self.coverage_gaps())
         return problems
 
+    async def _describe(self, link: WorkerLink, timeout_s: float) -> None:
+        """Describe one link and mark it up or down; raises a readable error when down."""
+        try:
+            reply = await link.stub.Describe(expert_pb2.DescribeRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as error:
+            self._set_link(link, None)
+            raise RuntimeError(f"expert worker {link.address} is unreachable: {error.details()}") from None
+        if reply.model_fingerprint != self.manifest.fingerprint:
+            self._set_link(link, None)
+            raise RuntimeError(
+                f"expert worker {link.address} serves model {reply.model_fingerprint}, core has {self.manifest.fingerprint}"
+            )
+        self._set_link(link, reply)
+
+    def _set_link(self, link: WorkerLink, describe: expert_pb2.DescribeResponse | None) -> None:
+        """Runs on the I/O loop. A link going down gets a background reconnect with backoff."""
+        was_up = link.up
+        link.describe = describe
+        link.set_up(describe is not None)
+        if was_up and not link.up:
+            link.reset()
+            log.warning("expert_worker_down", worker=link.address)
+        elif link.up and not was_up and describe is not None:
+            log.info("expert_worker_up", worker=link.address, worker_id=describe.worker_id)
+        if not link.up and not self._closing and (link.reconnecting is None or link.reconnecting.done()):
+            link.reconnecting = self.loop.create_task(self._reconnect(link))
+
+    def _rebuild_routes(self) -> None:
+        held: dict[int, list[list[int]]] = {
+            layer: [[] for _ in range(n)] for layer, n in self._num_experts.items()
+        }
+        for index, link in enumerate(self.links):
+            if not link.up or link.describe is None:
+                continue
+            for layer_experts in link.describe.layers:
+                owners = held.get(layer_experts.layer)
+                if owners is None:
+                    continue
+                for expert in layer_experts.experts:
+                    if expert < len(owners):
+                        owners[expert].append(index)
+        routes = {}
+        for layer, owners in held.items():
+            width = max(1, *(len(o) for o in owners))
+            replicas = np.full((len(owners), width), -1, dtype=np.int32)
+            for expert, o in enumerate(owners):
+                replicas[expert, : len(o)] = o
+            routes[layer] = (replicas, np.array([len(o) for o in owners], dtype=np.int32))
+        self.routes = routes
+
     def coverage_gaps(self) -> list[str]:
         gaps = []
-        for layer, table in self.owner.items():
-            missing = np.flatnonzero(table < 0).tolist()
+        for layer, (_, count) in sorted(self.routes.items()):
+            missing = np.flatnonzero(count == 0).tolist()
             if missing:
                 gaps.append(f"layer {layer} experts {format_ranges(missing)} have no reachable worker")
         return gaps
+
+    def replica_counts(self) -> dict[int, np.ndarray]:
+        """Live replicas per expert, per layer (for health and stats)."""
+        return {layer: count.copy() for layer, (_, count) in self.routes.items()}
+
+    def _choose(
+        self, layer: int, ids: np.ndarray, rotation: int, exclude: tuple[int, ...] = ()
+    ) -> np.ndarray:
+        """Link index per pair (same shape as `ids`), spreading each expert over its live
+        replicas other than `exclude`; raises UNAVAILABLE naming the experts that have none."""
+        replicas, count = self.routes[layer]
+        if exclude:
+            usable = (replicas >= 0) & ~np.isin(replicas, exclude)
+            replicas = np.take_along_axis(replicas, np.argsort(~usable, axis=1, kind="stable"), axis=1)
+            count = usable.sum(axis=1).astype(np.int32)
+        counts = count[ids]
+        if counts.min() <= 0:
+            missing = sorted(set(ids[counts <= 0].tolist()))
+            raise ExpertCallError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"layer {layer} experts {format_ranges(missing)} have no reachable worker",
+            )
+        if replicas.shape[1] == 1:
+            return replicas[ids, 0]
+        return replicas[ids, (ids + rotation) % counts]
 
     # ---- the layer call ----------------------------------------------------------------------
 
@@ -173,78 +285,78 @@ class ExpertDispatcher:
         started = time.perf_counter()
         tokens, k = expert_ids.shape
         ids = np.asarray(expert_ids)  # evaluated int32 (RemoteExperts made it so): a view, no sync
-        owners = self.owner[layer][ids]
-        if owners.min() < 0:
-            missing = sorted(set(ids[owners < 0].tolist()))
-            raise ExpertCallError(
-                grpc.StatusCode.UNAVAILABLE,
-                f"layer {layer} experts {format_ranges(missing)} have no reachable worker",
-            )
         host_hidden = tensor_codec.numpy_view(hidden)
-        wire_dtype = tensor_codec.wire_dtype_of(self.hidden_dtype)
-        first = int(owners.flat[0])
-        if (owners == first).all():
-            plan = [(first, None, host_hidden, ids)]
-        else:
-            plan = []
-            for worker in np.unique(owners).tolist():
-                mask = owners == worker
-                rows = np.flatnonzero(mask.any(axis=1))
-                plan.append((worker, mask, host_hidden[rows], np.where(mask, ids, -1)[rows]))
-        self.loop.call_soon_threadsafe(self._start_roundtrip, layer, plan, wire_dtype)
+        try:
+            owners = self._choose(layer, ids, next(self._rotation))
+        except ExpertCallError as error:
+            expert_metrics.LAYER_CALL_FAILURES.labels(error.code.name).inc()
+            raise
+        plan = _plan(owners, host_hidden, ids)
+        self.loop.call_soon_threadsafe(
+            self._start_roundtrip, layer, plan, host_hidden, ids, BATCH_REQUEST_IDS.get()
+        )
         ok, results = self._replies.get()
         if not ok:
+            expert_metrics.LAYER_CALL_FAILURES.labels(results.code.name).inc()
             raise results
 
         hidden_size = hidden.shape[-1]
-        if len(plan) == 1:
-            out = results[0][0].reshape(tokens, k, hidden_size)
+        if len(results) == 1 and results[0][0] is None:
+            out = results[0][1].reshape(tokens, k, hidden_size)
         else:
             out = np.empty((tokens * k, hidden_size), dtype=host_hidden.dtype)
-            for (_, mask, _, _), (rows, _) in zip(plan, results, strict=True):
+            for mask, rows, _ in results:
                 out[np.flatnonzero(mask)] = rows
             out = out.reshape(tokens, k, hidden_size)
         array = mx.array(out)
         if self.hidden_dtype == mx.bfloat16:
             array = array.view(mx.bfloat16)
-        worker_us = max(r[1].decode_us + r[1].compute_us + r[1].encode_us for r in results)
-        compute_us = max(r[1].compute_us for r in results)
-        self.timings.record((time.perf_counter() - started) * 1e6, worker_us, compute_us)
+        stats = [r[2] for r in results]
+        worker_us = max(s.decode_us + s.compute_us + s.encode_us for s in stats)
+        compute_us = max(s.compute_us for s in stats)
+        elapsed = time.perf_counter() - started
+        self.timings.record(elapsed * 1e6, worker_us, compute_us)
+        self._layer_seconds[layer].observe(elapsed)
         return array
 
-    def _start_roundtrip(self, layer: int, plan, wire_dtype: int) -> None:
-        self.loop.create_task(self._roundtrip(layer, plan, wire_dtype))
+    def _start_roundtrip(self, layer, plan, hidden, ids, request_ids) -> None:
+        self.loop.create_task(self._roundtrip(layer, plan, hidden, ids, request_ids))
 
-    async def _roundtrip(self, layer: int, plan, wire_dtype: int) -> None:
-        """Runs on the I/O loop; always answers through self._replies, never raises."""
-        links = [self.links[worker] for worker, _, _, _ in plan]
+    async def _roundtrip(self, layer: int, plan: list[_Part], hidden, ids, request_ids) -> None:
+        """Runs on the I/O loop; always answers through self._replies, never raises.
+
+        Answers (True, [(mask or None, rows, stats), ...]) or (False, ExpertCallError)."""
+        deadline = self.loop.time() + self.call_timeout_s
+        done: list[tuple] = []
         try:
-            # asyncio.timeout, not wait_for: no extra task per await on the hot path.
-            async with asyncio.timeout(self.call_timeout_s):
-                if len(plan) == 1:
-                    _, _, hidden, ids = plan[0]
-                    results = [await self._one(links[0], layer, hidden, ids, wire_dtype)]
-                else:
-                    results = await asyncio.gather(
-                        *(
-                            self._one(link, layer, hidden, ids, wire_dtype)
-                            for link, (_, _, hidden, ids) in zip(links, plan, strict=True)
-                        )
-                    )
-            self._replies.put((True, results))
-        except TimeoutError:
-            for link in links:
-                link.reset()  # a late reply must not be taken for the next call's
-            names = ", ".join(link.address for link in links)
-            self._replies.put(
-                (
-                    False,
-                    ExpertCallError(
+            while plan:
+                remaining = deadline - self.loop.time()
+                if remaining <= 0:
+                    raise ExpertCallError(
                         grpc.StatusCode.UNAVAILABLE,
-                        f"expert worker {names} did not answer layer {layer} within {self.call_timeout_s:g} s",
-                    ),
-                )
-            )
+                        f"layer {layer}: no worker answered within {self.call_timeout_s:g} s",
+                    )
+                # With a replica to fall back on, a silent worker gets half of what is left,
+                # so the retry still fits in the call's deadline.
+                replicated = self.routes[layer][0].shape[1] > 1
+                budget = remaining / 2 if replicated else remaining
+                if len(plan) == 1:
+                    outcomes = [await self._attempt(plan[0], layer, budget, request_ids)]
+                else:
+                    outcomes = await asyncio.gather(
+                        *(self._attempt(part, layer, budget, request_ids) for part in plan),
+                        return_exceptions=True,
+                    )
+                failed = []
+                for part, outcome in zip(plan, outcomes, strict=True):
+                    if isinstance(outcome, BaseException):
+                        if not isinstance(outcome, ExpertCallError):
+                            raise outcome
+                        failed.append((part, outcome))
+                    else:
+                        done.append((part.mask, *outcome))
+                plan = self._replan(layer, failed, hidden, ids) if failed else []
+            self._replies.put((True, done))
         except ExpertCallError as error:
             self._replies.put((False, error))
         except Exception as error:  # noqa: BLE001 - the engine thread must always get an answer
@@ -252,9 +364,55 @@ class ExpertDispatcher:
                 (False, ExpertCallError(grpc.StatusCode.INTERNAL, f"layer {layer} call failed: {error!r}"))
             )
 
-    async def _one(self, link: WorkerLink, layer: int, hidden: np.ndarray, ids: np.ndarray, wire_dtype: int):
-        call = expert_pb2.ExpertCall(call_id=next(self._call_ids), layer=layer)
-        tensor_codec.encode_numpy(hidden, wire_dtype, call.hidden)
+    def _replan(self, layer: int, failed: list, hidden: np.ndarray, ids: np.ndarray) -> list[_Part]:
+        """Move the failed parts' pairs to other live replicas, or raise naming what is missing."""
+        pending = np.zeros(ids.shape, dtype=bool)
+        for part, error in failed:
+            if error.code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise error  # our call is malformed: every replica would say the same
+            self.links[part.link].retries_metric.inc()
+            if part.mask is None:
+                pending[:] = True
+            else:
+                pending |= part.mask
+        log.warning(
+            "expert_call_retry",
+            layer=layer,
+            failed=[self.links[part.link].address for part, _ in failed],
+            error=str(failed[0][1]),
+        )
+        # A link that failed stays out of this call even if it still looks up (an in-band error).
+        exclude = tuple(sorted({part.link for part, _ in failed}))
+        owners = np.full(ids.shape, -1, dtype=np.int32)
+        try:
+            owners[pending] = self._choose(layer, ids[pending], next(self._rotation), exclude)
+        except ExpertCallError as gap:  # name what failed and what is now missing
+            causes = "; ".join(dict.fromkeys(str(error) for _, error in failed))
+            raise ExpertCallError(grpc.StatusCode.UNAVAILABLE, f"{causes}; {gap}") from None
+        return _plan(owners, hidden, ids)
+
+    async def _attempt(self, part: _Part, layer: int, budget_s: float, request_ids) -> tuple:
+        link = self.links[part.link]
+        link.calls_metric.inc()
+        try:
+            # asyncio.timeout, not wait_for: no extra task per await on the hot path.
+            async with asyncio.timeout(budget_s):
+                return await self._one(link, layer, part.hidden, part.ids, request_ids)
+        except TimeoutError:
+            link.reset()  # a late reply must not be taken for the next call's
+            self._link_failed(link)
+            error = ExpertCallError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"expert worker {link.address} did not answer layer {layer} within {budget_s:.3g} s",
+            )
+        except ExpertCallError as failure:
+            error = failure
+        expert_metrics.WORKER_ERRORS.labels(link.address, error.code.name).inc()
+        raise error
+
+    async def _one(self, link: WorkerLink, layer: int, hidden: np.ndarray, ids: np.ndarray, request_ids):
+        call = expert_pb2.ExpertCall(call_id=next(self._call_ids), layer=layer, request_ids=request_ids)
+        tensor_codec.encode_numpy(hidden, tensor_codec.wire_dtype_of(self.hidden_dtype), call.hidden)
         tensor_codec.encode_numpy(ids, tensor_pb2.DType.INT32, call.expert_ids)
         try:
             stream = link.open_stream()
@@ -262,12 +420,14 @@ class ExpertDispatcher:
             result = await stream.read()
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as error:
             link.reset()
+            self._link_failed(link)
             detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
             raise ExpertCallError(
                 grpc.StatusCode.UNAVAILABLE, f"expert worker {link.address} is unavailable: {detail}"
             ) from None
         if result is grpc.aio.EOF:
             link.reset()
+            self._link_failed(link)
             raise ExpertCallError(
                 grpc.StatusCode.UNAVAILABLE, f"expert worker {link.address} closed its stream"
             )
@@ -284,15 +444,53 @@ class ExpertDispatcher:
         rows = tensor_codec.decode_numpy(result.output, "output", 1 << 40, ndim=2)
         return rows, result.stats
 
+    # ---- reconnect ---------------------------------------------------------------------------
+
+    def _link_failed(self, link: WorkerLink) -> None:
+        """Stop routing to the link; _set_link describes it again in the background until it is back."""
+        if link.up:
+            self._set_link(link, None)
+            self._rebuild_routes()
+
+    async def _reconnect(self, link: WorkerLink) -> None:
+        delay, cap = RECONNECT_BACKOFF_S
+        while not self._closing and not link.up:
+            await asyncio.sleep(delay)
+            try:
+                await self._describe(link, timeout_s=2.0)
+            except RuntimeError:
+                delay = min(delay * 2, cap)
+                continue
+            self._rebuild_routes()
+
     def close(self) -> None:
         async def _close():
+            self._closing = True
             for link in self.links:
+                if link.reconnecting is not None:
+                    link.reconnecting.cancel()
                 link.reset()
                 await link.channel.close()
 
         asyncio.run_coroutine_threadsafe(_close(), self.loop).result(timeout=10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._io_thread.join(timeout=10)
+
+
+def _plan(owners: np.ndarray, hidden: np.ndarray, ids: np.ndarray) -> list[_Part]:
+    """Group the pairs by owning link: one part per link with the rows that link must see.
+    `owners` is [T, k] (-1 = not part of this plan)."""
+    first = int(owners.flat[0])
+    if first >= 0 and (owners == first).all():
+        return [_Part(first, None, hidden, ids)]
+    parts = []
+    for link in np.unique(owners).tolist():
+        if link < 0:
+            continue
+        mask = owners == link
+        rows = np.flatnonzero(mask.any(axis=1))
+        parts.append(_Part(link, mask, hidden[rows], np.where(mask, ids, -1)[rows]))
+    return parts
 
 
 def _new_event_loop() -> asyncio.AbstractEventLoop:

@@ -11,9 +11,10 @@ import asyncio
 import time
 from pathlib import Path
 
-from services.common.grpc_util import install_uvloop, start_server
+from services.common.grpc_util import install_uvloop, start_metrics_server, start_server
 from services.common.logging import get_logger
 from services.common.manifest import Manifest
+from services.common.tls import TlsFiles
 from services.core.engine import Engine, EngineConfig
 from services.core.expert_client import ExpertDispatcher
 from services.core.model_loader import load_core_model, load_core_tokenizer
@@ -34,6 +35,7 @@ def build_engine(
     workers: list[str],
     engine_config: EngineConfig,
     expert_timeout_s: float = 60.0,
+    tls: TlsFiles | None = None,
 ) -> tuple[Engine, RequestPreparer, core_pb2.ModelInfo]:
     manifest = Manifest.load(split_dir)
     tokenizer = load_core_tokenizer(split_dir, manifest)
@@ -43,7 +45,7 @@ def build_engine(
     preparer = RequestPreparer(tokenizer, model_id, context_length, int(text_config["vocab_size"]))
 
     def loader():
-        dispatcher = ExpertDispatcher(manifest, workers, call_timeout_s=expert_timeout_s)
+        dispatcher = ExpertDispatcher(manifest, workers, call_timeout_s=expert_timeout_s, tls=tls)
         started = time.monotonic()
         model = load_core_model(split_dir, manifest, dispatcher)
         log.info(
@@ -68,9 +70,13 @@ async def serve_core(
     workers: list[str],
     engine_config: EngineConfig | None = None,
     expert_timeout_s: float = 60.0,
+    tls: TlsFiles | None = None,
+    metrics: str | None = None,
 ) -> None:
+    """`tls`: mTLS for the Core server and the links to workers; `metrics`: host:port of the
+    Prometheus endpoint (None = none)."""
     engine, preparer, info = build_engine(
-        split_dir, workers, engine_config or EngineConfig(), expert_timeout_s
+        split_dir, workers, engine_config or EngineConfig(), expert_timeout_s, tls
     )
     running = await start_server(
         lambda server: core_pb2_grpc.add_CoreServicer_to_server(CoreServicer(engine, preparer, info), server),
@@ -78,7 +84,9 @@ async def serve_core(
         listen,
         max_message_bytes=64 * 1024 * 1024,
         serving=False,  # until the model is loaded and every expert is reachable
+        tls=tls,
     )
+    start_metrics_server(metrics)
     loop = asyncio.get_running_loop()
 
     def on_health(serving: bool) -> None:  # called on the engine thread

@@ -13,6 +13,7 @@ import structlog
 from services.common.logging import REQUEST_ID_METADATA_KEY, get_logger
 from services.experts.compute import CallRejected, ExpertCompute
 from services.experts.store import ExpertFileError
+from services.experts.store_setup import describe_cache
 from services.proto.moemesh.v1 import expert_pb2, expert_pb2_grpc
 
 log = get_logger(__name__)
@@ -25,6 +26,9 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         self.memory_budget_bytes = memory_budget_bytes
         self.calls = 0
         self.rejected = 0
+        # Request ids seen recently: each is logged once when it first reaches this worker,
+        # not once per layer call (that would be layers x tokens lines per request).
+        self._seen_requests: dict[str, None] = {}
 
     async def Describe(self, request, context):
         store = self.compute.store
@@ -36,6 +40,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             num_experts=self.compute.manifest.num_experts,
             hidden_dtype=self.compute.manifest.dtype,
         )
+        describe_cache(reply, store.stats())
         for layer, experts in sorted(store.owned.items()):
             reply.layers.add(
                 layer=layer, experts=experts, resident=[store.is_resident(layer, e) for e in experts]
@@ -48,6 +53,8 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         log.info("forward_stream_open", peer=context.peer())
         async for call in request_iterator:
             self.calls += 1
+            if call.request_ids:
+                self._log_new_requests(call)
             try:
                 yield self.compute.run(call)
             except CallRejected as error:
@@ -55,6 +62,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
                 log.warning(
                     "call_rejected",
                     call_id=call.call_id,
+                    request_ids=list(call.request_ids),
                     layer=call.layer,
                     field=error.field,
                     error=str(error),
@@ -64,6 +72,14 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
                 log.error("expert_read_failed", call_id=call.call_id, layer=call.layer, error=str(error))
                 yield _error(call.call_id, grpc.StatusCode.INTERNAL, str(error))
         log.info("forward_stream_closed", peer=context.peer())
+
+    def _log_new_requests(self, call) -> None:
+        for request_id in call.request_ids:
+            if request_id not in self._seen_requests:
+                self._seen_requests[request_id] = None
+                log.info("request_seen", request_id=request_id, call_id=call.call_id, layer=call.layer)
+        while len(self._seen_requests) > 4096:
+            del self._seen_requests[next(iter(self._seen_requests))]
 
 
 def _error(call_id: int, code: grpc.StatusCode, message: str) -> expert_pb2.ExpertResult:

@@ -1,0 +1,276 @@
+"""`cluster.toml`: one file describes a deployment; every service reads it plus its role.
+
+```toml
+[model]
+split = "/srv/moe-mesh/qwen3-235b-split"   # same path on every host (relative = to this file)
+
+[core]
+listen = "10.0.0.1:50051"                  # where the gateway reaches core
+metrics = "127.0.0.1:9101"                 # optional Prometheus endpoint
+expert_timeout_s = 60
+
+[gateway]
+host = "127.0.0.1"
+port = 8000
+
+[tls]                                      # optional: mTLS on every gRPC link
+dir = "certs"                              # from `moe-mesh certs --config cluster.toml`
+
+[[workers]]
+name = "mac-a"
+address = "10.0.0.2:50061"                 # where core reaches it
+listen = "0.0.0.0:50061"                   # optional, default = address
+layers = "all"
+experts = "0-63"
+memory_gb = 48                             # optional budget for this worker's experts
+metrics = "127.0.0.1:9102"
+```
+
+An expert may be listed by several workers (replicas): core balances over them and
+fails over between them. The config is typed and frozen; every error names the key
+and the file, so a bad file is one clear line, never a traceback at runtime.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common.ranges import parse_ranges
+from services.common.tls import TlsFiles
+
+ROLES = ("core", "gateway", "worker")
+
+
+class ClusterConfigError(ValueError):
+    """cluster.toml is malformed: the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    name: str
+    address: str  # how core reaches it
+    listen: str  # what it binds
+    layers: str = "all"
+    experts: str = "all"
+    memory_gb: float | None = None
+    metrics: str | None = None
+    worker_id: str | None = None
+
+    def owned(self, moe_layers: list[int], num_experts: int) -> dict[int, list[int]]:
+        """(layer -> experts) this worker serves, for a model with these MoE layers."""
+        layer_ids = set(moe_layers)
+        chosen = parse_ranges(self.layers, max(layer_ids) + 1, f"workers.{self.name}.layers")
+        experts = parse_ranges(self.experts, num_experts, f"workers.{self.name}.experts")
+        return {layer: experts for layer in chosen if layer in layer_ids}
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    listen: str = "127.0.0.1:50051"
+    metrics: str | None = None
+    expert_timeout_s: float = 60.0
+    max_num_seqs: int = 16
+    max_queue: int = 256
+    prefill_step_size: int = 512
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    core: str | None = None  # default: core.listen
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    path: Path
+    split: Path
+    core: CoreConfig
+    gateway: GatewayConfig
+    workers: tuple[WorkerConfig, ...]
+    tls_dir: Path | None = None
+    fingerprint: str | None = None  # optional: the model every service must hold
+    environment: dict[str, str] = field(default_factory=dict)
+
+    def worker(self, name: str) -> WorkerConfig:
+        for worker in self.workers:
+            if worker.name == name:
+                return worker
+        names = ", ".join(w.name for w in self.workers)
+        raise ClusterConfigError(f"{self.path}: no worker named {name!r} (workers: {names})")
+
+    def tls_for(self, name: str) -> TlsFiles | None:
+        """The CA and this service's certificate (`core`, `gateway` or a worker's name)."""
+        if self.tls_dir is None:
+            return None
+        return TlsFiles.in_dir(self.tls_dir, name)
+
+    @property
+    def gateway_core_target(self) -> str:
+        return self.gateway.core or self.core.listen
+
+    @property
+    def worker_addresses(self) -> list[str]:
+        return [worker.address for worker in self.workers]
+
+
+def load_cluster(path: str | Path) -> ClusterConfig:
+    path = Path(path).expanduser().resolve()
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ClusterConfigError(f"{path}: no such file") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ClusterConfigError(f"{path}: not valid TOML: {error}") from None
+    return parse_cluster(data, path)
+
+
+def parse_cluster(data: dict, path: Path) -> ClusterConfig:
+    reader = _Reader(path)
+    known = {"model", "core", "gateway", "tls", "workers", "environment"}
+    reader.no_unknown(data, known, "")
+    model = reader.table(data, "model")
+    reader.no_unknown(model, {"split", "fingerprint"}, "model.")
+    split = reader.path(model, "split", "model.split", required=True)
+
+    core_table = reader.table(data, "core", required=False)
+    reader.no_unknown(core_table, set(CoreConfig.__dataclass_fields__), "core.")
+    core = CoreConfig(
+        listen=reader.string(core_table, "listen", "core.listen", CoreConfig.listen),
+        metrics=reader.string(core_table, "metrics", "core.metrics", None),
+        expert_timeout_s=reader.number(core_table, "expert_timeout_s", "core.expert_timeout_s", 60.0),
+        max_num_seqs=int(reader.number(core_table, "max_num_seqs", "core.max_num_seqs", 16)),
+        max_queue=int(reader.number(core_table, "max_queue", "core.max_queue", 256)),
+        prefill_step_size=int(reader.number(core_table, "prefill_step_size", "core.prefill_step_size", 512)),
+    )
+    gateway_table = reader.table(data, "gateway", required=False)
+    reader.no_unknown(gateway_table, {"host", "port", "core"}, "gateway.")
+    gateway = GatewayConfig(
+        host=reader.string(gateway_table, "host", "gateway.host", "127.0.0.1"),
+        port=int(reader.number(gateway_table, "port", "gateway.port", 8000)),
+        core=reader.string(gateway_table, "core", "gateway.core", None),
+    )
+    tls_table = reader.table(data, "tls", required=False)
+    reader.no_unknown(tls_table, {"dir"}, "tls.")
+    tls_dir = reader.path(tls_table, "dir", "tls.dir", required=bool(tls_table))
+
+    raw_workers = data.get("workers", [])
+    if not isinstance(raw_workers, list) or not raw_workers:
+        raise ClusterConfigError(f"{path}: at least one [[workers]] entry is needed")
+    workers = []
+    seen: set[str] = set()
+    for index, raw in enumerate(raw_workers):
+        where = f"workers[{index}]."
+        if not isinstance(raw, dict):
+            raise ClusterConfigError(f"{path}: {where[:-1]} must be a table")
+        reader.no_unknown(
+            raw,
+            {"name", "address", "listen", "layers", "experts", "memory_gb", "metrics", "worker_id"},
+            where,
+        )
+        name = reader.string(raw, "name", where + "name", f"worker-{index}")
+        if name in seen or name in ("core", "gateway", "ca"):
+            raise ClusterConfigError(f"{path}: {where}name {name!r} is used twice or reserved")
+        seen.add(name)
+        address = reader.string(raw, "address", where + "address", None)
+        if not address:
+            raise ClusterConfigError(f"{path}: {where}address is required (host:port or unix:/path)")
+        memory = raw.get("memory_gb")
+        if memory is not None and (not isinstance(memory, int | float) or memory <= 0):
+            raise ClusterConfigError(f"{path}: {where}memory_gb must be a positive number")
+        workers.append(
+            WorkerConfig(
+                name=name,
+                address=address,
+                listen=reader.string(raw, "listen", where + "listen", address),
+                layers=str(raw.get("layers", "all")),
+                experts=str(raw.get("experts", "all")),
+                memory_gb=float(memory) if memory is not None else None,
+                metrics=reader.string(raw, "metrics", where + "metrics", None),
+                worker_id=reader.string(raw, "worker_id", where + "worker_id", None),
+            )
+        )
+    environment = data.get("environment", {})
+    if not isinstance(environment, dict) or not all(isinstance(v, str) for v in environment.values()):
+        raise ClusterConfigError(f"{path}: [environment] must map names to strings")
+    return ClusterConfig(
+        path=path,
+        split=split,
+        core=core,
+        gateway=gateway,
+        workers=tuple(workers),
+        tls_dir=tls_dir,
+        fingerprint=reader.string(model, "fingerprint", "model.fingerprint", None),
+        environment=dict(environment),
+    )
+
+
+def is_loopback(address: str) -> bool:
+    """unix sockets, localhost and loopback IPs; anything else is reachable from other hosts."""
+    if address.startswith("unix:") or address.startswith("/"):
+        return True
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"{address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+class _Reader:
+    """Typed reads from a TOML table, each error naming the file and the key."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def fail(self, message: str):
+        raise ClusterConfigError(f"{self.path}: {message}")
+
+    def no_unknown(self, table: dict, known: set[str], prefix: str) -> None:
+        unknown = sorted(set(table) - known)
+        if unknown:
+            self.fail(f"unknown key {prefix}{unknown[0]} (known: {', '.join(sorted(known))})")
+
+    def table(self, data: dict, key: str, required: bool = True) -> dict:
+        value = data.get(key)
+        if value is None:
+            if required:
+                self.fail(f"[{key}] is missing")
+            return {}
+        if not isinstance(value, dict):
+            self.fail(f"{key} must be a table")
+        return value
+
+    def string(self, table: dict, key: str, name: str, default):
+        value = table.get(key, default)
+        if value is not None and not isinstance(value, str):
+            self.fail(f"{name} must be a string")
+        return value
+
+    def number(self, table: dict, key: str, name: str, default: float) -> float:
+        value = table.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            self.fail(f"{name} must be a positive number")
+        return value
+
+    def path(self, table: dict, key: str, name: str, required: bool) -> Path | None:
+        value = table.get(key)
+        if value is None:
+            if required:
+                self.fail(f"{name} is required")
+            return None
+        if not isinstance(value, str):
+            self.fail(f"{name} must be a string")
+        resolved = Path(value).expanduser()
+        return resolved if resolved.is_absolute() else (self.path.parent / resolved).resolve()

@@ -1,0 +1,122 @@
+"""What each service takes from cluster.toml, with command-line flags overriding it.
+
+`moe-mesh core|gateway|expert --config cluster.toml [--name WORKER]` fills every option
+the user left at its default from the file. A flag given with a non-default value wins.
+TLS (`[tls] dir` or `--tls-dir`) picks the service's own certificate by name: `core`,
+`gateway`, or the worker's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from services.cluster import ClusterConfig, load_cluster
+from services.common.tls import TlsFiles
+
+
+def _unset(args: argparse.Namespace, dest: str) -> bool:
+    parser: argparse.ArgumentParser = args.parser
+    return getattr(args, dest) == parser.get_default(dest)
+
+
+def _fill(args: argparse.Namespace, dest: str, value) -> None:
+    if value is not None and _unset(args, dest):
+        setattr(args, dest, value)
+
+
+def _metrics(args: argparse.Namespace, configured: str | None) -> str | None:
+    if args.metrics_port:
+        return f"{args.metrics_host}:{args.metrics_port}"
+    return configured
+
+
+def _tls(args: argparse.Namespace, config: ClusterConfig | None, name: str) -> TlsFiles | None:
+    if args.tls_dir:
+        return TlsFiles.in_dir(Path(args.tls_dir), name)
+    return config.tls_for(name) if config is not None else None
+
+
+def _config(args: argparse.Namespace) -> ClusterConfig | None:
+    return load_cluster(args.config) if args.config else None
+
+
+def expert_kwargs(args: argparse.Namespace) -> dict:
+    config = _config(args)
+    worker = None
+    if config is not None:
+        if not args.name:
+            names = ", ".join(w.name for w in config.workers)
+            raise ValueError(f"--name is needed with --config: which worker is this? ({names})")
+        worker = config.worker(args.name)
+        _fill(args, "split", str(config.split))
+        _fill(args, "listen", worker.listen)
+        _fill(args, "layers", worker.layers)
+        _fill(args, "experts", worker.experts)
+        _fill(args, "worker_id", worker.worker_id or worker.name)
+        if getattr(args, "memory_gb", None) is None and worker.memory_gb is not None:
+            args.memory_gb = worker.memory_gb  # the streaming flags (experts/cli_flags.py) read it
+    if not args.split:
+        raise ValueError("--split (or --config) is required")
+    kwargs = {"memory_gb": args.memory_gb} if getattr(args, "memory_gb", None) is not None else {}
+    return dict(
+        **kwargs,
+        split_dir=Path(args.split),
+        listen=args.listen,
+        layers=args.layers,
+        experts=args.experts,
+        worker_id=args.worker_id,
+        tls=_tls(args, config, args.name or "expert"),
+        metrics=_metrics(args, worker.metrics if worker else None),
+    )
+
+
+def core_kwargs(args: argparse.Namespace) -> dict:
+    config = _config(args)
+    workers = [w for spec in args.worker or [] for w in spec.split(",") if w]
+    if config is not None:
+        _fill(args, "split", str(config.split))
+        _fill(args, "listen", config.core.listen)
+        _fill(args, "expert_timeout", config.core.expert_timeout_s)
+        _fill(args, "max_num_seqs", config.core.max_num_seqs)
+        _fill(args, "max_queue", config.core.max_queue)
+        workers = workers or config.worker_addresses
+    if not args.split:
+        raise ValueError("--split (or --config) is required")
+    if not workers:
+        raise ValueError("--worker (or --config with [[workers]]) is required")
+    return dict(
+        split_dir=Path(args.split),
+        listen=args.listen,
+        workers=workers,
+        expert_timeout_s=args.expert_timeout,
+        tls=_tls(args, config, "core"),
+        metrics=_metrics(args, config.core.metrics if config else None),
+    )
+
+
+def gateway_kwargs(args: argparse.Namespace) -> dict:
+    config = _config(args)
+    if config is not None:
+        _fill(args, "core", config.gateway_core_target)
+        _fill(args, "host", config.gateway.host)
+        _fill(args, "port", config.gateway.port)
+    return dict(
+        host=args.host,
+        port=args.port,
+        core_target=args.core,
+        log_level=args.log_level,
+        core_tls=_tls(args, config, "gateway"),
+    )
+
+
+def add_cluster_flags(parser: argparse.ArgumentParser, metrics: bool = True) -> None:
+    parser.add_argument("--config", default=None, help="cluster.toml (flags given here override it)")
+    parser.add_argument(
+        "--tls-dir", default=None, help="folder from `moe-mesh certs`: mTLS with this service's certificate"
+    )
+    if metrics:
+        parser.add_argument(
+            "--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port"
+        )
+        parser.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")

@@ -1,0 +1,96 @@
+"""CLI commands for running across hosts: `certs`, `deploy`, `cluster check`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _certs(args) -> None:
+    from services.cluster import load_cluster
+    from services.common.tls import issue_certificate
+
+    if args.config:
+        config = load_cluster(args.config)
+        out = Path(args.out) if args.out else config.tls_dir
+        if out is None:
+            raise ValueError(f"{config.path} has no [tls] dir; pass --out DIR")
+        wanted: dict[str, list[str]] = {
+            "core": [_host(config.core.listen)],
+            "gateway": [config.gateway.host],
+        }
+        for worker in config.workers:
+            wanted[worker.name] = [_host(worker.address), _host(worker.listen)]
+    else:
+        if not (args.out and args.name):
+            raise ValueError("pass --config cluster.toml, or --out DIR --name NAME [--host H ...]")
+        out, wanted = Path(args.out), {args.name: []}
+    for name, own_hosts in wanted.items():
+        hosts = [h for h in [*own_hosts, *(args.host or [])] if h and h not in ("0.0.0.0", "::")]
+        files = issue_certificate(out, name, hosts)
+        print(f"{name}: {files.cert} ({', '.join(dict.fromkeys(hosts)) or 'localhost only'})")
+    print(f"CA: {out / 'ca.pem'} (keep {out / 'ca-key.pem'} off the serving hosts)")
+
+
+def _host(address: str) -> str:
+    if address.startswith("unix:"):
+        return "localhost"
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
+def _deploy(args) -> None:
+    from services.cluster import load_cluster
+    from services.deploy import render_launchd, render_systemd
+
+    config = load_cluster(args.config)
+    if args.kind == "launchd":
+        log_dir = Path(args.log_dir).expanduser() if args.log_dir else Path.home() / "Library/Logs/moe-mesh"
+        rendered = render_launchd(config, args.role, log_dir)
+    else:
+        rendered = render_systemd(config, args.role, user=args.user)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / rendered.filename).write_text(rendered.text)
+        print(out / rendered.filename)
+    else:
+        sys.stdout.write(rendered.text)
+
+
+def _cluster_check(args) -> None:
+    from services.cluster import load_cluster
+    from services.cluster_check import check_cluster
+
+    report = check_cluster(load_cluster(args.config), probe=not args.offline, timeout_s=args.timeout)
+    for line in report.lines():
+        print(line)
+    print("cluster check passed" if report.ok else f"cluster check failed: {len(report.errors)} error(s)")
+    if not report.ok:
+        sys.exit(1)
+
+
+def add_cluster_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("certs", help="make a cluster CA and a certificate per service (mTLS)")
+    p.add_argument("--config", default=None, help="cluster.toml: one certificate per service in it")
+    p.add_argument("--out", default=None, help="folder (default: [tls] dir of --config)")
+    p.add_argument("--name", default=None, help="without --config: the one service to certify")
+    p.add_argument("--host", action="append", help="extra host name or IP for the certificates")
+    p.set_defaults(func=_certs)
+
+    p = sub.add_parser("deploy", help="render a launchd plist or systemd unit for a role on this host")
+    p.add_argument("kind", choices=["launchd", "systemd"])
+    p.add_argument("--config", required=True)
+    p.add_argument("--role", required=True, help="core, gateway or worker:NAME")
+    p.add_argument("--out", default=None, help="write into this folder (default: print)")
+    p.add_argument("--log-dir", default=None, help="launchd log folder (default ~/Library/Logs/moe-mesh)")
+    p.add_argument("--user", default=None, help="systemd User=")
+    p.set_defaults(func=_deploy)
+
+    p = sub.add_parser("cluster", help="cluster.toml tools")
+    cluster_sub = p.add_subparsers(dest="cluster_command", required=True)
+    c = cluster_sub.add_parser("check", help="validate a cluster.toml before launch")
+    c.add_argument("--config", required=True)
+    c.add_argument("--offline", action="store_true", help="do not contact the workers")
+    c.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for each worker")
+    c.set_defaults(func=_cluster_check)
