@@ -91,6 +91,7 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
             generation_tokens_total=counters.generation_tokens,
             kv_cache_bytes=self.engine.kv_cache_bytes,
             kv_cache_default=self.engine.config.kv_cache,
+            problems=list(self.engine.problems),
         )
         prefix = self.engine.prefix_cache
         stats.prefix_cache.lookups = prefix.counters.lookups

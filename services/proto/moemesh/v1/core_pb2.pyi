@@ -313,7 +313,7 @@ class LayerCallStats(_message.Message):
     def __init__(self, calls: _Optional[int] = ..., total_p50_us: _Optional[float] = ..., total_p99_us: _Optional[float] = ..., worker_p50_us: _Optional[float] = ..., worker_p99_us: _Optional[float] = ..., compute_p50_us: _Optional[float] = ..., compute_p99_us: _Optional[float] = ..., transport_p50_us: _Optional[float] = ..., transport_p99_us: _Optional[float] = ...) -> None: ...
 
 class CoreStats(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "prompt_tokens_total", "generation_tokens_total", "kv_cache_bytes", "layer_calls", "prefix_cache", "kv_cache_default")
+    __slots__ = ("running_requests", "waiting_requests", "prompt_tokens_total", "generation_tokens_total", "kv_cache_bytes", "layer_calls", "prefix_cache", "kv_cache_default", "problems")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -322,6 +322,7 @@ class CoreStats(_message.Message):
     LAYER_CALLS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    PROBLEMS_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     prompt_tokens_total: int
@@ -330,7 +331,8 @@ class CoreStats(_message.Message):
     layer_calls: LayerCallStats
     prefix_cache: PrefixCacheStats
     kv_cache_default: str
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., layer_calls: _Optional[_Union[LayerCallStats, _Mapping]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., kv_cache_default: _Optional[str] = ...) -> None: ...
+    problems: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., layer_calls: _Optional[_Union[LayerCallStats, _Mapping]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., kv_cache_default: _Optional[str] = ..., problems: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrefixCacheStats(_message.Message):
     __slots__ = ("lookups", "hits", "hit_tokens", "entries", "bytes", "budget_bytes")
