@@ -15,7 +15,9 @@ import grpc
 from mlx_lm.generate import StopSequences
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from services.core.output_prep import OutputPreparer, template_tools
 from services.core.sampling import Sampler, SamplingError, make_processors, make_sampler
+from services.core.structured_output import GrammarError
 from services.core.text_output import OutputSpec
 from services.proto.moemesh.v1 import core_pb2
 
@@ -52,6 +54,7 @@ class RequestPreparer:
         self.model_id = model_id
         self.context_length = context_length
         self.vocab_size = vocab_size
+        self.output_preparer = OutputPreparer(tokenizer, vocab_size)
 
     def prompt_tokens(self, request) -> list[int]:
         """Tokens of a GenerateRequest's or CountTokensRequest's input."""
@@ -105,17 +108,10 @@ class RequestPreparer:
                     for c in message.tool_calls
                 ]
             messages.append(entry)
-        tools = [
-            {
-                "type": "function",
-                "function": {
-                    "name": t.name,
-                    "description": t.description,
-                    "parameters": _json_or_text(t.parameters_json or "{}"),
-                },
-            }
-            for t in chat.tools
-        ]
+        try:
+            tools = template_tools(chat)
+        except GrammarError as error:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
         try:
             kwargs = json.loads(chat.template_kwargs_json) if chat.template_kwargs_json else {}
         except json.JSONDecodeError as error:
@@ -166,6 +162,12 @@ class RequestPreparer:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"stop: at most {MAX_STOP_STRINGS} stop strings"
             )
+        bad = [t for t in stopping.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"stop_token_ids: {bad[0]} is outside the vocabulary (size {self.vocab_size})",
+            )
         stop_ids = [[int(t)] for t in stopping.stop_token_ids]
         if not stopping.ignore_eos:
             stop_ids += [[int(t)] for t in sorted(self.tokenizer.eos_token_ids)]
@@ -173,18 +175,22 @@ class RequestPreparer:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"top_logprobs: at most {MAX_TOP_LOGPROBS}")
         try:
             sampler = make_sampler(request.sampling, self.vocab_size)
-            processors = make_processors(request.sampling)
+            processors = make_processors(request.sampling, self.vocab_size)
         except SamplingError as error:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {error}") from None
+        try:
+            output, constraints = self.output_preparer.prepare(request, prompt, list(stopping.stop))
+        except GrammarError as error:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
         return PreparedRequest(
             request_id=request.request_id or uuid.uuid4().hex,
             prompt=prompt,
             max_tokens=max_tokens,
             sampler=sampler,
-            processors=processors,
+            processors=processors + constraints,  # the grammar's mask last: nothing may undo it
             stop_sequences=StopSequences(stop_ids or None),
             stop_strings=list(stopping.stop),
-            output=OutputSpec(stop_strings=list(stopping.stop)),
+            output=output,
             logprobs=request.logprobs or request.top_logprobs > 0,
             top_logprobs=request.top_logprobs,
             deadline=None if time_remaining is None else time.monotonic() + time_remaining,

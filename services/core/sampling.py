@@ -58,7 +58,37 @@ def make_sampler(params: core_pb2.SamplingParams, vocab_size: int) -> Sampler:
     return sample
 
 
-def make_processors(params: core_pb2.SamplingParams) -> list:
+MAX_LOGIT_BIAS_ENTRIES = 1024
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def make_processors(params: core_pb2.SamplingParams, vocab_size: int) -> list:
+    """Penalties as mlx-lm implements them, then logit_bias (added after, as OpenAI's is)."""
+    processors = _penalty_processors(params)
+    if params.logit_bias:
+        processors.append(logit_bias_processor(dict(params.logit_bias), vocab_size))
+    return processors
+
+
+def logit_bias_processor(bias: dict[int, float], vocab_size: int):
+    """token id -> value added to its logit; -100 bans a token, +100 all but forces it."""
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise SamplingError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+    for token, value in bias.items():
+        if token >= vocab_size:
+            raise SamplingError(f"logit_bias: token id {token} is outside the vocabulary (size {vocab_size})")
+        if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:  # also refuses NaN
+            raise SamplingError(f"logit_bias: the bias for token {token} must be in [-100, 100], got {value}")
+    ids = mx.array(sorted(bias), dtype=mx.int32)
+    values = mx.array([bias[t] for t in sorted(bias)], dtype=mx.float32)
+
+    def add_bias(tokens: mx.array, logits: mx.array) -> mx.array:
+        return logits.at[..., ids].add(values.astype(logits.dtype))
+
+    return add_bias
+
+
+def _penalty_processors(params: core_pb2.SamplingParams) -> list:
     def value(name: str):
         return getattr(params, name) if params.HasField(name) else None
 

@@ -19,6 +19,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+
 from services.common.logging import get_logger
 from services.proto.moemesh.v1 import core_pb2
 
@@ -73,6 +75,11 @@ class TextEmitter:
         if not isinstance(output, OutputSpec):
             output = OutputSpec(stop_strings=list(output))
         self.detokenizer = detokenizer
+        if isinstance(detokenizer, BPEStreamingDetokenizer) and not detokenizer.text:
+            # mlx-lm drops the first token's leading space: right for a whole text, wrong for
+            # a continuation (" Paris" after "The capital of France is"). A placeholder
+            # already "sent" keeps every space.
+            detokenizer.text, detokenizer.offset = "\0", 1
         self.output = output
         self.stop_strings = [s for s in output.stop_strings if s]
         self.state = REASONING if output.reasoning_markers and output.starts_in_reasoning else CONTENT
