@@ -285,3 +285,24 @@ def test_logit_bias_at_the_limits_is_accepted(preparer):
         prompt="x", sampling=core_pb2.SamplingParams(logit_bias={5: 100, 6: -100})
     )
     assert len(preparer.prepare(request, None).processors) == 1
+
+
+def test_grammar_waits_until_the_model_closes_the_thinking_the_prompt_opened(preparer, tokenizer):
+    import mlx.core as mx
+
+    prompt = tokenizer.encode("<|im_start|>user\nJSON please<|im_end|>\n<|im_start|>assistant\n<think>\n")
+    request = core_pb2.GenerateRequest(
+        token_ids=core_pb2.TokenIds(ids=prompt),
+        response_format=core_pb2.ResponseFormat(type=core_pb2.ResponseFormat.JSON_OBJECT),
+    )
+    prepared = preparer.prepare(request, None)
+    (constraint,) = prepared.processors
+    logits = mx.zeros((1, VOCAB))
+    hello, brace = tokenizer.encode("Hello", add_special_tokens=False)[0], tokenizer.encode("{")[0]
+    context = list(prompt)
+    assert mx.all(constraint(mx.array(context), logits) == 0).item()  # thinking: free
+    context += tokenizer.encode("I will write JSON.", add_special_tokens=False)
+    assert mx.all(constraint(mx.array(context), logits) == 0).item()
+    context += tokenizer.encode("</think>", add_special_tokens=False)
+    masked = constraint(mx.array(context), logits)
+    assert masked[0, brace].item() == 0 and masked[0, hello].item() == -float("inf")
