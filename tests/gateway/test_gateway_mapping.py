@@ -9,10 +9,10 @@ import pytest
 from pydantic import ValidationError
 
 from services.gateway.chat_format import ChatFormatter
-from services.gateway.generate_mapping import build_chat_request as build_generate_request
 from services.gateway.errors import error_from_grpc, param_from_location
-from services.gateway.openai_schema import ChatCompletionRequest
+from services.gateway.generate_mapping import build_chat_request as build_generate_request
 from services.gateway.generation_state import CompletionMeta
+from services.gateway.openai_schema import ChatCompletionRequest
 from services.proto.moemesh.v1 import core_pb2
 
 USER = [{"role": "user", "content": "Hi"}]

@@ -1,0 +1,93 @@
+"""`/v1/completions` through the official `openai` client, against the Core double."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from .core_double import ANSWER, ANSWER_WORDS, MODEL_ID, CoreDouble
+from .test_gateway_openai_client import async_client, sync_client
+
+PROMPT = "Question: what is the capital of France? Answer:"
+
+
+def test_string_prompt(gateway_url: str, core: CoreDouble) -> None:
+    completion = sync_client(gateway_url).completions.create(
+        model=MODEL_ID, prompt=PROMPT, stop=["\n"], seed=3
+    )
+    assert completion.object == "text_completion" and completion.id.startswith("cmpl-")
+    assert completion.choices[0].text == ANSWER and completion.choices[0].finish_reason == "stop"
+    assert completion.usage.prompt_tokens == len(PROMPT.split()) and completion.usage.completion_tokens == 7
+    sent = core.requests[0]
+    assert sent.WhichOneof("input") == "prompt" and sent.prompt == PROMPT
+    assert list(sent.stopping.stop) == ["\n"] and sent.sampling.seed == 3
+    assert sent.stopping.max_tokens == 16  # OpenAI's default for completions
+    assert not sent.echo and not sent.logprobs
+
+
+@pytest.mark.parametrize("prompt", [[101, 102, 103], [[101, 102, 103]]])
+def test_token_id_prompt(gateway_url: str, core: CoreDouble, prompt) -> None:
+    completion = sync_client(gateway_url).completions.create(model=MODEL_ID, prompt=prompt, max_tokens=3)
+    assert completion.choices[0].text == "The capital of" and completion.choices[0].finish_reason == "length"
+    assert list(core.requests[0].token_ids.ids) == [101, 102, 103]
+    assert completion.usage.prompt_tokens == 3
+
+
+def test_echo_and_logprobs(gateway_url: str, core: CoreDouble) -> None:
+    completion = sync_client(gateway_url).completions.create(
+        model=MODEL_ID, prompt=PROMPT, echo=True, logprobs=1, max_tokens=50
+    )
+    choice = completion.choices[0]
+    assert choice.text == PROMPT + ANSWER
+    assert choice.logprobs.tokens == ANSWER_WORDS
+    assert choice.logprobs.token_logprobs == [pytest.approx(-0.5)] * 7
+    assert choice.logprobs.top_logprobs[0] == {"The": pytest.approx(-0.5)}
+    offsets = choice.logprobs.text_offset
+    assert [
+        choice.text[offset : offset + len(token)] for offset, token in zip(offsets, ANSWER_WORDS, strict=True)
+    ] == ANSWER_WORDS
+    sent = core.requests[0]
+    assert sent.echo and sent.logprobs and sent.top_logprobs == 1
+
+
+def test_stream_with_usage_and_logprobs(gateway_url: str, core: CoreDouble) -> None:
+    stream = sync_client(gateway_url).completions.create(
+        model=MODEL_ID, prompt=PROMPT, stream=True, logprobs=0, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == ANSWER
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == ANSWER_WORDS
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        "stop"
+    ]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 7
+
+
+async def test_async_stream(gateway_url: str, core: CoreDouble) -> None:
+    client = async_client(gateway_url)
+    stream = await client.completions.create(model=MODEL_ID, prompt=PROMPT, stream=True)
+    text = "".join([chunk.choices[0].text async for chunk in stream])
+    await client.close()
+    assert text == ANSWER
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": PROMPT, "best_of": 3}, "best_of"),
+        ({"prompt": PROMPT, "suffix": "x"}, "suffix"),
+        ({"prompt": PROMPT, "logprobs": 99}, "logprobs"),
+        ({"prompt": PROMPT, "n": 2}, "n"),
+        ({"prompt": [-1]}, "prompt"),
+    ],
+)
+def test_invalid_is_400(gateway_url: str, core: CoreDouble, fields, param) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        sync_client(gateway_url).completions.create(model=MODEL_ID, **fields)
+    assert (raised.value.body["param"] or "").startswith(param), raised.value.body
+    assert core.requests == []
