@@ -231,11 +231,11 @@ def split_host_port(address: str) -> tuple[str, int]:
 class _Reader:
     """Typed reads from a TOML table, each error naming the file and the key."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, file: Path):
+        self.file = file
 
     def fail(self, message: str):
-        raise ClusterConfigError(f"{self.path}: {message}")
+        raise ClusterConfigError(f"{self.file}: {message}")
 
     def no_unknown(self, table: dict, known: set[str], prefix: str) -> None:
         unknown = sorted(set(table) - known)
@@ -273,4 +273,4 @@ class _Reader:
         if not isinstance(value, str):
             self.fail(f"{name} must be a string")
         resolved = Path(value).expanduser()
-        return resolved if resolved.is_absolute() else (self.path.parent / resolved).resolve()
+        return resolved if resolved.is_absolute() else (self.file.parent / resolved).resolve()

@@ -134,15 +134,22 @@ class RunningServer:
         await set_serving(self.health, [self.service_name], serving)
 
     async def serve_until_signal(
-        self, on_stop: Callable[[], Awaitable[None]] | None = None, grace_s: float = DEFAULT_GRACE_S
+        self,
+        on_stop: Callable[[], Awaitable[None]] | None = None,
+        grace_s: float = DEFAULT_GRACE_S,
+        drain_delay_s: float = 0.0,
     ) -> None:
-        """Serve until SIGTERM/SIGINT, then drain: health goes NOT_SERVING first (balancers and
-        `moe-mesh up` stop sending), new RPCs are refused while in-flight ones get up to `grace_s`
-        to finish, and only then `on_stop` runs (core stops its engine there)."""
+        """Serve until SIGTERM/SIGINT, then drain: health goes NOT_SERVING first and stays
+        observable for `drain_delay_s` while the server still answers (so health checkers and
+        clients move away before connections are refused), then new RPCs are refused while
+        in-flight ones get up to `grace_s` to finish, and only then `on_stop` runs (core stops
+        its engine there)."""
 
         async def draining() -> None:
             log.info("draining", address=self.address, grace_s=grace_s)
             await self.set_serving(False)
+            if drain_delay_s > 0:
+                await asyncio.sleep(drain_delay_s)
 
         await run_until_signal(
             self.server,

@@ -340,8 +340,11 @@ class ExpertDispatcher:
                 # so the retry still fits in the call's deadline.
                 replicated = self.routes[layer][0].shape[1] > 1
                 budget = remaining / 2 if replicated else remaining
-                if len(plan) == 1:
-                    outcomes = [await self._attempt(plan[0], layer, budget, request_ids)]
+                if len(plan) == 1:  # the common case: no gather, no extra task
+                    try:
+                        outcomes = [await self._attempt(plan[0], layer, budget, request_ids)]
+                    except ExpertCallError as error:
+                        outcomes = [error]
                 else:
                     outcomes = await asyncio.gather(
                         *(self._attempt(part, layer, budget, request_ids) for part in plan),

@@ -103,7 +103,8 @@ async def serve_core(
     async def on_stop() -> None:
         await loop.run_in_executor(None, engine.stop)
 
-    await running.serve_until_signal(on_stop)
+    # In-flight generations get 10 s after health has said NOT_SERVING for 1 s.
+    await running.serve_until_signal(on_stop, grace_s=10.0, drain_delay_s=1.0)
 
 
 def run_core(**kwargs) -> None:
