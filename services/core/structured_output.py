@@ -52,11 +52,14 @@ class GrammarTokenizer:
     def get(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._built is None:
-                self._built = llguidance.hf.from_tokenizer(
-                    self._tokenizer._tokenizer,
-                    n_vocab=self.vocab_size,
-                    eos_token=sorted(self._tokenizer.eos_token_ids),
-                )
+                try:
+                    self._built = llguidance.hf.from_tokenizer(
+                        self._tokenizer._tokenizer,
+                        n_vocab=self.vocab_size,
+                        eos_token=sorted(self._tokenizer.eos_token_ids),
+                    )
+                except (ValueError, TypeError) as error:  # e.g. a slow (non-Rust) tokenizer
+                    raise GrammarError(f"constrained decoding is not available for this model's tokenizer: {error}")
             return self._built
 
 
