@@ -59,7 +59,9 @@ class GrammarTokenizer:
                         eos_token=sorted(self._tokenizer.eos_token_ids),
                     )
                 except (ValueError, TypeError) as error:  # e.g. a slow (non-Rust) tokenizer
-                    raise GrammarError(f"constrained decoding is not available for this model's tokenizer: {error}")
+                    raise GrammarError(
+                        f"constrained decoding is not available for this model's tokenizer: {error}"
+                    ) from None
             return self._built
 
 
