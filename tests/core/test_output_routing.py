@@ -306,3 +306,45 @@ def test_grammar_waits_until_the_model_closes_the_thinking_the_prompt_opened(pre
     context += tokenizer.encode("</think>", add_special_tokens=False)
     masked = constraint(mx.array(context), logits)
     assert masked[0, brace].item() == 0 and masked[0, hello].item() == -float("inf")
+
+
+def test_other_mlx_lm_tool_formats_parse_through_the_same_emitter(tokenizer):
+    """Qwen3-Coder writes XML-style calls; mlx-lm's qwen3_coder parser reads them."""
+    from mlx_lm.tool_parsers import qwen3_coder
+
+    from services.core.text_output import OutputSpec, ToolCallFormat
+
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                },
+            },
+        }
+    ]
+    spec = OutputSpec(
+        tool_calls=ToolCallFormat(
+            qwen3_coder.tool_call_start, qwen3_coder.tool_call_end, qwen3_coder.parse_tool_call, tools
+        )
+    )
+    emitter = TextEmitter(tokenizer.detokenizer, spec)
+    text = (
+        "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
+    chunks = []
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        chunk = core_pb2.GenerateChunk()
+        emitter.add(token).write_to(chunk)
+        chunks.append(chunk)
+    final = core_pb2.GenerateChunk()
+    emitter.finish().write_to(final)
+    chunks.append(final)
+    (call,) = calls(chunks)
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris", "days": 3})
+    assert joined(chunks, "text") == "Checking.\n"
+    assert emitter.finish_reason(core_pb2.FinishReason.STOP) == core_pb2.FinishReason.TOOL_CALLS
