@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from services.common.logging import get_logger
@@ -17,6 +18,7 @@ log = get_logger(__name__)
 
 DEFAULT_IO_MODE = "buffered"  # bench/stream.py measured it; see the README's streaming section
 DEFAULT_POLICY = "lru"
+TRACE_ENV = "MOE_MESH_EXPERT_TRACE"  # a file: one line per call, "layer expert expert ..." (benchmarks)
 
 
 def shard_bytes(manifest: Manifest, owned: dict[int, list[int]]) -> int:
@@ -57,6 +59,7 @@ def open_store(
             policy=policy,
             io_threads=io_threads,
             metrics=metrics,
+            trace_path=os.environ.get(TRACE_ENV) or None,
         )
         log.info(
             "expert_streaming",

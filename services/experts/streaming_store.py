@@ -99,6 +99,7 @@ class StreamingExpertStore:
         policy: str = "lru",
         io_threads: int = DEFAULT_IO_THREADS,
         metrics=None,
+        trace_path: Path | None = None,
     ):
         self.manifest = manifest
         self.owned = {layer: sorted(experts) for layer, experts in owned.items() if experts}
@@ -133,6 +134,8 @@ class StreamingExpertStore:
         self.policy_name = policy
         self._hits = self._misses = self._evictions = self._bytes = self._failures = 0
         self._read_seconds = 0.0
+        # bench/stream.py replays the (layer, experts) of every call to compare policies offline.
+        self._trace = open(trace_path, "a", buffering=1) if trace_path else None
 
     # -- the ExpertStore interface -------------------------------------------------
 
@@ -141,6 +144,8 @@ class StreamingExpertStore:
 
     def plan(self, layer: int, experts: list[int]) -> list[list[int]]:
         pool = self._pool_of[layer]
+        if self._trace is not None:
+            self._trace.write(f"{layer} {' '.join(map(str, experts))}\n")
         cached = [e for e in experts if (layer, e) in pool.slot_of]
         missing = [e for e in experts if (layer, e) not in pool.slot_of]
         ordered = cached + missing  # hits first: they are computed before anything can evict them
@@ -211,6 +216,8 @@ class StreamingExpertStore:
 
     def close(self) -> None:
         self._reader.close()
+        if self._trace is not None:
+            self._trace.close()
 
     # -- internals -----------------------------------------------------------------
 

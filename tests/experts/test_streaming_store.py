@@ -182,3 +182,31 @@ def test_decayed_frequency_keeps_the_popular_and_forgets_the_old():
     assert policy.victim(set()) == "popular"
     with pytest.raises(ValueError):
         make_policy("fifo")
+
+
+def test_metrics_count_what_the_store_did(tiny_models):
+    from prometheus_client import CollectorRegistry
+
+    from services.experts.metrics import ExpertCacheMetrics
+
+    split = tiny_models.split("qwen3_moe", 4)
+    manifest = Manifest.load(split)
+    registry = CollectorRegistry()
+    store = StreamingExpertStore(
+        split,
+        manifest,
+        {0: list(range(8))},
+        2 * expert_bytes(manifest.layer(0)),
+        metrics=ExpertCacheMetrics(registry),
+    )
+    for group in ([0, 1], [1, 2], [3]):
+        store.load(0, group)
+    stats = store.stats()
+    sample = registry.get_sample_value
+    assert (stats.hits, stats.misses, stats.evictions) == (1, 4, 2)
+    assert sample("moe_mesh_expert_cache_hits_total") == 1
+    assert sample("moe_mesh_expert_cache_misses_total") == 4
+    assert sample("moe_mesh_expert_cache_evictions_total") == 2
+    assert sample("moe_mesh_expert_read_bytes_total") == stats.bytes_read > 0
+    assert sample("moe_mesh_expert_read_seconds_total") == pytest.approx(stats.read_seconds)
+    store.close()
