@@ -68,7 +68,7 @@ class TextEmitter:
 
     `stopped` turns true when a stop string appeared in the content (the engine then
     ends the sequence); `finish_reason(reason)` turns a STOP into TOOL_CALLS when the
-    response ended with tool calls, as OpenAI reports it.
+    response holds tool calls.
     """
 
     def __init__(self, detokenizer, output: OutputSpec | list[str]):
@@ -88,7 +88,6 @@ class TextEmitter:
         self.held_whitespace = ""  # whitespace after a marker, sent only if content follows
         self.drop_whitespace = False  # after </think>: leading whitespace of the answer is dropped
         self.tool_calls_sent = 0
-        self.content_after_tool_calls = False
         self.stopped = False
         self._echo = output.echo
 
@@ -105,11 +104,9 @@ class TextEmitter:
         return self._route(final=True)
 
     def finish_reason(self, reason: int) -> int:
-        if (
-            reason == core_pb2.FinishReason.STOP
-            and self.tool_calls_sent
-            and not self.content_after_tool_calls
-        ):
+        # Whenever the answer holds tool calls, as OpenAI and mlx-lm's server report it:
+        # agents run the tools when they see tool_calls.
+        if reason == core_pb2.FinishReason.STOP and self.tool_calls_sent:
             return core_pb2.FinishReason.TOOL_CALLS
         return reason
 
@@ -161,7 +158,6 @@ class TextEmitter:
             self._send_content(delta, tool_format.start + body + closing)
         else:
             delta.tool_calls.extend(calls)
-            self.content_after_tool_calls = False
         return True
 
     def _route_content(self, delta: OutputDelta, final: bool) -> bool:
@@ -199,10 +195,7 @@ class TextEmitter:
         elif self.tool_calls_sent and not text.strip():
             self.held_whitespace = text  # e.g. the newline between two tool calls
             return
-        if text:
-            delta.text += text
-            if self.tool_calls_sent:
-                self.content_after_tool_calls = True
+        delta.text += text
 
     def _parse_tool_call(self, body: str) -> list[core_pb2.ToolCall] | None:
         tool_format = self.output.tool_calls
