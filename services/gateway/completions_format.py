@@ -61,7 +61,11 @@ class CompletionFormatter:
         self._chars = 0  # characters of text returned so far, for text_offset
 
     def _record(self, chunk: core_pb2.GenerateChunk) -> dict[str, Any] | None:
-        part = self._logprobs.add(list(chunk.logprobs), self._chars) if self.with_logprobs else None
+        # The tokens' text ends the chunk's text; anything before it is echoed prompt (core may send
+        # the echo in the first token's chunk).
+        tokens_text = sum(len(item.token) for item in chunk.logprobs)
+        start = self._chars + max(len(chunk.text) - tokens_text, 0)
+        part = self._logprobs.add(list(chunk.logprobs), start) if self.with_logprobs else None
         self._chars += len(chunk.text)
         return part
 

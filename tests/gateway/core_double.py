@@ -4,8 +4,8 @@ It streams the words of "The capital of France is Paris." as text deltas (one to
 records every request and its metadata, and can be told (through `CoreDouble.script`) to abort
 with a status code, to stream slowly, to stream thinking text first (`reasoning`, as core's
 reasoning parser emits it), to return tool calls (complete, one chunk each, as core's tool parser
-emits them), or to end without a finish reason. `echo` requests get the prompt as the first chunk's
-text, as core's contract says; `GetStats` reports the Generate calls in flight as running.
+emits them), or to end without a finish reason. `echo` requests get the prompt in front of the first
+generated text, as core sends it; `GetStats` reports the Generate calls in flight as running.
 It runs on its own event loop in a background thread, so tests may call the gateway with blocking
 clients (the sync `openai` client) without starving it.
 """
@@ -81,8 +81,7 @@ class CoreDouble(core_pb2_grpc.CoreServicer):
             if request.model and request.model != MODEL_ID:
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served")
             await asyncio.sleep(script.delay_before_first_s)
-            if request.echo:
-                yield core_pb2.GenerateChunk(text=request.prompt, request_id=request.request_id)
+            echo = request.prompt if request.echo else ""  # core prepends it to the first text
             for index, thought in enumerate(script.reasoning):
                 token_id = FIRST_TOKEN_ID - 1 - index
                 yield core_pb2.GenerateChunk(
@@ -99,7 +98,10 @@ class CoreDouble(core_pb2_grpc.CoreServicer):
                 if index:
                     await asyncio.sleep(script.delay_per_chunk_s)
                 token_id = FIRST_TOKEN_ID + index
-                chunk = core_pb2.GenerateChunk(text=word, token_ids=[token_id], request_id=request.request_id)
+                chunk = core_pb2.GenerateChunk(
+                    text=echo + word, token_ids=[token_id], request_id=request.request_id
+                )
+                echo = ""
                 if request.logprobs:
                     chunk.logprobs.append(
                         core_pb2.TokenLogprob(

@@ -1,0 +1,249 @@
+"""The gateway in front of a real core and a real expert worker (processes, Unix sockets), as users run it.
+
+Two models: a tiny random `qwen3_moe` with the real Qwen3 tokenizer and chat template, checked against
+mlx-lm's own greedy generation (the oracle), and the MoEfied SmolLM2 demo model, which must answer
+"Paris" through every API. Clients are the official `openai` and `anthropic` packages.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import anthropic
+import grpc
+import httpx
+import openai
+import pytest
+
+from services.common.manifest import Manifest
+from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
+from tests.helpers import Workers, spawn, stop, wait_serving
+
+from .conftest import GatewayThread
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+pytestmark = pytest.mark.slow
+
+
+class LiveStack:
+    """One expert worker holding every expert, a core over it, and the gateway in front."""
+
+    def __init__(self, split: Path) -> None:
+        self.split = split
+        self.workdir = Path(tempfile.mkdtemp(prefix="mm-gw-", dir="/tmp"))
+        experts = Manifest.load(split).num_experts
+        self.workers = Workers(split, self.workdir, [f"0-{experts - 1}"]).start()
+        self.core_address = f"unix:{self.workdir / 'core.sock'}"
+        self.core_log = self.workdir / "core.log"
+        self.core = spawn(
+            [
+                "core",
+                "--split",
+                str(split),
+                "--listen",
+                self.core_address,
+                "--worker",
+                self.workers.addresses[0],
+            ],
+            self.core_log,
+        )
+        wait_serving(self.core_address, self.core, log_path=self.core_log)
+        self.gateway = GatewayThread(self.core_address).start()
+        self.url = self.gateway.url
+        self.model = httpx.get(self.url + "/v1/models").json()["data"][0]["id"]
+
+    def openai(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def anthropic(self) -> anthropic.Anthropic:
+        return anthropic.Anthropic(base_url=self.url, api_key="unused", max_retries=0, timeout=120)
+
+    def running_requests(self) -> int:
+        with grpc.insecure_channel(self.core_address) as channel:
+            return (
+                core_pb2_grpc.CoreStub(channel)
+                .GetStats(core_pb2.GetStatsRequest(), timeout=5)
+                .running_requests
+            )
+
+    def close(self) -> None:
+        self.gateway.stop()
+        stop([self.core])
+        self.workers.stop()
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny_models):
+    stack = LiveStack(tiny_models.split("qwen3_moe", None))
+    yield stack
+    stack.close()
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from services.up import resolve_split
+
+    stack = LiveStack(resolve_split(None))
+    yield stack
+    stack.close()
+
+
+def mlx_lm_greedy(checkpoint: Path, messages: list[dict], max_tokens: int) -> str:
+    """The oracle: mlx-lm's own chat template and greedy decode on the unsplit checkpoint, as the
+    tokenizer decodes those tokens (mlx_lm.generate's streaming detokenizer drops a leading space
+    that `tokenizer.decode` and OpenAI-style servers keep)."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = mlx_lm.load(str(checkpoint))
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    steps = generate_step(mx.array(prompt), model, sampler=make_sampler(temp=0.0), max_tokens=max_tokens)
+    return tokenizer.decode([int(token) for token, _ in steps])
+
+
+def test_qwen3_chat_equals_mlx_lm(qwen3: LiveStack, tiny_models) -> None:
+    reply = qwen3.openai().chat.completions.create(
+        model=qwen3.model, messages=QUESTION, temperature=0, max_tokens=12, extra_body={"ignore_eos": True}
+    )
+    expected = mlx_lm_greedy(tiny_models.checkpoint("qwen3_moe", None), QUESTION, 12)
+    choice = reply.choices[0]
+    assert (choice.message.content or "") + (getattr(choice.message, "reasoning_content", None) or "") != ""
+    assert choice.message.content == expected
+    assert choice.finish_reason == "length" and reply.usage.completion_tokens == 12
+    assert reply.usage.prompt_tokens == 15  # Qwen3's template around the question
+
+
+def test_qwen3_stream_equals_whole(qwen3: LiveStack) -> None:
+    client = qwen3.openai()
+    kwargs = {
+        "model": qwen3.model,
+        "messages": QUESTION,
+        "temperature": 0,
+        "max_tokens": 10,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(
+        client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    tokens = [
+        item.token
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for item in c.choices[0].logprobs.content
+    ]
+    assert tokens == [item.token for item in whole.choices[0].logprobs.content]
+    assert all(
+        len(item.top_logprobs) == 2 and item.logprob <= 0 for item in whole.choices[0].logprobs.content
+    )
+
+
+async def test_qwen3_async_client(qwen3: LiveStack) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{qwen3.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    reply = await client.chat.completions.create(
+        model=qwen3.model, messages=QUESTION, temperature=0, max_tokens=6
+    )
+    await client.close()
+    assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.completion_tokens <= 6
+
+
+def test_qwen3_completions_prompt_and_token_ids(qwen3: LiveStack) -> None:
+    client = qwen3.openai()
+    text = client.completions.create(
+        model=qwen3.model, prompt="The capital of France is", max_tokens=6, temperature=0
+    )
+    ids = client.completions.create(
+        model=qwen3.model, prompt=[785, 6722, 315, 9625, 374], max_tokens=6, temperature=0
+    )
+    assert text.choices[0].text == ids.choices[0].text  # the same five Qwen3 tokens
+    assert text.usage.prompt_tokens == ids.usage.prompt_tokens == 5
+
+
+def test_qwen3_anthropic_client(qwen3: LiveStack) -> None:
+    client = qwen3.anthropic()
+    whole = client.messages.create(
+        model=qwen3.model, max_tokens=8, messages=QUESTION, extra_body={"temperature": 0}
+    )
+    with client.messages.stream(
+        model=qwen3.model, max_tokens=8, messages=QUESTION, extra_body={"temperature": 0}
+    ) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    text = "".join(block.text for block in whole.content if block.type == "text")
+    assert streamed == text and final.usage.output_tokens == whole.usage.output_tokens
+    assert whole.stop_reason in ("end_turn", "max_tokens") and whole.usage.input_tokens == 15
+
+
+def test_qwen3_errors(qwen3: LiveStack) -> None:
+    client = qwen3.openai()
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=qwen3.model, messages=QUESTION, max_tokens=10**7)
+    assert raised.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="not-this-one", messages=QUESTION, max_tokens=2)
+    with pytest.raises(anthropic.BadRequestError) as anthropic_error:
+        qwen3.anthropic().messages.create(model=qwen3.model, max_tokens=10**7, messages=QUESTION)
+    assert anthropic_error.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_qwen3_disconnect_frees_the_sequence(qwen3: LiveStack) -> None:
+    body = {
+        "model": qwen3.model,
+        "messages": QUESTION,
+        "stream": True,
+        "max_tokens": 2000,
+        "ignore_eos": True,
+    }
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", qwen3.url + "/v1/chat/completions", json=body) as response,
+    ):
+        lines = response.iter_lines()
+        contents = 0
+        for line in lines:
+            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                contents += 1
+            if contents == 3:
+                break
+        assert qwen3.running_requests() == 1
+    deadline = time.monotonic() + 10
+    while qwen3.running_requests() != 0:
+        assert time.monotonic() < deadline, "core still generates for a client that left"
+        time.sleep(0.05)
+
+
+def test_qwen3_request_id_reaches_core_logs(qwen3: LiveStack) -> None:
+    response = httpx.post(
+        qwen3.url + "/v1/chat/completions",
+        json={"model": qwen3.model, "messages": QUESTION, "max_tokens": 2},
+        headers={"X-Request-Id": "live-rid-42"},
+        timeout=60,
+    )
+    assert (
+        response.headers["x-request-id"] == "live-rid-42" and response.json()["id"] == "chatcmpl-live-rid-42"
+    )
+    time.sleep(0.2)
+    records = [json.loads(line) for line in qwen3.core_log.read_text().splitlines() if line.startswith("{")]
+    mine = [record for record in records if record.get("request_id") == "live-rid-42"]
+    assert {"generate_start", "generate_done"} <= {record["event"] for record in mine}
+
+
+def test_demo_answers_paris_through_every_api(demo: LiveStack) -> None:
+    chat = demo.openai().chat.completions.create(
+        model=demo.model, messages=QUESTION, temperature=0, max_tokens=10
+    )
+    assert "Paris" in chat.choices[0].message.content
+    with demo.anthropic().messages.stream(
+        model=demo.model, max_tokens=10, messages=QUESTION, extra_body={"temperature": 0}
+    ) as stream:
+        streamed = "".join(stream.text_stream)
+    assert streamed == chat.choices[0].message.content
