@@ -4,7 +4,7 @@
 
 Runs core's `GrammarConstraint` (llguidance) the way the engine calls it, once per
 generated token: feed the last token, compute the allowed-token mask, set the rest of
-the [1, V] logits to -inf, then sample. The constraint's time (grammar + apply) is what a
+the [1, V] logits to -1e30, then sample. The constraint's time (grammar + apply) is what a
 constrained request pays per token on top of an unconstrained one; sampling is timed in
 the same loop for scale. Sampling is at temperature 1 over random logits, so the grammar
 walks many different paths. Prints one JSON object.
@@ -83,7 +83,7 @@ def run(vocabulary, grammar: str, tokens: int, seed: int, eos: set[int]) -> dict
     """One constrained generation of `tokens` tokens (the grammar restarts when an output ends).
 
     Per token, in ms: `grammar` = feeding the last token + computing the allowed-token mask
-    (llguidance, plus unpacking its bits); `apply` = setting the disallowed logits to -inf,
+    (llguidance, plus unpacking its bits); `apply` = pushing the disallowed logits to -1e30,
     evaluated; `sample` = drawing the token (what every request pays anyway, for scale)."""
     rng = np.random.default_rng(seed)
     logits_bank = [mx.array(rng.standard_normal((1, VOCAB)).astype(np.float32) * 4) for _ in range(16)]

@@ -4,9 +4,10 @@ The grammar engine is llguidance (the Rust engine behind Guidance, also used by 
 SGLang and llama.cpp): it compiles JSON Schemas and Lark grammars and computes, per
 step, the set of vocabulary tokens that keep the output inside the grammar. A
 `GrammarConstraint` is an mlx-lm logits processor: before each sample it feeds the
-grammar the token sampled last, asks for the next-token mask and sets every other
-logit to -inf. Nothing outside the grammar can be sampled, so the text parses unless
-generation is cut short (max_tokens -> finish_reason length, as OpenAI reports it).
+grammar the token sampled last, asks for the next-token mask and pushes every other
+logit to -1e30 (probability exactly 0). Nothing outside the grammar can be sampled, so
+the text parses unless generation is cut short (max_tokens -> finish_reason length, as
+OpenAI reports it).
 """
 
 from __future__ import annotations
@@ -202,8 +203,16 @@ class GrammarConstraint:
         return np.unpackbits(bits, bitorder="little", count=self.vocab_size).view(bool)
 
 
+# What a disallowed token's logit becomes: far below any real logit, so its probability
+# underflows to exactly 0 (float32 exp(x) == 0 for x < -104) and greedy, Gumbel and
+# top-p/min-p sampling can never pick it. An additive bias costs ~0.17 ms on 151k logits on
+# the CPU where mx.where costs ~1 ms, and unlike -inf it keeps logprobs finite for JSON.
+DISALLOWED = np.float32(-1e30)
+
+
 def apply_mask(logits: mx.array, allowed: np.ndarray) -> mx.array:
     width = logits.shape[-1]
     if allowed.shape[0] < width:
         allowed = np.concatenate([allowed, np.zeros(width - allowed.shape[0], dtype=bool)])
-    return mx.where(mx.array(allowed[:width]), logits, mx.array(-mx.inf, dtype=logits.dtype))
+    bias = (allowed[:width].astype(np.float32) - np.float32(1)) * -DISALLOWED
+    return logits + mx.array(bias)

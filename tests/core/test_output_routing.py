@@ -305,7 +305,7 @@ def test_grammar_waits_until_the_model_closes_the_thinking_the_prompt_opened(pre
     assert mx.all(constraint(mx.array(context), logits) == 0).item()
     context += tokenizer.encode("</think>", add_special_tokens=False)
     masked = constraint(mx.array(context), logits)
-    assert masked[0, brace].item() == 0 and masked[0, hello].item() == -float("inf")
+    assert masked[0, brace].item() == 0 and masked[0, hello].item() <= -1e29
 
 
 def test_other_mlx_lm_tool_formats_parse_through_the_same_emitter(tokenizer):
