@@ -63,6 +63,8 @@ def template_tools(chat: core_pb2.ChatInput) -> list[dict]:
     """Tools shown to the model: none when tool_choice is NONE (the model cannot call what it
     does not see, and the answer is plain text)."""
     tools = openai_tools(chat)
+    if chat.tool_choice.mode not in Mode.values():
+        raise GrammarError(f"tool_choice.mode: unknown mode {chat.tool_choice.mode}")
     return [] if chat.tool_choice.mode == Mode.NONE else tools
 
 

@@ -214,6 +214,7 @@ def test_echo_sends_the_prompt_first(preparer, tokenizer):
     [
         (chat_request(mode=Mode.NAMED, name="get_stock"), "tool_choice.function_name"),
         (chat_request(tools=(), mode=Mode.REQUIRED), "tool_choice"),
+        (chat_request(mode=7), "tool_choice.mode"),
         (chat_request(tools=(WEATHER, WEATHER)), "chat.tools[1].name"),
         (chat_request(tools=(core_pb2.Tool(name="bad name!"),)), "chat.tools[0].name"),
         (
