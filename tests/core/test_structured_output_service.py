@@ -180,3 +180,17 @@ async def test_an_invalid_schema_is_invalid_argument_and_the_core_keeps_serving(
     assert "response_format" in error.value.details()
     chunks = await generate(stack, schema_request(PERSON, temperature=0))
     jsonschema.validate(json.loads(text_of(chunks)), PERSON)
+
+
+async def test_thinking_text_arrives_as_reasoning_not_text(stack):
+    """logit_bias forces Qwen3's `<think>` token: everything after it is reasoning."""
+    think = 151667
+    request = core_pb2.GenerateRequest(
+        chat=core_pb2.ChatInput(messages=[core_pb2.ChatMessage(role="user", content="Think.")]),
+        sampling=core_pb2.SamplingParams(temperature=0, logit_bias={think: 100}),
+        stopping=core_pb2.StoppingCriteria(max_tokens=4),
+    )
+    chunks = await generate(stack, request)
+    assert tokens_of(chunks) == [think] * 4
+    assert text_of(chunks) == ""
+    assert "".join(c.reasoning for c in chunks) == "<think>" * 3
