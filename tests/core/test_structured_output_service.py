@@ -100,6 +100,7 @@ async def test_without_a_grammar_the_same_model_does_not_write_json(stack):
     """The control: the constraint, not luck, makes the output above parse."""
     request = schema_request(PERSON, temperature=0)
     request.ClearField("response_format")
+    request.stopping.max_tokens = 30
     chunks = await generate(stack, request)
     with pytest.raises(json.JSONDecodeError):
         json.loads(text_of(chunks))
