@@ -17,7 +17,7 @@ from schemathesis.checks import not_a_server_error
 from .conftest import GatewayThread
 from .core_double import CoreDouble
 
-EXAMPLES_PER_OPERATION = {GenerationMode.POSITIVE: 15, GenerationMode.NEGATIVE: 15}
+EXAMPLES_PER_OPERATION = {GenerationMode.POSITIVE: 12, GenerationMode.NEGATIVE: 10}
 
 
 @pytest.mark.parametrize("mode", list(EXAMPLES_PER_OPERATION), ids=lambda mode: mode.value)
