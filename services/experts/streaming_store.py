@@ -87,6 +87,9 @@ class StreamingExpertStore:
     Counters (hits, misses, evictions, bytes read, read seconds) are per expert
     access; a failed read raises ExpertFileError for that call only, leaves the
     slot empty and counts in `read_failures`.
+
+    Not thread-safe: one caller at a time (the servicer runs calls one by one on its event
+    loop); the parallelism is inside `load`, whose reads go to the reader's thread pool.
     """
 
     def __init__(
