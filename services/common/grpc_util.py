@@ -78,6 +78,9 @@ def aio_channel(
     address = normalize_address(address)
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options)
+    if unix_socket_path(address) is not None:
+        # gRPC would check the certificate against the socket path; certificates name localhost.
+        options += [("grpc.ssl_target_name_override", "localhost"), ("grpc.default_authority", "localhost")]
     return grpc.aio.secure_channel(address, channel_credentials(tls), options=options)
 
 

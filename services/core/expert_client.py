@@ -180,7 +180,9 @@ class ExpertDispatcher:
     # ---- placement -------------------------------------------------------------------------
 
     def discover(self, timeout_s: float = 5.0) -> list[str]:
-        """Describe every worker, rebuild the routes; return problems (empty = all covered)."""
+        """Describe every worker, rebuild the routes; return problems (empty = every expert of
+        every layer has a live worker). A down worker whose experts all have live replicas is
+        not a problem (core serves on; the worker_up metric and the log show it)."""
         return asyncio.run_coroutine_threadsafe(self._discover(timeout_s), self.loop).result()
 
     async def _discover(self, timeout_s: float) -> list[str]:
@@ -189,10 +191,10 @@ class ExpertDispatcher:
         replies = await asyncio.gather(
             *(self._describe(link, timeout_s) for link in self.links), return_exceptions=True
         )
-        problems = [str(reply) for reply in replies if isinstance(reply, BaseException)]
+        down = [str(reply) for reply in replies if isinstance(reply, BaseException)]
         self._rebuild_routes()
-        problems.extend(self.coverage_gaps())
-        return problems
+        gaps = self.coverage_gaps()
+        return [*down, *gaps] if gaps else []
 
     async def _describe(self, link: WorkerLink, timeout_s: float) -> None:
         """Describe one link and mark it up or down; raises a readable error when down."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from pathlib import Path
 
@@ -29,7 +30,12 @@ def netns_ok():
 
 
 def write_cluster_toml(
-    path: Path, split: Path, core_listen: str, workers: list[tuple[str, str, str]], tls_dir: str | None = None
+    path: Path,
+    split: Path,
+    core_listen: str,
+    workers: list[tuple[str, str, str]],
+    tls_dir: str | None = None,
+    core_metrics: str | None = None,
 ) -> Path:
     """workers: (name, address, experts)."""
     lines = [
@@ -39,6 +45,8 @@ def write_cluster_toml(
         f'listen = "{core_listen}"',
         "expert_timeout_s = 10",
     ]
+    if core_metrics:
+        lines.append(f'metrics = "{core_metrics}"')
     if tls_dir:
         lines += ["[tls]", f'dir = "{tls_dir}"']
     for name, address, experts in workers:
@@ -47,6 +55,7 @@ def write_cluster_toml(
     return path
 
 
+@functools.cache
 def oracle_tokens(checkpoint: Path, prompt: str, max_tokens: int) -> tuple[list[int], list[int]]:
     """(prompt ids, mlx-lm's own greedy tokens) for the checkpoint."""
     model, tokenizer = mlx_lm.load(str(checkpoint))
