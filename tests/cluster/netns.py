@@ -73,7 +73,19 @@ class NetnsLab:
                 _ip("netns", "add", ns)
                 _ip("-n", ns, "link", "set", "lo", "up")
                 core_end, worker_end = f"{self._tag}c{i}", f"{self._tag}w{i}"
-                _ip("link", "add", core_end, "netns", self.core_ns, "type", "veth", "peer", worker_end, "netns", ns)
+                _ip(
+                    "link",
+                    "add",
+                    core_end,
+                    "netns",
+                    self.core_ns,
+                    "type",
+                    "veth",
+                    "peer",
+                    worker_end,
+                    "netns",
+                    ns,
+                )
                 _ip("-n", self.core_ns, "addr", "add", f"{self.core_ip(i)}/24", "dev", core_end)
                 _ip("-n", ns, "addr", "add", f"{self.worker_ip(i)}/24", "dev", worker_end)
                 _ip("-n", self.core_ns, "link", "set", core_end, "up")
@@ -154,7 +166,22 @@ class NetnsLab:
         for i, ns in enumerate(self.worker_ns):
             for where, dev in ((self.core_ns, f"{self._tag}c{i}"), (ns, f"{self._tag}w{i}")):
                 done = subprocess.run(
-                    ["ip", "netns", "exec", where, "tc", "qdisc", "replace", "dev", dev, "root", "netem", "delay", f"{ms}ms"],
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        where,
+                        "tc",
+                        "qdisc",
+                        "replace",
+                        "dev",
+                        dev,
+                        "root",
+                        "netem",
+                        "delay",
+                        f"{ms}ms",
+                    ],
+                    check=False,
                     capture_output=True,
                     text=True,
                 )
