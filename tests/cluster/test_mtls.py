@@ -1,0 +1,131 @@
+"""mTLS on peer links with `moe-mesh certs` output: the right certificate gets in; no certificate,
+a certificate from another CA, or plaintext are refused at the handshake; a server with a
+certificate from another CA is refused by the client; binding beyond loopback without TLS warns."""
+
+from __future__ import annotations
+
+import socket
+
+import grpc
+import pytest
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.cli import main
+from services.common.grpc_util import aio_channel, start_server
+from services.common.tls import TlsFiles, channel_credentials, issue_certificate
+from services.gateway.core_client import CoreClient, CoreClientConfig
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pki")
+    cluster, other = root / "cluster", root / "other"
+    main(["certs", "--out", str(cluster), "--name", "core"])  # the CLI, in-process
+    issue_certificate(cluster, "gateway", [])
+    issue_certificate(other, "gateway", [])  # same name, another CA
+    issue_certificate(other, "core", [])
+    assert (cluster / "core-key.pem").stat().st_mode & 0o077 == 0  # private keys are 0600
+    return cluster, other
+
+
+async def _health(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.StatusCode | int:
+    if credentials is None:
+        channel = grpc.aio.insecure_channel(address)
+    else:
+        channel = grpc.aio.secure_channel(address, credentials)
+    async with channel:
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=3
+            )
+        except grpc.aio.AioRpcError as error:
+            return error.code()
+    return reply.status
+
+
+async def test_only_clients_with_a_certificate_from_the_cluster_ca_get_in(pki):
+    cluster, other = pki
+    address = f"127.0.0.1:{_free_port()}"
+    running = await start_server(
+        lambda server: None, "test.Service", address, tls=TlsFiles.in_dir(cluster, "core")
+    )
+    try:
+        ok = await _health(address, channel_credentials(TlsFiles.in_dir(cluster, "gateway")))
+        assert ok == health_pb2.HealthCheckResponse.SERVING
+        ca_only = grpc.ssl_channel_credentials(root_certificates=(cluster / "ca.pem").read_bytes())
+        assert await _health(address, ca_only) == grpc.StatusCode.UNAVAILABLE  # no client certificate
+        foreign = grpc.ssl_channel_credentials(
+            root_certificates=(cluster / "ca.pem").read_bytes(),
+            private_key=(other / "gateway-key.pem").read_bytes(),
+            certificate_chain=(other / "gateway.pem").read_bytes(),
+        )
+        assert await _health(address, foreign) == grpc.StatusCode.UNAVAILABLE  # another CA's certificate
+        assert await _health(address, None) == grpc.StatusCode.UNAVAILABLE  # plaintext
+    finally:
+        await running.server.stop(0)
+
+
+async def test_client_refuses_a_server_certified_by_another_ca(pki):
+    cluster, other = pki
+    address = f"127.0.0.1:{_free_port()}"
+    running = await start_server(
+        lambda server: None, "test.Service", address, tls=TlsFiles.in_dir(other, "core")
+    )
+    try:
+        refused = await _health(address, channel_credentials(TlsFiles.in_dir(cluster, "gateway")))
+        assert refused == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await running.server.stop(0)
+
+
+async def test_gateway_reaches_core_over_mtls_on_a_unix_socket(pki, short_tmp):
+    cluster, _ = pki
+    address = f"unix:{short_tmp / 'core.sock'}"
+    running = await start_server(
+        lambda server: None, "moemesh.v1.Core", address, tls=TlsFiles.in_dir(cluster, "core")
+    )
+    try:
+        with_cert = CoreClient(
+            CoreClientConfig(address, unary_timeout_s=3, tls=TlsFiles.in_dir(cluster, "gateway"))
+        )
+        without = CoreClient(CoreClientConfig(address, unary_timeout_s=3))
+        assert await with_cert.health() == "SERVING"
+        assert await without.health() == "UNREACHABLE"
+        await with_cert.close()
+        await without.close()
+    finally:
+        await running.server.stop(0)
+
+
+async def test_binding_beyond_loopback_without_tls_warns(pki):
+    cluster, _ = pki
+    port = _free_port()
+    with structlog.testing.capture_logs() as logs:
+        running = await start_server(lambda server: None, "test.Service", f"0.0.0.0:{port}")
+        await running.server.stop(0)
+        loopback = await start_server(lambda server: None, "test.Service", f"127.0.0.1:{_free_port()}")
+        await loopback.server.stop(0)
+        secure = await start_server(
+            lambda server: None,
+            "test.Service",
+            f"0.0.0.0:{_free_port()}",
+            tls=TlsFiles.in_dir(cluster, "core"),
+        )
+        await secure.server.stop(0)
+    warnings = [entry for entry in logs if entry["event"] == "insecure_bind"]
+    assert [w["address"] for w in warnings] == [f"0.0.0.0:{port}"]
+
+
+async def test_missing_tls_files_are_named(tmp_path):
+    from services.common.tls import TlsError
+
+    with pytest.raises(TlsError, match="ca.pem"):
+        async with aio_channel("127.0.0.1:1", TlsFiles.in_dir(tmp_path, "core")):
+            pass
