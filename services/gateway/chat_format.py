@@ -13,7 +13,7 @@ import uuid
 from typing import Any
 
 from services.gateway.errors import OpenAIError
-from services.gateway.generation_state import CompletionMeta, GenerationState, sse_data
+from services.gateway.generation_state import CompletionMeta, GenerationState, sse_data, to_json
 from services.proto.moemesh.v1 import core_pb2
 
 FINISH_REASON_NAMES: dict[int, str] = {
@@ -66,6 +66,11 @@ class ChatFormatter:
         self.state = GenerationState()
         self.include_usage = include_usage
         self.with_logprobs = with_logprobs
+        # A content-only chunk rendered once around a marker, split into the bytes before and after.
+        marker = "\u0000text\u0000"
+        frame = sse_data(self._chunk({"content": marker}))
+        before, found, after = frame.partition(to_json(marker).encode())  # type: ignore[arg-type]
+        self._content_frame: tuple[bytes, bytes] | None = (before, after) if found else None
 
     # -- whole response -------------------------------------------------------------------------
     def result(self) -> dict[str, Any]:
@@ -110,6 +115,14 @@ class ChatFormatter:
     def on_chunk(self, chunk: core_pb2.GenerateChunk) -> list[bytes]:
         """The frames for one core chunk; `self.state` already includes it. A finish reason gets
         its own chunk with an empty delta, which is what OpenAI sends and clients look for."""
+        if self._content_frame is not None and not (
+            chunk.finish_reason or chunk.logprobs or chunk.tool_calls or chunk.reasoning
+        ):
+            # The common case, once per token: only the text changes between frames.
+            if not chunk.text:
+                return []
+            prefix, suffix = self._content_frame
+            return [prefix + to_json(chunk.text).encode() + suffix]  # type: ignore[arg-type]
         out: list[bytes] = []
         if chunk.reasoning:
             out.append(sse_data(self._chunk({"reasoning_content": chunk.reasoning})))

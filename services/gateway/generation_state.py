@@ -44,14 +44,19 @@ class GenerationState:
     _counted_tokens: int = 0
 
     def add(self, chunk: core_pb2.GenerateChunk) -> None:
+        # Runs once per token on the streaming path: only the cheap checks for ordinary chunks.
         if chunk.text:
             self.text.append(chunk.text)
         if chunk.reasoning:
             self.reasoning.append(chunk.reasoning)
-        self.tool_calls.extend(chunk.tool_calls)
-        self.logprobs.extend(chunk.logprobs)
+        if chunk.tool_calls:
+            self.tool_calls.extend(chunk.tool_calls)
+        if chunk.logprobs:
+            self.logprobs.extend(chunk.logprobs)
         self._counted_tokens += len(chunk.token_ids)
         self.completion_tokens = self._counted_tokens
+        if not chunk.finish_reason:
+            return  # usage and timings come with the finish reason, on the last chunk
         if chunk.HasField("usage"):
             self.prompt_tokens = chunk.usage.prompt_tokens
             self.completion_tokens = chunk.usage.completion_tokens
@@ -59,8 +64,7 @@ class GenerationState:
         if chunk.HasField("timings"):
             self.queue_seconds = chunk.timings.queue_seconds
             self.prefill_seconds = chunk.timings.prefill_seconds
-        if chunk.finish_reason != core_pb2.FINISH_REASON_UNSPECIFIED:
-            self.finish_reason = chunk.finish_reason
+        self.finish_reason = chunk.finish_reason
 
     def require_finished(self) -> int:
         if self.finish_reason is None:
@@ -85,5 +89,5 @@ def sse_named(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {to_json(data)}\n\n".encode()
 
 
-def to_json(data: dict[str, Any]) -> str:
+def to_json(data: Any) -> str:
     return json.dumps(data, ensure_ascii=False, separators=(",", ":"))

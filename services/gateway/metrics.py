@@ -195,10 +195,12 @@ class RequestTimer:
         m.e2e.labels(model).observe(time.perf_counter() - self.started)
         if self.first_token_s is not None:
             m.ttft.labels(model).observe(self.first_token_s)
+        inter_token = m.inter_token.labels(model)
+        time_per_output_token = m.time_per_output_token.labels(model)
         for per_token, count in self._gaps:
             for _ in range(count):
-                m.inter_token.labels(model).observe(per_token)
-                m.time_per_output_token.labels(model).observe(per_token)
+                inter_token.observe(per_token)
+                time_per_output_token.observe(per_token)
         if state.queue_seconds is not None:
             m.queue.labels(model).observe(state.queue_seconds)
         if state.prefill_seconds is not None:
