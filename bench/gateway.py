@@ -12,7 +12,8 @@ as its text. Model compute is left out on purpose: it is the same on both paths 
 For every token the client records arrival − send time, reading the stream two ways, interleaved
 round by round: directly from core (grpc.aio, as the gateway itself reads it) and through the
 gateway (httpx streaming `POST /v1/chat/completions`, parsing each SSE chunk's JSON as an OpenAI
-client does). Added latency per token = p50(gateway) − p50(direct); the target is ≤ 200 µs.
+client does). Added latency per token = p50(gateway) − p50(direct), per round, median over the rounds (the
+pooled percentiles are printed too); the target is ≤ 200 µs.
 A second, unpaced pass streams as fast as core can send and reports the wall time per token on each
 path: the gateway's throughput cost per token when tokens arrive back to back.
 Prints one JSON object.
@@ -150,7 +151,7 @@ def wait_http(url: str, process: subprocess.Popen, timeout_s: float = 30) -> Non
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=1000)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--interval-ms", type=float, default=2.0, help="core's pace between tokens")
     parser.add_argument("--serve-core", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -183,19 +184,23 @@ def main() -> None:
         assert core.stdout is not None and core.stdout.readline().strip() == "ready"
         wait_http(url, gateway)
         interval_s = args.interval_ms / 1000
-        paced = {"direct": [], "gateway": []}
+        paced: dict[str, list[float]] = {"direct": [], "gateway": []}
+        round_deltas: list[float] = []
         unpaced = {"direct": [], "gateway": []}
         loop = uvloop.new_event_loop()
         loop.run_until_complete(gateway_stream(url, 50, 0))  # warm-up: connections, imports, JIT caches
         loop.run_until_complete(direct_stream(address, 50, 0))
         for _ in range(args.rounds):
+            round_p50: dict[str, float] = {}
             for name, run in (("direct", direct_stream), ("gateway", gateway_stream)):
                 target = address if name == "direct" else url
                 latencies, _ = loop.run_until_complete(run(target, args.tokens, interval_s))
                 assert len(latencies) == args.tokens, (name, len(latencies))
                 paced[name].extend(latencies[1:])  # the first token also pays for the request itself
+                round_p50[name] = percentiles(latencies[1:])["p50"]
                 _, wall = loop.run_until_complete(run(target, args.tokens, 0))
                 unpaced[name].append(wall / args.tokens * 1e6)
+            round_deltas.append(round_p50["gateway"] - round_p50["direct"])
         direct, through = percentiles(paced["direct"]), percentiles(paced["gateway"])
         result = {
             "bench": "gateway",
@@ -204,13 +209,18 @@ def main() -> None:
             "core_interval_ms": args.interval_ms,
             "token_latency_us": {"direct": direct, "gateway": through},
             "added_latency_per_token_us": {key: round(through[key] - direct[key], 1) for key in direct},
+            # Each round's p50 difference (the two paths run back to back): robust to load bursts
+            # from other processes, which hit one round and not the rest.
+            "added_p50_per_round_us": [round(delta, 1) for delta in round_deltas],
+            "added_p50_median_of_rounds_us": round(sorted(round_deltas)[len(round_deltas) // 2], 1),
             "unpaced_wall_per_token_us": {
                 "direct": round(min(unpaced["direct"]), 1),
                 "gateway": round(min(unpaced["gateway"]), 1),
             },
             "target_added_p50_us": 200,
         }
-        result["meets_target"] = result["added_latency_per_token_us"]["p50"] <= 200
+        result["meets_target"] = result["added_p50_median_of_rounds_us"] <= 200
+        result["load_average_1m"] = round(os.getloadavg()[0], 2)  # other work on the host skews it
         print(json.dumps(result))
     finally:
         for process in (gateway, core):
