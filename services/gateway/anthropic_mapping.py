@@ -4,7 +4,8 @@ Contract: Anthropic's block structure becomes the role/tool-call structure chat 
 `system` → a system message; an assistant turn's `tool_use` blocks → that message's tool calls (input
 as JSON text); a user turn's `tool_result` blocks → `tool` messages carrying `tool_call_id`, in the
 order they appear, with the turn's text around them as user messages; thinking blocks are dropped.
-tool_choice auto/any/tool/none → core's AUTO/REQUIRED/NAMED/NONE.
+tool_choice auto/any/tool/none → core's AUTO/REQUIRED/NAMED/NONE; `output_config.format` (structured
+outputs) → a JSON_SCHEMA response format.
 """
 
 from __future__ import annotations
@@ -103,10 +104,20 @@ def build_messages_request(request: MessagesRequest, request_id: str) -> core_pb
         sampling.top_p = request.top_p
     if request.top_k:
         sampling.top_k = request.top_k
-    return core_pb2.GenerateRequest(
+    generate = core_pb2.GenerateRequest(
         request_id=request_id,
         model=request.model,
         chat=chat,
         sampling=sampling,
         stopping=core_pb2.StoppingCriteria(max_tokens=request.max_tokens, stop=request.stop_sequences or []),
     )
+    if request.output_config is not None and request.output_config.format is not None:
+        generate.response_format.CopyFrom(
+            core_pb2.ResponseFormat(
+                type=core_pb2.ResponseFormat.JSON_SCHEMA,
+                schema_json=json.dumps(request.output_config.format.json_schema),
+                name="output",
+                strict=True,
+            )
+        )
+    return generate

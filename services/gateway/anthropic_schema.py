@@ -80,6 +80,19 @@ class ThinkingConfig(ApiModel):
     budget_tokens: int | None = None
 
 
+class JsonOutputFormat(ApiModel):
+    type: Literal["json_schema"]
+    # `schema` shadows a BaseModel attribute, hence the alias.
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(ApiModel):
+    """Anthropic's structured outputs: `format` constrains the text to a JSON Schema."""
+
+    effort: str | None = None  # accepted; the served models have no effort setting
+    format: JsonOutputFormat | None = None
+
+
 class MessagesRequest(ApiModel):
     """`POST /v1/messages` body (Anthropic Messages API)."""
 
@@ -95,6 +108,7 @@ class MessagesRequest(ApiModel):
     tools: list[ToolSpec] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
     metadata: dict[str, Any] | None = None
 
     @field_validator("stop_sequences")

@@ -205,3 +205,19 @@ def test_error_mid_stream_is_an_error_event(gateway_url: str, core: CoreDouble) 
             for _ in stream:
                 pass
     assert "secret" not in str(raised.value)
+
+
+def test_structured_output_parse(gateway_url: str, core: CoreDouble) -> None:
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        capital: str
+
+    core.script.words = ['{"capital":', ' "Paris"}']
+    parsed = client(gateway_url).messages.parse(
+        model=MODEL_ID, max_tokens=32, messages=QUESTION, output_format=Answer
+    )
+    assert parsed.parsed_output == Answer(capital="Paris")
+    sent = core.requests[0].response_format
+    assert sent.type == core_pb2.ResponseFormat.JSON_SCHEMA
+    assert json.loads(sent.schema_json)["properties"]["capital"]["type"] == "string"
