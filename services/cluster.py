@@ -34,6 +34,7 @@ and the file, so a bad file is one clear line, never a traceback at runtime.
 from __future__ import annotations
 
 import ipaddress
+import json
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -274,3 +275,31 @@ class _Reader:
             self.fail(f"{name} must be a string")
         resolved = Path(value).expanduser()
         return resolved if resolved.is_absolute() else (self.file.parent / resolved).resolve()
+
+
+def local_cluster_toml(
+    split: Path,
+    core_listen: str,
+    workers: list[tuple[str, str, str]],
+    gateway_host: str = "127.0.0.1",
+    gateway_port: int = 8000,
+) -> str:
+    """The cluster.toml of a one-machine deployment (what `moe-mesh up` writes and starts from).
+    workers: (name, address, experts)."""
+    quote = json.dumps  # a JSON string is a valid TOML basic string
+    lines = [
+        "# Written by `moe-mesh up`: every service of this machine's cluster reads it.",
+        "[model]",
+        f"split = {quote(str(split))}",
+        "",
+        "[core]",
+        f"listen = {quote(core_listen)}",
+        "",
+        "[gateway]",
+        f"host = {quote(gateway_host)}",
+        f"port = {int(gateway_port)}",
+    ]
+    for name, address, experts in workers:
+        lines += ["", "[[workers]]", f"name = {quote(name)}", f"address = {quote(address)}"]
+        lines += [f"experts = {quote(experts)}"]
+    return "\n".join(lines) + "\n"
