@@ -54,6 +54,12 @@ class AnthropicFormatter:
             "cache_read_input_tokens": self.state.cached_prompt_tokens,
         }
 
+    def _stop(self) -> tuple[str, str | None]:
+        """(stop_reason, stop_sequence) once the stream has ended."""
+        if self.state.finish_reason == core_pb2.STOP and self.state.matched_stop:
+            return "stop_sequence", self.state.matched_stop
+        return STOP_REASONS.get(self.state.finish_reason or 0, "end_turn"), None
+
     def _message(self, content: list[dict[str, Any]], stop_reason: str | None) -> dict[str, Any]:
         return {
             "id": self.meta.id,
@@ -62,13 +68,13 @@ class AnthropicFormatter:
             "model": self.meta.model,
             "content": content,
             "stop_reason": stop_reason,
-            "stop_sequence": None,
+            "stop_sequence": self._stop()[1] if stop_reason else None,
             "usage": self._usage(),
         }
 
     def result(self) -> dict[str, Any]:
         state = self.state
-        finish = state.require_finished()
+        state.require_finished()
         content: list[dict[str, Any]] = []
         if state.reasoning:
             content.append({"type": "thinking", "thinking": state.full_reasoning(), "signature": ""})
@@ -83,7 +89,7 @@ class AnthropicFormatter:
             }
             for call in state.tool_calls
         )
-        return self._message(content, STOP_REASONS.get(finish, "end_turn"))
+        return self._message(content, self._stop()[0])
 
     def opening(self) -> list[bytes]:
         start = self._message([], None)
@@ -114,10 +120,7 @@ class AnthropicFormatter:
                     "message_delta",
                     {
                         "type": "message_delta",
-                        "delta": {
-                            "stop_reason": STOP_REASONS.get(chunk.finish_reason, "end_turn"),
-                            "stop_sequence": None,
-                        },
+                        "delta": dict(zip(("stop_reason", "stop_sequence"), self._stop(), strict=True)),
                         "usage": self._usage(),
                     },
                 )

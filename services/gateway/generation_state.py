@@ -39,6 +39,7 @@ class GenerationState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
+    matched_stop: str = ""  # the stop string that ended generation, when core names it
     queue_seconds: float | None = None
     prefill_seconds: float | None = None
     _counted_tokens: int = 0
@@ -65,6 +66,7 @@ class GenerationState:
             self.queue_seconds = chunk.timings.queue_seconds
             self.prefill_seconds = chunk.timings.prefill_seconds
         self.finish_reason = chunk.finish_reason
+        self.matched_stop = chunk.matched_stop
 
     def require_finished(self) -> int:
         if self.finish_reason is None:

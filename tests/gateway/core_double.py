@@ -41,6 +41,7 @@ class Script:
     tool_calls: list[core_pb2.ToolCall] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     send_finish_chunk: bool = True
+    matched_stop: str = ""
     cached_prompt_tokens: int = 0
     queue_seconds: float = 0.002
     prefill_seconds: float = 0.003
@@ -120,6 +121,7 @@ class CoreDouble(core_pb2_grpc.CoreServicer):
                 yield core_pb2.GenerateChunk(
                     tool_calls=script.tool_calls,
                     finish_reason=finish_reason,
+                    matched_stop=script.matched_stop,
                     usage=core_pb2.Usage(
                         prompt_tokens=prompt_token_count(request),
                         completion_tokens=len(words) + len(script.reasoning),

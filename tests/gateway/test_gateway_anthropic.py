@@ -221,3 +221,17 @@ def test_structured_output_parse(gateway_url: str, core: CoreDouble) -> None:
     sent = core.requests[0].response_format
     assert sent.type == core_pb2.ResponseFormat.JSON_SCHEMA
     assert json.loads(sent.schema_json)["properties"]["capital"]["type"] == "string"
+
+
+def test_stop_sequence_is_reported(gateway_url: str, core: CoreDouble) -> None:
+    core.script.words = ANSWER_WORDS[:3]
+    core.script.matched_stop = " of"
+    message = client(gateway_url).messages.create(
+        model=MODEL_ID, max_tokens=32, messages=QUESTION, stop_sequences=[" of", "END"]
+    )
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", " of")
+    with client(gateway_url).messages.stream(
+        model=MODEL_ID, max_tokens=32, messages=QUESTION, stop_sequences=[" of"]
+    ) as stream:
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", " of")
