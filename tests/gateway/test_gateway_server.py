@@ -50,6 +50,11 @@ def test_run_gateway_serves_logs_json_and_stops_on_sigterm(core_server, core: Co
         response = httpx.post(url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "proc-1"})
         assert response.status_code == 200
         assert "server" not in response.headers  # no version banner
+        # A request that fails in core logs a warning: it must carry the request id too.
+        failing = httpx.post(
+            url + "/v1/chat/completions", json={**body, "model": "other"}, headers={"X-Request-Id": "proc-2"}
+        )
+        assert failing.status_code == 404
     finally:
         process.send_signal(signal.SIGTERM)
         stdout, stderr = process.communicate(timeout=20)
@@ -62,5 +67,20 @@ def test_run_gateway_serves_logs_json_and_stops_on_sigterm(core_server, core: Co
     assert any(
         record.get("request_id") == "proc-1" and record["event"] == "chat completion" for record in records
     )
+    assert any(
+        record.get("request_id") == "proc-2" and record["event"] == "core call failed" for record in records
+    )
+    # Every line a request causes names it; only lifecycle lines (start, stop) have no request id.
+    lifecycle = (
+        "gateway started",
+        "Started server",
+        "Waiting for",
+        "Application",
+        "Uvicorn running",
+        "Shutting down",
+        "Finished server",
+    )
+    unnamed = [r["event"] for r in records if "request_id" not in r and not r["event"].startswith(lifecycle)]
+    assert unnamed == [], unnamed
     assert not any("GET /health" in record["event"] for record in records)  # no access log at info
     assert any(record["event"] == "Application shutdown complete." for record in records)
