@@ -56,11 +56,14 @@ class OutputDelta:
     text: str = ""
     reasoning: str = ""
     tool_calls: list[core_pb2.ToolCall] = field(default_factory=list)
+    matched_stop: str = ""  # on the final delta: the stop string that ended the output
 
     def write_to(self, chunk: core_pb2.GenerateChunk) -> None:
         chunk.text += self.text
         chunk.reasoning += self.reasoning
         chunk.tool_calls.extend(self.tool_calls)
+        if self.matched_stop:
+            chunk.matched_stop = self.matched_stop
 
 
 class TextEmitter:
@@ -89,6 +92,7 @@ class TextEmitter:
         self.drop_whitespace = False  # after </think>: leading whitespace of the answer is dropped
         self.tool_calls_sent = 0
         self.stopped = False
+        self.matched_stop = ""  # the stop string that ended the output, once one did
         self._echo = output.echo
 
     def add(self, token: int) -> OutputDelta:
@@ -101,13 +105,17 @@ class TextEmitter:
         """End of generation: flush everything still held (minus any stop string)."""
         self.detokenizer.finalize()
         self.pending += self.detokenizer.last_segment
-        return self._route(final=True)
+        delta = self._route(final=True)
+        delta.matched_stop = self.matched_stop
+        return delta
 
     def finish_reason(self, reason: int) -> int:
         # Whenever the answer holds tool calls, as OpenAI and mlx-lm's server report it:
         # agents run the tools when they see tool_calls.
         if reason == core_pb2.FinishReason.STOP and self.tool_calls_sent:
             return core_pb2.FinishReason.TOOL_CALLS
+        if self.matched_stop:  # also when the stop string came with the last allowed token
+            return core_pb2.FinishReason.STOP
         return reason
 
     # ---- routing ----------------------------------------------------------------------------
@@ -176,7 +184,7 @@ class TextEmitter:
                 self.state = markers[marker]
                 self.held_whitespace = ""
                 return True
-            self.stopped = True  # a stop string: nothing after it is sent
+            self.stopped, self.matched_stop = True, marker  # a stop string: nothing after it is sent
             self.pending = ""
             return False
         hold = 0 if final else _partial_suffix(self.pending, [*markers, *self.stop_strings])

@@ -196,6 +196,13 @@ def test_stop_strings_cut_content_but_not_reasoning(preparer, tokenizer):
     assert joined(chunks, "reasoning") == "\nnot the END yet\n"
     assert joined(chunks, "text") == "Done. "
     assert reason == core_pb2.FinishReason.STOP
+    assert chunks[-1].matched_stop == "END"  # Anthropic's stop_sequence
+
+
+def test_no_matched_stop_when_the_output_ends_otherwise(preparer, tokenizer):
+    request = chat_request(tools=(), stopping=core_pb2.StoppingCriteria(stop=["END"]))
+    chunks, _ = stream(preparer, tokenizer, request, "All done.")
+    assert chunks[-1].matched_stop == ""
 
 
 def test_echo_sends_the_prompt_first(preparer, tokenizer):

@@ -195,3 +195,18 @@ async def test_thinking_text_arrives_as_reasoning_not_text(stack):
     assert tokens_of(chunks) == [think] * 4
     assert text_of(chunks) == ""
     assert "".join(c.reasoning for c in chunks) == "<think>" * 3
+
+
+async def test_a_stop_string_is_named_in_the_last_chunk(stack):
+    request = core_pb2.GenerateRequest(
+        prompt="Count with me:",
+        sampling=core_pb2.SamplingParams(temperature=0),
+        stopping=core_pb2.StoppingCriteria(max_tokens=8),
+    )
+    free = await generate(stack, request)
+    stop_at = next(c.text for c in free[2:] if c.text.strip())
+    request.stopping.stop.append(stop_at)
+    chunks = await generate(stack, request)
+    assert chunks[-1].finish_reason == core_pb2.FinishReason.STOP
+    assert chunks[-1].matched_stop == stop_at
+    assert stop_at not in text_of(chunks)
