@@ -1,0 +1,212 @@
+"""Continuous batching: aggregate decode tok/s at 1, 4, 8 and 16 concurrent streams, one run.
+
+    python bench/concurrency.py                          # demo + Qwen3-30B-A3B-shaped model
+    python bench/concurrency.py --models demo --tokens 32
+
+Core and two expert workers are real processes on Unix sockets; clients stream from
+Core.Generate over gRPC, every request greedy with its own prompt and `ignore_eos`, so each
+produces exactly --tokens tokens. Aggregate tok/s = all generated tokens / wall time from the
+first request sent to the last token received. TTFT is per request, from send to first token.
+
+Two more figures for the demo model, from the issue's checks:
+- long_prompt: a ~2K-token prompt arrives while 4 streams decode; the largest gap between
+  consecutive tokens of those streams during its prefill, next to their median gap before it.
+- prefix_cache: time to first token of a request whose ~1K-token system prompt is cached
+  (an earlier request used it) vs the same request on a cold cache.
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.decode import checkpoint, log
+from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
+from services.up import resolve_split
+from tests.helpers import Workers, spawn, stop, wait_serving
+
+CONCURRENCY = (1, 4, 8, 16)
+TOPICS = [
+    "a lighthouse", "the moon", "a city at night", "a forest", "the ocean", "a library", "a train",
+    "the desert", "a garden", "a mountain", "a market", "the rain", "a bridge", "a river", "winter",
+    "a castle",
+]  # fmt: skip
+SYSTEM_PROMPT = "You are a careful assistant. " + " ".join(
+    f"Rule {i}: answer politely, cite facts you are sure of, and keep rule {i} in mind." for i in range(90)
+)
+
+
+def chat(text: str, tokens: int, system: str | None = None) -> core_pb2.GenerateRequest:
+    messages = [core_pb2.ChatMessage(role="system", content=system)] if system else []
+    messages.append(core_pb2.ChatMessage(role="user", content=text))
+    return core_pb2.GenerateRequest(
+        chat=core_pb2.ChatInput(messages=messages, add_generation_prompt=True),
+        sampling=core_pb2.SamplingParams(temperature=0),
+        stopping=core_pb2.StoppingCriteria(max_tokens=tokens, ignore_eos=True),
+    )
+
+
+async def timed_stream(stub, request) -> dict:
+    """Arrival time of every token, and the request's usage."""
+    sent = time.perf_counter()
+    arrivals, usage = [], None
+    async for chunk in stub.Generate(request, timeout=3600):
+        arrivals.extend([time.perf_counter()] * len(chunk.token_ids))
+        if chunk.finish_reason:
+            usage = chunk.usage
+    return {"sent": sent, "arrivals": arrivals, "usage": usage}
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+async def concurrency_level(stub, streams: int, tokens: int, round_index: int) -> dict:
+    requests = [
+        chat(f"Write a story about {TOPICS[i % len(TOPICS)]} (take {round_index}).", tokens)
+        for i in range(streams)
+    ]
+    start = time.perf_counter()
+    results = await asyncio.gather(*(timed_stream(stub, r) for r in requests))
+    wall = max(r["arrivals"][-1] for r in results) - start
+    generated = sum(len(r["arrivals"]) for r in results)
+    ttft = [r["arrivals"][0] - r["sent"] for r in results]
+    return {
+        "streams": streams,
+        "generated_tokens": generated,
+        "wall_s": round(wall, 3),
+        "aggregate_tok_s": round(generated / wall, 2),
+        "ttft_p50_s": round(percentile(ttft, 0.5), 3),
+        "ttft_p99_s": round(percentile(ttft, 0.99), 3),
+    }
+
+
+async def interleave(stub) -> dict:
+    """Largest inter-token gap of 4 decoding streams while a ~2K-token prompt is prefilled."""
+    arrivals: list[list[float]] = [[] for _ in range(4)]
+
+    async def decode(i: int) -> None:
+        request = chat(f"Tell me a long story about {TOPICS[i]}.", 100000)
+        async for chunk in stub.Generate(request, timeout=3600):
+            arrivals[i].extend([time.perf_counter()] * len(chunk.token_ids))
+
+    tasks = [asyncio.create_task(decode(i)) for i in range(4)]
+    while min(len(a) for a in arrivals) < 8:
+        await asyncio.sleep(0.05)
+    submitted = time.perf_counter()
+    result = await timed_stream(stub, chat(" ".join([SYSTEM_PROMPT] * 2), 1))
+    first_token = result["arrivals"][0]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+    def gaps(times: list[float], lo: float, hi: float) -> list[float]:
+        inside = [t for t in times if lo <= t <= hi]
+        return [b - a for a, b in zip(inside, inside[1:], strict=False)]
+
+    during = [g for a in arrivals for g in gaps(a, submitted, first_token)]
+    before = [g for a in arrivals for g in gaps(a, 0, submitted)]
+    tokens_during = [len([t for t in a if submitted < t < first_token]) for a in arrivals]
+    return {
+        "prompt_tokens": result["usage"].prompt_tokens,
+        "prefill_s": round(first_token - submitted, 3),
+        "tokens_per_stream_during_prefill": tokens_during,
+        "max_gap_during_prefill_s": round(max(during), 3) if during else None,
+        "median_gap_before_s": round(statistics.median(before), 3) if before else None,
+    }
+
+
+async def prefix_reuse(stub) -> dict:
+    cold = await timed_stream(stub, chat("What is the capital of France?", 4, SYSTEM_PROMPT))
+    warm = await timed_stream(stub, chat("Name a large ocean.", 4, SYSTEM_PROMPT))
+    cold_ttft = cold["arrivals"][0] - cold["sent"]
+    warm_ttft = warm["arrivals"][0] - warm["sent"]
+    return {
+        "prompt_tokens": warm["usage"].prompt_tokens,
+        "cached_prompt_tokens": warm["usage"].cached_prompt_tokens,
+        "ttft_cold_s": round(cold_ttft, 3),
+        "ttft_cached_s": round(warm_ttft, 3),
+        "ttft_ratio_cached_vs_cold": round(warm_ttft / cold_ttft, 3),
+    }
+
+
+async def run_model(address: str, tokens: int, rounds: int, extras: bool) -> dict:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = core_pb2_grpc.CoreStub(channel)
+        await timed_stream(stub, chat("Warm up.", 4))
+        levels = []
+        for streams in CONCURRENCY:
+            best = None
+            for r in range(rounds):
+                result = await concurrency_level(stub, streams, tokens, r)
+                log(f"{streams} streams, round {r}: {result['aggregate_tok_s']} tok/s")
+                if best is None or result["aggregate_tok_s"] > best["aggregate_tok_s"]:
+                    best = result
+            levels.append(best)
+        out = {"levels": levels}
+        base = levels[0]["aggregate_tok_s"]
+        out["speedup_vs_1"] = {str(lv["streams"]): round(lv["aggregate_tok_s"] / base, 2) for lv in levels}
+        if extras:
+            log("long prompt during decode")
+            out["long_prompt"] = await interleave(stub)
+            log("prefix cache")
+            out["prefix_cache"] = await prefix_reuse(stub)
+        return out
+
+
+def bench_model(name: str, tokens: int, rounds: int, budget: int, extras: bool) -> dict:
+    split = resolve_split(str(checkpoint(name, "float32")) if name != "demo" else None)
+    workdir = Path(tempfile.mkdtemp(prefix="mm-bench-", dir="/tmp"))
+    workers = Workers(split, workdir, ["0-3", "4-7"] if name == "demo" else ["0-63", "64-127"]).start()
+    address = f"unix:{workdir / 'core.sock'}"
+    core_log = workdir / "core.log"
+    core = spawn(
+        ["core", "--split", str(split), "--listen", address, "--worker", ",".join(workers.addresses),
+         "--max-num-seqs", "16", "--max-num-batched-tokens", str(budget)],
+        core_log,
+    )  # fmt: skip
+    try:
+        wait_serving(address, core, timeout_s=600, log_path=core_log)
+        log(f"{name}: serving")
+        return asyncio.run(run_model(address, tokens, rounds, extras))
+    finally:
+        stop([core])
+        workers.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="demo,qwen3-30b-a3b-4layer")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens per stream")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    args = parser.parse_args()
+    result = {
+        "bench": "concurrency",
+        "machine": f"{platform.system()} {platform.machine()}",
+        "tokens_per_stream": args.tokens,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "models": {},
+    }
+    for name in args.models.split(","):
+        result["models"][name] = bench_model(
+            name, args.tokens, args.rounds, args.max_num_batched_tokens, extras=name == "demo"
+        )
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
