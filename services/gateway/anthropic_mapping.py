@@ -14,6 +14,7 @@ import json
 
 from services.gateway.anthropic_schema import (
     Message,
+    MessagesInput,
     MessagesRequest,
     TextBlock,
     ToolResultBlock,
@@ -29,7 +30,7 @@ TOOL_CHOICE_MODES = {
 }
 
 
-def core_messages(request: MessagesRequest) -> list[core_pb2.ChatMessage]:
+def core_messages(request: MessagesInput) -> list[core_pb2.ChatMessage]:
     out: list[core_pb2.ChatMessage] = []
     if system := request.system_text():
         out.append(core_pb2.ChatMessage(role="system", content=system))
@@ -78,7 +79,7 @@ def _assistant_turn(message: Message) -> core_pb2.ChatMessage:
     )
 
 
-def build_messages_request(request: MessagesRequest, request_id: str) -> core_pb2.GenerateRequest:
+def chat_input(request: MessagesInput) -> core_pb2.ChatInput:
     choice = request.tool_choice
     mode = TOOL_CHOICE_MODES[choice.type] if choice else core_pb2.ToolChoice.AUTO
     chat = core_pb2.ChatInput(
@@ -97,6 +98,10 @@ def build_messages_request(request: MessagesRequest, request_id: str) -> core_pb
         )
     if request.thinking is not None:
         chat.template_kwargs_json = json.dumps({"enable_thinking": request.thinking.type == "enabled"})
+    return chat
+
+
+def build_messages_request(request: MessagesRequest, request_id: str) -> core_pb2.GenerateRequest:
     sampling = core_pb2.SamplingParams()
     if request.temperature is not None:
         sampling.temperature = request.temperature
@@ -107,7 +112,7 @@ def build_messages_request(request: MessagesRequest, request_id: str) -> core_pb
     generate = core_pb2.GenerateRequest(
         request_id=request_id,
         model=request.model,
-        chat=chat,
+        chat=chat_input(request),
         sampling=sampling,
         stopping=core_pb2.StoppingCriteria(max_tokens=request.max_tokens, stop=request.stop_sequences or []),
     )

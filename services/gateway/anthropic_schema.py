@@ -93,30 +93,15 @@ class OutputConfig(ApiModel):
     format: JsonOutputFormat | None = None
 
 
-class MessagesRequest(ApiModel):
-    """`POST /v1/messages` body (Anthropic Messages API)."""
+class MessagesInput(ApiModel):
+    """What a prompt is made of: the body of `POST /v1/messages/count_tokens`."""
 
     model: str
-    max_tokens: int = Field(ge=1, le=UINT32_MAX)
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
-    stop_sequences: list[str] | None = Field(default=None, max_length=16)
-    stream: bool = False
-    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0, le=2**31 - 1)
     tools: list[ToolSpec] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
-    output_config: OutputConfig | None = None
-    metadata: dict[str, Any] | None = None
-
-    @field_validator("stop_sequences")
-    @classmethod
-    def _non_empty_stops(cls, stops: list[str] | None) -> list[str] | None:
-        if stops and "" in stops:
-            raise ValueError("stop sequences must not be empty strings")
-        return stops
 
     @field_validator("tool_choice")
     @classmethod
@@ -137,3 +122,23 @@ class MessagesRequest(ApiModel):
         if self.system is None:
             return ""
         return self.system if isinstance(self.system, str) else "".join(b.text for b in self.system)
+
+
+class MessagesRequest(MessagesInput):
+    """`POST /v1/messages` body (Anthropic Messages API)."""
+
+    max_tokens: int = Field(ge=1, le=UINT32_MAX)
+    stop_sequences: list[str] | None = Field(default=None, max_length=16)
+    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    output_config: OutputConfig | None = None
+    metadata: dict[str, Any] | None = None
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _non_empty_stops(cls, stops: list[str] | None) -> list[str] | None:
+        if stops and "" in stops:
+            raise ValueError("stop sequences must not be empty strings")
+        return stops

@@ -66,6 +66,15 @@ class CoreClient:
         )
         return list(response.models)
 
+    async def count_tokens(self, chat: core_pb2.ChatInput, request_id: str) -> int:
+        """Prompt tokens of `chat` after the model's chat template (tools included)."""
+        response = await self._core.CountTokens(
+            core_pb2.CountTokensRequest(chat=chat),
+            metadata=self._metadata(request_id),
+            timeout=self.config.unary_timeout_s,
+        )
+        return response.count
+
     async def stats(self, request_id: str = "") -> core_pb2.CoreStats:
         """Core's counters and gauges (running/waiting requests) for `/metrics`."""
         return await self._core.GetStats(

@@ -1,13 +1,17 @@
-"""Anthropic route: `POST /v1/messages` (errors in Anthropic's shape, see `errors.py`)."""
+"""Anthropic routes: `POST /v1/messages` and `POST /v1/messages/count_tokens` (which Claude Code and
+other agents call to budget their context); errors in Anthropic's shape, see `errors.py`."""
 
 from __future__ import annotations
 
+import grpc
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from services.gateway.anthropic_format import AnthropicFormatter
-from services.gateway.anthropic_mapping import build_messages_request
-from services.gateway.anthropic_schema import MessagesRequest
+from services.gateway.anthropic_mapping import build_messages_request, chat_input
+from services.gateway.anthropic_schema import MessagesInput, MessagesRequest
+from services.gateway.core_client import CoreClient
+from services.gateway.errors import error_from_grpc
 from services.gateway.generation import serve_generation
 from services.gateway.generation_state import CompletionMeta
 from services.gateway.routes_openai import response_id
@@ -26,3 +30,13 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
         stream=body.stream,
         model_label=body.model,
     )
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: MessagesInput, request: Request) -> dict[str, int]:
+    core: CoreClient = request.app.state.core
+    try:
+        count = await core.count_tokens(chat_input(body), request.state.request_id)
+    except grpc.aio.AioRpcError as error:
+        raise error_from_grpc(error) from None
+    return {"input_tokens": count}

@@ -138,6 +138,11 @@ class CoreDouble(core_pb2_grpc.CoreServicer):
         finally:
             self.running -= 1
 
+    async def CountTokens(self, request: core_pb2.CountTokensRequest, context):
+        return core_pb2.CountTokensResponse(
+            count=sum(len(message.content.split()) for message in request.chat.messages)
+        )
+
     async def GetStats(self, request, context):
         return core_pb2.CoreStats(running_requests=self.running, waiting_requests=0)
 

@@ -235,3 +235,12 @@ def test_stop_sequence_is_reported(gateway_url: str, core: CoreDouble) -> None:
     ) as stream:
         final = stream.get_final_message()
     assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", " of")
+
+
+def test_count_tokens(gateway_url: str, core: CoreDouble) -> None:
+    counted = client(gateway_url).messages.count_tokens(
+        model=MODEL_ID, system="Answer briefly.", messages=QUESTION, tools=[WEATHER]
+    )
+    assert counted.input_tokens == 2 + 6  # the double counts words of the mapped messages
+    response = httpx.post(gateway_url + "/v1/messages/count_tokens", json={"model": MODEL_ID, "messages": []})
+    assert response.status_code == 400 and response.json()["type"] == "error"
