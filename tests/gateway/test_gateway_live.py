@@ -248,3 +248,51 @@ def test_demo_answers_paris_through_every_api(demo: LiveStack) -> None:
         model=demo.model, max_tokens=7, messages=QUESTION, extra_body={"temperature": 0}
     )
     assert message.content[0].text == openai_text
+
+
+def test_qwen3_stop_sequences_cut_where_the_greedy_text_has_them(qwen3: LiveStack) -> None:
+    client = qwen3.openai()
+    full = (
+        client.chat.completions.create(
+            model=qwen3.model,
+            messages=QUESTION,
+            temperature=0,
+            max_tokens=12,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .message.content
+    )
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    cut = client.chat.completions.create(
+        model=qwen3.model, messages=QUESTION, temperature=0, max_tokens=12, stop=[stop]
+    ).choices[0]
+    assert cut.message.content == full[: full.index(stop)] and cut.finish_reason == "stop"
+    message = qwen3.anthropic().messages.create(
+        model=qwen3.model,
+        max_tokens=12,
+        messages=QUESTION,
+        stop_sequences=[stop],
+        extra_body={"temperature": 0},
+    )
+    assert message.content[0].text == cut.message.content
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
+
+
+def test_qwen3_completions_echo(qwen3: LiveStack) -> None:
+    prompt = "The capital of France is"
+    client = qwen3.openai()
+    plain = client.completions.create(model=qwen3.model, prompt=prompt, max_tokens=4, temperature=0)
+    echoed = client.completions.create(
+        model=qwen3.model, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=1
+    )
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    logprobs = echoed.choices[0].logprobs
+    assert "".join(logprobs.tokens) == plain.choices[0].text
+    assert logprobs.text_offset[0] == len(prompt)
+
+
+def test_qwen3_count_tokens_and_model(qwen3: LiveStack) -> None:
+    counted = qwen3.anthropic().messages.count_tokens(model=qwen3.model, messages=QUESTION)
+    assert counted.input_tokens == 15  # what generation reports as the prompt (see above)
+    assert qwen3.openai().models.retrieve(qwen3.model).id == qwen3.model
