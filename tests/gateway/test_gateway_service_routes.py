@@ -36,6 +36,11 @@ def test_ready_is_503_when_core_is_unreachable() -> None:
         assert httpx.get(gateway.url + "/ready").status_code == 503
         assert httpx.get(gateway.url + "/health").json()["core"] == "UNREACHABLE"
         assert httpx.get(gateway.url + "/metrics").status_code == 200  # scrapes still work
+        chat = httpx.post(gateway.url + "/v1/chat/completions", json={"messages": MESSAGES}, timeout=10)
+        assert chat.status_code == 503 and chat.json()["error"]["type"] == "service_unavailable_error"
+        body = {"model": MODEL_ID, "max_tokens": 5, "messages": MESSAGES[1:]}
+        messages = httpx.post(gateway.url + "/v1/messages", json=body, timeout=10)
+        assert messages.status_code == 503 and messages.json()["error"]["type"] == "overloaded_error"
     finally:
         gateway.stop()
 
