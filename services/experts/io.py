@@ -19,6 +19,7 @@ destination of a failed read is never handed to the compute side.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import sys
@@ -31,7 +32,10 @@ from pathlib import Path
 
 import numpy as np
 
+from services.common.logging import get_logger
 from services.common.manifest import MoeLayer
+
+log = get_logger(__name__)
 
 IO_MODES = ("direct", "buffered")
 DEFAULT_IO_THREADS = 8
@@ -39,6 +43,10 @@ DEFAULT_IO_THREADS = 8
 
 class ExpertFileError(RuntimeError):
     """A layer file is missing, truncated or unreadable (names file and expert)."""
+
+
+class DirectIOUnsupported(OSError):
+    """O_DIRECT refused by the filesystem (tmpfs, some overlays)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,8 @@ def open_record_file(path: Path, mode: str) -> int:
     try:
         fd = os.open(path, flags)
     except OSError as error:
+        if mode == "direct" and error.errno == errno.EINVAL:
+            raise DirectIOUnsupported(f"{path}: the filesystem does not support direct I/O") from None
         if mode == "direct":
             raise ExpertFileError(
                 f"{path}: cannot open for direct I/O ({error}); use --io buffered"
@@ -125,15 +135,30 @@ class RecordReader:
         self._fds: dict[int, int] = {}
         try:
             for layer in layers:
-                path = check_layer_file(split_dir, layer)
-                self._paths[layer.layer] = path
-                self._fds[layer.layer] = open_record_file(path, mode)
+                self._paths[layer.layer] = check_layer_file(split_dir, layer)
+            try:
+                self._open_all()
+            except DirectIOUnsupported as error:
+                # The split's files share a filesystem: read them all through the page cache.
+                log.warning("direct_io_unsupported", error=str(error), fallback="buffered")
+                self.close_files()
+                self.mode = "buffered"
+                self._open_all()
         except BaseException:
             self.close()
             raise
         self._record_size = max((layer.record_size for layer in layers), default=0)
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="expert-io")
+
+    def _open_all(self) -> None:
+        for layer, path in self._paths.items():
+            self._fds[layer] = open_record_file(path, self.mode)
+
+    def close_files(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     def path(self, layer: int) -> Path:
         return self._paths[layer]
@@ -164,16 +189,16 @@ class RecordReader:
         offset = read.expert * layer.record_size
         fd = self._fds[read.layer]
         try:
-            if self.mode == "direct":
+            iovecs, expected = _scatter_iovecs(read.targets, self._gap_scratch())
+            if self.mode == "buffered" or _direct_io_aligned(iovecs, offset):
+                got = os.preadv(fd, iovecs, offset)  # straight into the targets
+            else:
                 staging = self._staging()
                 got = os.preadv(fd, [staging[: layer.record_size]], offset)
                 expected = layer.record_size
                 if got == expected:
                     for start, target in read.targets:
                         np.copyto(target, staging[start : start + target.nbytes])
-            else:
-                iovecs, expected = _scatter_iovecs(read.targets, self._gap_scratch())
-                got = os.preadv(fd, iovecs, offset)
         except OSError as error:
             raise ExpertFileError(
                 f"{self._paths[read.layer]}: reading expert {read.expert} of layer {read.layer} "
@@ -195,22 +220,32 @@ class RecordReader:
     def _gap_scratch(self) -> np.ndarray:
         buffer = getattr(self._local, "gap", None)
         if buffer is None:
-            buffer = self._local.gap = np.empty(self._record_size, dtype=np.uint8)
+            buffer = self._local.gap = aligned_buffer(self._record_size)
         return buffer
 
     def close(self) -> None:
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=True)
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self.close_files()
 
     def __enter__(self) -> RecordReader:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+DIRECT_IO_ALIGNMENT = 4096
+
+
+def _direct_io_aligned(iovecs: list, offset: int) -> bool:
+    """Whether O_DIRECT accepts these buffers as they are (addresses and lengths block-aligned)."""
+    if offset % DIRECT_IO_ALIGNMENT:
+        return False
+    return all(
+        v.ctypes.data % DIRECT_IO_ALIGNMENT == 0 and v.nbytes % DIRECT_IO_ALIGNMENT == 0 for v in iovecs
+    )
 
 
 def _scatter_iovecs(targets: Sequence[tuple[int, np.ndarray]], scratch: np.ndarray) -> tuple[list, int]:

@@ -36,6 +36,8 @@ from services.experts.cache_policy import CachePolicy, make_policy
 from services.experts.io import DEFAULT_IO_THREADS, ExpertFileError, RecordRead, RecordReader
 from services.experts.store import StoreStats
 
+PAGE = 4096
+
 
 def layout_key(layer: MoeLayer) -> tuple:
     return tuple((t.name, t.dtype, tuple(t.shape), t.offset, t.nbytes) for t in layer.tensors)
@@ -65,20 +67,41 @@ class SlotPool:
 
     def allocate(self) -> None:
         for spec in self.tensors:
-            storage_dtype = mx.uint16 if spec.dtype == "bfloat16" else spec.mlx_dtype
-            slab = mx.zeros((self.slots, *spec.shape), dtype=storage_dtype)
-            mx.eval(slab)
-            host = np.asarray(memoryview(slab))
-            self.rows[spec.name] = host.reshape(self.slots, -1).view(np.uint8)
-            array = slab.view(mx.bfloat16) if spec.dtype == "bfloat16" else slab
-            mx.eval(array)
-            self.arrays[spec.name] = array
+            self.rows[spec.name], self.arrays[spec.name] = _page_aligned_slab(self.slots, spec)
         self.key_in = [None] * self.slots
         self.free = list(range(self.slots - 1, -1, -1))
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
+
+
+def _page_aligned_slab(slots: int, spec: ExpertTensor) -> tuple[np.ndarray, mx.array]:
+    """([slots, nbytes] uint8 rows to write, the [slots, *shape] array to compute with), one memory.
+
+    The slab starts on a page boundary (a view into a slightly larger allocation), so when a
+    tensor's size is a multiple of the page, every slot row is page-aligned and direct I/O can
+    read straight into it instead of through a staging buffer.
+    """
+    raw = mx.zeros((slots * spec.nbytes + PAGE,), dtype=mx.uint8)
+    mx.eval(raw)
+    host = np.asarray(memoryview(raw))
+    start = (-host.ctypes.data) % PAGE
+    storage_dtype = mx.uint16 if spec.dtype == "bfloat16" else spec.mlx_dtype
+    array = raw[start : start + slots * spec.nbytes].view(storage_dtype).reshape(slots, *spec.shape)
+    if spec.dtype == "bfloat16":
+        array = array.view(mx.bfloat16)
+    mx.eval(array)
+    rows = host[start : start + slots * spec.nbytes].reshape(slots, spec.nbytes)
+    if np.asarray(memoryview(array.view(mx.uint8) if spec.dtype == "bfloat16" else array)).ctypes.data != (
+        rows.ctypes.data
+    ):  # MLX copied instead of viewing: fall back to a plain slab (writes must reach the array)
+        slab = mx.zeros((slots, *spec.shape), dtype=storage_dtype)
+        mx.eval(slab)
+        rows = np.asarray(memoryview(slab)).reshape(slots, -1).view(np.uint8)
+        array = slab.view(mx.bfloat16) if spec.dtype == "bfloat16" else slab
+        mx.eval(array)
+    return rows, array
 
 
 class StreamingExpertStore:
@@ -213,7 +236,7 @@ class StreamingExpertStore:
             read_failures=self._failures,
             slots=sum(pool.slots for pool in self._pools.values()),
             cached=sum(len(pool.slot_of) for pool in self._pools.values()),
-            io_mode=self.io_mode,
+            io_mode=self._reader.mode,  # "buffered" if the filesystem refused direct I/O
             policy=self.policy_name,
         )
 

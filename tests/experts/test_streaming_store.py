@@ -210,3 +210,29 @@ def test_metrics_count_what_the_store_did(tiny_models):
     assert sample("moe_mesh_expert_read_bytes_total") == stats.bytes_read > 0
     assert sample("moe_mesh_expert_read_seconds_total") == pytest.approx(stats.read_seconds)
     store.close()
+
+
+def test_filesystem_without_direct_io_falls_back_to_the_page_cache(tiny_models, monkeypatch):
+    import errno
+    import os
+
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    split = tiny_models.split("qwen3_moe", 4)
+    manifest = Manifest.load(split)
+    owned = all_experts(manifest)
+    store = StreamingExpertStore(
+        split, manifest, owned, 3 * expert_bytes(manifest.layers[0]), io_mode="direct"
+    )
+    assert store.stats().io_mode == "buffered"
+    resident = ExpertCompute(ResidentExpertStore(split, manifest, owned))
+    streaming = ExpertCompute(store)
+    for call in random_calls(manifest, 10, seed=3):
+        assert streaming.run(call).output.data == resident.run(call).output.data
+    store.close()

@@ -79,7 +79,17 @@ def test_rss_stays_under_budget_through_256_tokens_with_experts_4x_the_budget(tm
 
     worker_address, core_address = f"unix:{workdir / 'w.sock'}", f"unix:{workdir / 'core.sock'}"
     worker = spawn(
-        ["expert", "--split", str(split), "--listen", worker_address, "--memory-gb", str(BUDGET_GB)],
+        [
+            "expert",
+            "--split",
+            str(split),
+            "--listen",
+            worker_address,
+            "--memory-gb",
+            str(BUDGET_GB),
+            "--io",
+            "direct",
+        ],
         workdir / "w.log",
     )
     core = None
