@@ -176,6 +176,7 @@ class ExpertDispatcher:
             layer: expert_metrics.LAYER_CALL_SECONDS.labels(str(layer)) for layer in self._num_experts
         }
         self._closing = False
+        self._last_down: list[str] = []
 
     # ---- placement -------------------------------------------------------------------------
 
@@ -194,6 +195,9 @@ class ExpertDispatcher:
         down = [str(reply) for reply in replies if isinstance(reply, BaseException)]
         self._rebuild_routes()
         gaps = self.coverage_gaps()
+        if down and down != self._last_down and not gaps:  # degraded but covered: once per change
+            log.warning("expert_workers_down_replicas_cover", workers=down)
+        self._last_down = down
         return [*down, *gaps] if gaps else []
 
     async def _describe(self, link: WorkerLink, timeout_s: float) -> None:

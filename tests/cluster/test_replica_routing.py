@@ -1,0 +1,74 @@
+"""How the dispatcher places pairs on replicas (no sockets): balance, exclusion, gaps, grouping."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import grpc
+import numpy as np
+import pytest
+
+from services.common.manifest import Manifest
+from services.core.expert_client import ExpertCallError, ExpertDispatcher, _plan
+from services.proto.moemesh.v1 import expert_pb2
+
+
+def _link(layers: list[int], experts: list[int], up: bool = True):
+    describe = expert_pb2.DescribeResponse()
+    for layer in layers:
+        describe.layers.add(layer=layer, experts=experts)
+    return SimpleNamespace(up=up, describe=describe, reconnecting=None)
+
+
+@pytest.fixture
+def dispatcher(tiny_models):
+    manifest = Manifest.load(tiny_models.split("qwen3_moe", None))
+    dispatcher = ExpertDispatcher(manifest, ["unix:/nonexistent.sock"])
+    layers = manifest.layer_indices
+    dispatcher.links = [
+        _link(layers, [0, 1, 2, 3]),
+        _link(layers, [4, 5, 6, 7]),
+        _link(layers, list(range(8))),
+    ]
+    dispatcher._rebuild_routes()
+    yield dispatcher
+    dispatcher.links = []
+    dispatcher.close()
+
+
+def test_replicas_share_the_load(dispatcher):
+    ids = np.tile(np.arange(8, dtype=np.int32), (16, 1))[:, :2]  # experts 0 and 1 on every token
+    counts = np.zeros(3)
+    for rotation in range(10):
+        owners = dispatcher._choose(0, ids, rotation)
+        assert set(np.unique(owners).tolist()) <= {0, 2}  # 0 and 1 live on w0 and w2 only
+        counts += np.bincount(owners.ravel(), minlength=3)
+    assert counts[0] == counts[2]  # rotation splits them evenly over the calls
+
+
+def test_failed_replica_is_excluded_and_a_lost_last_owner_is_named(dispatcher):
+    ids = np.array([[0, 4], [3, 7]], dtype=np.int32)
+    owners = dispatcher._choose(1, ids, rotation=0, exclude=(2,))
+    assert owners.tolist() == [[0, 1], [0, 1]]
+    dispatcher.links[1].up = False
+    dispatcher._rebuild_routes()
+    assert dispatcher._choose(1, ids, rotation=0, exclude=(0,)).tolist() == [[2, 2], [2, 2]]
+    with pytest.raises(ExpertCallError) as error:
+        dispatcher._choose(1, ids, rotation=0, exclude=(2,))
+    assert error.value.code == grpc.StatusCode.UNAVAILABLE
+    assert str(error.value) == "layer 1 experts 4,7 have no reachable worker"
+    assert dispatcher.coverage_gaps() == []  # w2 still holds everything
+    dispatcher.links[2].up = False
+    dispatcher._rebuild_routes()
+    assert dispatcher.coverage_gaps()[0] == "layer 0 experts 4-7 have no reachable worker"
+
+
+def test_plan_groups_pairs_by_worker_and_keeps_order():
+    hidden = np.arange(3 * 4, dtype=np.float32).reshape(3, 4)
+    ids = np.array([[0, 5], [1, 2], [6, 7]], dtype=np.int32)
+    owners = np.array([[0, 1], [0, 0], [1, 1]])
+    parts = {part.link: part for part in _plan(owners, hidden, ids)}
+    assert parts[0].ids.tolist() == [[0, -1], [1, 2]] and parts[0].hidden.tolist() == hidden[:2].tolist()
+    assert parts[1].ids.tolist() == [[-1, 5], [6, 7]] and parts[1].hidden.tolist() == hidden[[0, 2]].tolist()
+    (single,) = _plan(np.zeros((3, 2), dtype=np.int32), hidden, ids)
+    assert single.mask is None and single.ids is ids  # one worker: no copies
