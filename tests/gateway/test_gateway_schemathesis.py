@@ -17,7 +17,7 @@ from schemathesis.checks import not_a_server_error
 from .conftest import GatewayThread
 from .core_double import CoreDouble
 
-EXAMPLES_PER_OPERATION = {GenerationMode.POSITIVE: 12, GenerationMode.NEGATIVE: 10}
+EXAMPLES_PER_OPERATION = {GenerationMode.POSITIVE: 10, GenerationMode.NEGATIVE: 8}
 
 
 @pytest.mark.parametrize("mode", list(EXAMPLES_PER_OPERATION), ids=lambda mode: mode.value)
