@@ -85,6 +85,13 @@ class EngineConfig:
     kv_settings: object | None = None  # services.core.kv.KVCacheSettings for turboquant
     idle_probe_s: float = 2.0
 
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be at least 1")
+        if self.max_queue < 0 or self.prefix_cache_bytes < 0:
+            raise ValueError("max-queue and the prefix cache budget must not be negative")
+
 
 @dataclass
 class EngineCounters:
@@ -109,6 +116,7 @@ class Engine:
         self.counters = EngineCounters()
         self.prefix_cache = PrefixCache(config.prefix_cache_bytes)
         self.kv_cache_bytes = 0  # KV bytes of the sequences in flight, refreshed every step
+        self._in_batch = 0  # sequences decoding or prefilling, refreshed every step
         self._inbox: queue.Queue = queue.Queue()
         self._admitted = 0  # submitted and not yet finished: bounded by max_num_seqs + max_queue
         self._admitted_lock = threading.Lock()
@@ -143,13 +151,13 @@ class Engine:
 
     @property
     def running(self) -> int:
-        """Sequences in the running batch (decoding or being prefilled)."""
-        return min(self._admitted, self.config.max_num_seqs)
+        """Sequences in a running batch (decoding or being prefilled), as of the last step."""
+        return min(self._in_batch, self._admitted)
 
     @property
     def waiting(self) -> int:
-        """Admitted sequences waiting for a place in the batch."""
-        return max(0, self._admitted - self.config.max_num_seqs)
+        """Admitted sequences not yet in a batch."""
+        return max(0, self._admitted - self.running)
 
     def submit(
         self, request: PreparedRequest, out: asyncio.Queue, loop: asyncio.AbstractEventLoop
@@ -298,6 +306,9 @@ class Engine:
                         sequence.prefill_started_at = started
                     self._emit(sequence, response)
         self.kv_cache_bytes = sum(g.prompt_cache_nbytes for g in self._generators.values())
+        self._in_batch = sum(
+            len(g._generation_batch) + len(g._prompt_batch) for g in self._generators.values()
+        )
         now = time.monotonic()
         for sequence in list(self._active.values()):
             if sequence.request.deadline is not None and now > sequence.request.deadline:
@@ -411,6 +422,7 @@ class Engine:
             generator.close()
         self._generators.clear()
         self.kv_cache_bytes = 0
+        self._in_batch = 0
         self._probe()
 
     def _probe(self) -> None:
