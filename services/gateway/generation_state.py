@@ -91,5 +91,8 @@ def sse_named(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {to_json(data)}\n\n".encode()
 
 
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # one, not one per call
+
+
 def to_json(data: Any) -> str:
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return _ENCODER.encode(data)
