@@ -7,13 +7,14 @@ import os
 import socket
 from pathlib import Path
 
-from services.common.grpc_util import install_uvloop, start_server
+from services.common.grpc_util import install_uvloop, start_metrics_server, start_server
 from services.common.logging import get_logger
 from services.common.manifest import Manifest
 from services.common.ranges import format_ranges, parse_ranges
+from services.common.tls import TlsFiles
 from services.experts.compute import DEFAULT_MAX_CALL_BYTES, ExpertCompute
 from services.experts.servicer import ExpertWorkerServicer
-from services.experts.store import ResidentExpertStore
+from services.experts.store_setup import DEFAULT_IO_MODE, DEFAULT_POLICY, open_store
 from services.proto.moemesh.v1 import expert_pb2, expert_pb2_grpc
 
 log = get_logger(__name__)
@@ -40,23 +41,36 @@ async def serve_expert_worker(
     experts: str | None = None,
     worker_id: str | None = None,
     max_call_bytes: int = DEFAULT_MAX_CALL_BYTES,
+    tls: TlsFiles | None = None,
+    metrics: str | None = None,
+    memory_gb: float | None = None,
+    io_mode: str = DEFAULT_IO_MODE,
+    cache_policy: str = DEFAULT_POLICY,
+    io_threads: int = 8,
 ) -> None:
+    """`tls`: serve mTLS only (clients need a certificate from the cluster CA); `metrics`:
+    host:port of the Prometheus endpoint (None = none)."""
     manifest = Manifest.load(split_dir)
     owned = owned_experts(manifest, layers, experts)
     worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}"
     log.info(
         "worker_loading", split=str(split_dir), layers=format_ranges(list(owned)), experts=experts or "all"
     )
-    store = ResidentExpertStore(split_dir, manifest, owned)
+    # `memory_gb`: keep at most that many GB of expert weights in RAM, stream the rest.
+    store, budget_bytes = open_store(
+        split_dir, manifest, owned, memory_gb, io_mode=io_mode, policy=cache_policy, io_threads=io_threads
+    )
     compute = ExpertCompute(store, max_call_bytes=max_call_bytes)
-    servicer = ExpertWorkerServicer(compute, worker_id)
+    servicer = ExpertWorkerServicer(compute, worker_id, memory_budget_bytes=budget_bytes)
 
     running = await start_server(
         lambda server: expert_pb2_grpc.add_ExpertWorkerServicer_to_server(servicer, server),
         SERVICE_NAME,
         listen,
         max_message_bytes=max_call_bytes + (1 << 20),
+        tls=tls,
     )
+    start_metrics_server(metrics)
     log.info(
         "worker_serving",
         address=running.address,
@@ -67,7 +81,9 @@ async def serve_expert_worker(
     async def on_stop() -> None:
         log.info("worker_stopping", calls=servicer.calls, rejected=servicer.rejected)
 
-    await running.serve_until_signal(on_stop)
+    # A Forward stream never ends by itself: let the call in flight finish (ms), then cancel the
+    # streams; core fails over to a replica or reconnects when this worker is back.
+    await running.serve_until_signal(on_stop, grace_s=1.0)
 
 
 def run_expert_worker(**kwargs) -> None:
