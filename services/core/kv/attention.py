@@ -115,6 +115,8 @@ def install_turboquant_attention(model) -> list[str]:
     mlx-lm model files import `scaled_dot_product_attention` by name from
     mlx_lm.models.base, so the name is wrapped in each such module (and in base); the
     wrapper falls through to the original for every other cache type."""
+    if getattr(model, _HOOK_MARK, False):
+        return []
     names = {type(m).__module__ for m in model.modules()} | {mlx_base.__name__}
     patched = []
     for name in sorted(names):
@@ -124,4 +126,5 @@ def install_turboquant_attention(model) -> list[str]:
             continue
         module.scaled_dot_product_attention = make_hooked_sdpa(current)
         patched.append(name)
+    object.__setattr__(model, _HOOK_MARK, True)  # a plain attribute, not a parameter
     return patched

@@ -54,20 +54,20 @@ class TurboQuantCodec:
         norm = mx.linalg.norm(x, axis=-1)
         unit = self.rotation.forward(x / mx.maximum(norm, _TINY)[..., None])
         indices = self.quantize_unit(unit)
-        planes = pack_indices(indices, self.bits)
+        codes = pack_indices(indices, self.bits)
         if not self.qjl:
-            return CompressedTokens(norm.astype(mx.float16), planes)
+            return CompressedTokens(norm.astype(mx.float16), codes)
         residual = unit - self.centroids[indices]
         projected = residual @ self.qjl_matrix_t
         signs = pack_plane((projected >= 0).astype(mx.uint8), 1)
         residual_norm = mx.linalg.norm(residual, axis=-1)
-        return CompressedTokens(norm.astype(mx.float16), planes, residual_norm.astype(mx.float16), signs)
+        return CompressedTokens(norm.astype(mx.float16), codes, residual_norm.astype(mx.float16), signs)
 
     # ---- decode / attention in the rotated domain ---------------------------------------
 
     def centroid_values(self, tokens: CompressedTokens) -> mx.array:
         """The MSE-stage unit vectors in the rotated domain, float32 [B, H, T, P]."""
-        return self.centroids[unpack_indices(tokens.planes, self.bits)]
+        return self.centroids[unpack_indices(tokens.codes, self.bits)]
 
     def decode_rotated(self, tokens: CompressedTokens) -> mx.array:
         """|x| * centroids: the MSE reconstruction, still rotated, float32 [B, H, T, P]."""

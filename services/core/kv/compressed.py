@@ -14,12 +14,12 @@ import mlx.core as mx
 
 @dataclass(frozen=True)
 class CompressedTokens:
-    """norm: float16 [B, H, T] (|x|); planes: uint8 [B, H, T, bytes] per bit plane of the
-    codebook indices of the rotated unit vector; for QJL keys also residual_norm float16
+    """norm: float16 [B, H, T] (|x|); codes: uint8 [B, H, T, bytes], the bit planes of the
+    codebook indices of the rotated unit vector (services.core.kv.packing); for QJL keys also residual_norm float16
     [B, H, T] and qjl_signs uint8 [B, H, T, P/8] (bit i = sign(S r)_i >= 0)."""
 
     norm: mx.array
-    planes: tuple[mx.array, ...]
+    codes: mx.array
     residual_norm: mx.array | None = None
     qjl_signs: mx.array | None = None
 
@@ -29,7 +29,7 @@ class CompressedTokens:
 
     def arrays(self) -> list[mx.array]:
         extra = [a for a in (self.residual_norm, self.qjl_signs) if a is not None]
-        return [self.norm, *self.planes, *extra]
+        return [self.norm, self.codes, *extra]
 
     @property
     def nbytes(self) -> int:
@@ -38,7 +38,7 @@ class CompressedTokens:
     def _map(self, fn) -> CompressedTokens:
         return CompressedTokens(
             fn(self.norm),
-            tuple(fn(p) for p in self.planes),
+            fn(self.codes),
             None if self.residual_norm is None else fn(self.residual_norm),
             None if self.qjl_signs is None else fn(self.qjl_signs),
         )
@@ -56,7 +56,6 @@ class CompressedTokens:
 
 
 def _rebuild(template: CompressedTokens, arrays: list[mx.array]) -> CompressedTokens:
-    n = len(template.planes)
-    residual = arrays[1 + n] if template.residual_norm is not None else None
-    signs = arrays[2 + n] if template.qjl_signs is not None else None
-    return CompressedTokens(arrays[0], tuple(arrays[1 : 1 + n]), residual, signs)
+    residual = arrays[2] if template.residual_norm is not None else None
+    signs = arrays[-1] if template.qjl_signs is not None else None
+    return CompressedTokens(arrays[0], arrays[1], residual, signs)

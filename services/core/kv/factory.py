@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from services.core.kv.attention import install_turboquant_attention
 from services.core.kv.cache import TurboQuantKVCache
 from services.core.kv.settings import KV_CACHE_KINDS, KVCacheSettings
 
@@ -21,6 +22,7 @@ def make_kv_cache(model, kind: str, settings: KVCacheSettings | None = None) -> 
     if kind == "fp16":
         return caches
     settings = settings or KVCacheSettings()
+    install_turboquant_attention(model)  # idempotent; a cache is useless without the hook
     return [TurboQuantKVCache(settings, layer) if type(c) is KVCache else c for layer, c in enumerate(caches)]
 
 

@@ -38,18 +38,23 @@ def unpack_plane(plane: mx.array, width: int) -> mx.array:
     return spread.reshape(*plane.shape[:-1], -1)
 
 
-def pack_indices(indices: mx.array, bits: int) -> tuple[mx.array, ...]:
+def pack_indices(indices: mx.array, bits: int) -> mx.array:
+    """uint8 indices [..., P] -> one byte row [..., packed_bytes(bits, P)]: the planes of
+    PLANE_WIDTHS[bits] one after another (low bits first)."""
     planes, low = [], 0
     for width in PLANE_WIDTHS[bits]:
         planes.append(pack_plane((indices >> low) & ((1 << width) - 1), width))
         low += width
-    return tuple(planes)
+    return planes[0] if len(planes) == 1 else mx.concatenate(planes, axis=-1)
 
 
-def unpack_indices(planes: tuple[mx.array, ...], bits: int) -> mx.array:
-    out, low = None, 0
-    for plane, width in zip(planes, PLANE_WIDTHS[bits], strict=True):
-        part = unpack_plane(plane, width)
+def unpack_indices(codes: mx.array, bits: int) -> mx.array:
+    out, low, start = None, 0, 0
+    size = codes.shape[-1] * 8 // sum(PLANE_WIDTHS[bits])
+    for width in PLANE_WIDTHS[bits]:
+        stop = start + size * width // 8
+        part = unpack_plane(codes[..., start:stop], width)
         out = part if out is None else out | (part << low)
         low += width
+        start = stop
     return out

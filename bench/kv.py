@@ -1,0 +1,134 @@
+"""TurboQuant vs fp16 KV cache: prefill and decode tok/s at long context, KV bytes/token.
+
+    python bench/kv.py                                  # demo model's dense twin, 1K/4K/16K
+    python bench/kv.py --contexts 512 1024 --decode-tokens 8 --rounds 1
+    python bench/kv.py --model PATH --dtype float16     # any mlx-lm checkpoint
+
+Monolithic mlx-lm (the model's own attention code, TurboQuant reached through
+install_turboquant_attention). For each context: the prompt (the bundled GPL-3 text,
+repeated) is prefilled in chunks, then `--decode-tokens` greedy tokens are generated one
+at a time. Kinds run interleaved, best of `--rounds`; ratios are TurboQuant / fp16 from
+the same run. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.core.kv import KVCacheSettings, TurboQuantKVCache, kv_cache_bytes, make_kv_cache
+
+TEXT = Path(__file__).resolve().parents[1] / "tests" / "assets" / "gpl-3.0.txt"
+
+
+def prompt_tokens(tokenizer, n: int) -> list[int]:
+    ids = tokenizer.encode(TEXT.read_text())
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+def run_once(model, kind: str, settings: KVCacheSettings, tokens: list[int], decode: int, chunk: int) -> dict:
+    cache = make_kv_cache(model, kind, settings)
+    prompt = mx.array(tokens)[None]
+    mx.synchronize()
+    start = time.perf_counter()
+    for i in range(0, prompt.shape[1], chunk):
+        logits = model(prompt[:, i : i + chunk], cache=cache)
+        mx.eval(logits, [c.state for c in cache])
+    prefill_s = time.perf_counter() - start
+    token = mx.argmax(logits[:, -1], axis=-1)
+    mx.eval(token)
+    start = time.perf_counter()
+    for _ in range(decode):
+        logits = model(token[:, None], cache=cache)
+        token = mx.argmax(logits[:, -1], axis=-1)
+        mx.eval(token)
+    decode_s = time.perf_counter() - start
+    total = kv_cache_bytes(cache)
+    context = len(tokens) + decode
+    out = {
+        "prefill_tok_s": round(len(tokens) / prefill_s, 2),
+        "decode_tok_s": round(decode / decode_s, 2),
+        "kv_bytes": total,
+        "kv_bytes_per_token": round(total / context, 1),
+    }
+    tq = [c for c in cache if isinstance(c, TurboQuantKVCache)]
+    if tq:
+        compressed = sum(
+            c.compressed_keys.nbytes + c.compressed_values.nbytes for c in tq if c.compressed_length
+        )
+        out["compressed_bytes_per_token"] = round(compressed / max(1, tq[0].compressed_length), 1)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model", default=None, help="mlx-lm checkpoint (default: the demo model's dense twin)"
+    )
+    parser.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk (mlx-lm's default step)")
+    args = parser.parse_args()
+
+    if args.model is None:
+        from services.core.kv.quality import ensure_dense_demo_model
+
+        args.model = str(ensure_dense_demo_model())
+    model, tokenizer = mlx_lm.load(args.model)
+    if args.dtype:
+        model.set_dtype(getattr(mx, args.dtype))
+    settings = KVCacheSettings()
+    config = model.args
+    heads = getattr(config, "num_key_value_heads", None)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layers = len(model.layers)
+    result = {
+        "bench": "kv",
+        "model": Path(args.model).name,
+        "device": str(mx.default_device()),
+        "machine": platform.machine(),
+        "settings": settings.describe() + f", sinks {settings.sink_tokens}, window {settings.recent_window}",
+        "head_dim": head_dim,
+        "fp16_bytes_per_token": 2 * 2 * layers * heads * head_dim,
+        "rounds": args.rounds,
+        "decode_tokens": args.decode_tokens,
+        "contexts": {},
+    }
+    for n in args.contexts:
+        tokens = prompt_tokens(tokenizer, n)
+        best: dict[str, dict] = {}
+        for _ in range(args.rounds):
+            for kind in ("fp16", "turboquant"):
+                r = run_once(model, kind, settings, tokens, args.decode_tokens, args.chunk)
+                prev = best.get(kind)
+                if prev is None:
+                    best[kind] = r
+                else:
+                    prev["prefill_tok_s"] = max(prev["prefill_tok_s"], r["prefill_tok_s"])
+                    prev["decode_tok_s"] = max(prev["decode_tok_s"], r["decode_tok_s"])
+        fp, tq = best["fp16"], best["turboquant"]
+        best["decode_ratio"] = round(tq["decode_tok_s"] / fp["decode_tok_s"], 3)
+        best["prefill_ratio"] = round(tq["prefill_tok_s"] / fp["prefill_tok_s"], 3)
+        best["bytes_ratio_vs_fp16"] = round(result["fp16_bytes_per_token"] / tq["kv_bytes_per_token"], 2)
+        if "compressed_bytes_per_token" in tq:
+            best["compressed_ratio_vs_fp16"] = round(
+                result["fp16_bytes_per_token"] / tq["compressed_bytes_per_token"], 2
+            )
+        result["contexts"][str(n)] = best
+        print(json.dumps({"progress": n, **best}), file=sys.stderr, flush=True)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""TurboQuant quality on the demo model: perplexity table and greedy answers vs fp16.
+
+    python bench/kv_quality.py                       # 4096 tokens of the bundled GPL-3 text
+    python bench/kv_quality.py --tokens 1024 --model PATH --dtype float16
+
+Perplexity: the text is prefilled chunk by chunk (tokens age into the compressed run
+exactly as in serving) and scored token by token, for fp16 and each TurboQuant setting.
+Greedy: a fixed set of long chat prompts (longer than sinks + window, so part of each
+prompt is compressed) answered with fp16 and with the default TurboQuant setting.
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.generate import generate_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.core.kv import KVCacheSettings, make_kv_cache
+from services.core.kv.quality import perplexity
+
+TEXT = Path(__file__).resolve().parents[1] / "tests" / "assets" / "gpl-3.0.txt"
+SETTINGS = {
+    "K3+QJL/V3 (default)": KVCacheSettings(),
+    "K4/V4": KVCacheSettings(key_bits=4, value_bits=4, key_qjl=False),
+    "K2+QJL/V2": KVCacheSettings(key_bits=2, value_bits=2, key_qjl=True),
+    "K3/V3 (no QJL)": KVCacheSettings(key_qjl=False),
+}
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 12 times 12?",
+    "Who wrote Romeo and Juliet?",
+    "What gas do plants absorb from the air?",
+    "Summarize the license text above in one sentence.",
+]
+
+
+def greedy(model, tokenizer, prompt: list[int], kind: str, settings, max_tokens: int) -> str:
+    cache = make_kv_cache(model, kind, settings)
+    out = []
+    for token, _ in generate_step(mx.array(prompt), model, prompt_cache=cache, max_tokens=max_tokens):
+        if token in tokenizer.eos_token_ids:
+            break
+        out.append(token)
+    return tokenizer.decode(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model", default=None, help="mlx-lm checkpoint (default: the demo model's dense twin)"
+    )
+    parser.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--context-chars", type=int, default=1500, help="license text before each question")
+    parser.add_argument("--answer-tokens", type=int, default=24)
+    args = parser.parse_args()
+    if args.model is None:
+        from services.core.kv.quality import ensure_dense_demo_model
+
+        args.model = str(ensure_dense_demo_model())
+    model, tokenizer = mlx_lm.load(args.model)
+    if args.dtype:
+        model.set_dtype(getattr(mx, args.dtype))
+
+    ids = tokenizer.encode(TEXT.read_text())[: args.tokens + 1]
+    if len(ids) < args.tokens + 1:
+        raise SystemExit(f"the text has only {len(ids)} tokens")
+    table = {"fp16": round(perplexity(model, ids, make_kv_cache(model, "fp16")), 4)}
+    print(json.dumps({"progress": "fp16", "ppl": table["fp16"]}), file=sys.stderr, flush=True)
+    for name, settings in SETTINGS.items():
+        ppl = perplexity(model, ids, make_kv_cache(model, "turboquant", settings))
+        table[name] = {"ppl": round(ppl, 4), "increase_pct": round(100 * (ppl / table["fp16"] - 1), 2)}
+        print(json.dumps({"progress": name, **table[name]}), file=sys.stderr, flush=True)
+
+    context = TEXT.read_text()[: args.context_chars]
+    answers, same = [], 0
+    for question in QUESTIONS:
+        messages = [{"role": "user", "content": f"{context}\n\n{question}"}]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        fp = greedy(model, tokenizer, prompt, "fp16", None, args.answer_tokens)
+        tq = greedy(model, tokenizer, prompt, "turboquant", KVCacheSettings(), args.answer_tokens)
+        same += fp == tq
+        answers.append({"question": question, "prompt_tokens": len(prompt), "fp16": fp, "turboquant": tq})
+    print(
+        json.dumps(
+            {
+                "bench": "kv_quality",
+                "model": Path(args.model).name,
+                "device": str(mx.default_device()),
+                "tokens": args.tokens,
+                "perplexity": table,
+                "greedy_identical": f"{same}/{len(QUESTIONS)}",
+                "greedy": answers,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

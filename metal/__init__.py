@@ -1,0 +1,1 @@
+"""Metal kernel sources for TurboQuant and their loader (see kernels.py)."""

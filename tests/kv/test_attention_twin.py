@@ -1,0 +1,69 @@
+"""The rotated-domain attention (pure-MLX twin) against plain attention over the
+decoded cache, and the compressed size."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from services.core.kv import KVCacheSettings, TurboQuantKVCache, kv_cache_bytes, turboquant_attention
+
+
+def filled_cache(settings: KVCacheSettings, lengths: list[int], heads=2, dim=48, seed=0):
+    mx.random.seed(seed)
+    cache = TurboQuantKVCache(settings, layer=3)
+    total = sum(lengths)
+    keys = mx.random.normal((1, heads, total, dim)) * 3
+    values = mx.random.normal((1, heads, total, dim))
+    start = 0
+    for n in lengths:
+        cache.update_and_fetch(keys[:, :, start : start + n], values[:, :, start : start + n])
+        start += n
+    return cache
+
+
+def decoded(cache: TurboQuantKVCache):
+    parts_k = [cache.sink_keys, cache.key_codec.decode(cache.compressed_keys), cache.recent_keys]
+    parts_v = [cache.sink_values, cache.value_codec.decode(cache.compressed_values), cache.recent_values]
+    return mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
+
+
+@pytest.mark.parametrize("queries_len", [1, 7])
+def test_twin_equals_attention_over_the_decoded_cache(queries_len):
+    # dim 48 is padded to 64 for the transform; 6 query heads over 2 KV heads (GQA)
+    settings = KVCacheSettings(key_qjl=False, sink_tokens=4, recent_window=8, block_size=8)
+    cache = filled_cache(settings, [30, 13, queries_len])
+    assert cache.compressed_length > 0 and cache.sink_keys.shape[2] == 4
+    keys, values = decoded(cache)
+    queries = mx.random.normal((1, 6, queries_len, 48))
+    positions = cache.offset - queries_len + mx.arange(queries_len)
+    mask = positions[:, None] >= mx.arange(cache.offset)[None]
+    expected = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.15, mask=mask)
+    got = turboquant_attention(queries, cache, scale=0.15)
+    assert mx.allclose(got, expected, atol=1e-4).item()
+
+
+def test_qjl_scores_add_the_residual_estimate():
+    settings = KVCacheSettings(key_qjl=True, sink_tokens=0, recent_window=0, block_size=4)
+    cache = filled_cache(settings, [16])
+    codec, tokens = cache.key_codec, cache.compressed_keys
+    rotated = codec.rotate_queries(mx.random.normal((1, 2, 3, 48)))
+    mse_part = rotated @ (codec.centroid_values(tokens) * tokens.norm[..., None]).swapaxes(-1, -2)
+    raw = tokens.qjl_signs[..., None] >> mx.arange(8, dtype=mx.uint8)
+    signs = (raw & 1).reshape(*tokens.qjl_signs.shape[:-1], -1).astype(mx.float32) * 2 - 1
+    weight = tokens.residual_norm.astype(mx.float32) * codec.qjl_scale * tokens.norm.astype(mx.float32)
+    qjl_part = ((rotated @ codec.qjl_matrix_t) @ signs.swapaxes(-1, -2)) * weight[..., None, :]
+    full = codec.key_scores(rotated, tokens)
+    assert mx.allclose(full, mse_part + qjl_part, atol=1e-4).item()
+    assert not mx.allclose(full, mse_part, atol=1e-3).item()  # the QJL term is really there
+
+
+def test_compressed_bytes_per_token_at_head_dim_128_are_3_5x_below_fp16():
+    settings = KVCacheSettings(sink_tokens=0, recent_window=0, block_size=64)
+    cache = filled_cache(settings, [512], heads=4, dim=128)
+    assert cache.compressed_length == 512 and cache.recent_keys.shape[2] == 0
+    fp16_bytes = 512 * 4 * 128 * 2 * 2  # keys + values, 2 bytes each
+    assert kv_cache_bytes([cache]) == cache.nbytes
+    assert fp16_bytes / cache.nbytes >= 3.5
+    # K: 3-bit codes + 1-bit QJL + two fp16 norms; V: 3-bit codes + one fp16 norm
+    assert cache.nbytes == 512 * 4 * ((48 + 16 + 4) + (48 + 2))
