@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -220,6 +221,7 @@ def main() -> None:
         stack.stop()
         for lab in labs:
             lab.close()
+    shutil.rmtree(workdir, ignore_errors=True)  # kept (logs) only when a variant failed
     reference = variants["unix"]["tokens"]
     result["tokens_identical"] = all(v["tokens"] == reference for v in variants.values())
     for v in variants.values():
