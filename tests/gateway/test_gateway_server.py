@@ -84,3 +84,46 @@ def test_run_gateway_serves_logs_json_and_stops_on_sigterm(core_server, core: Co
     assert unnamed == [], unnamed
     assert not any("GET /health" in record["event"] for record in records)  # no access log at info
     assert any(record["event"] == "Application shutdown complete." for record in records)
+
+
+def test_cli_api_keys_from_flag_file_and_env(core_server, core: CoreDouble, tmp_path: Path) -> None:
+    port = free_port()
+    key_file = tmp_path / "keys"
+    key_file.write_text("sk-from-file\n")
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "--log-level",
+            "warning",
+            "gateway",
+            "--core",
+            core_server.target,
+        ]
+        + ["--port", str(port), "--api-key", "sk-from-flag", "--api-key-file", str(key_file)],
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "MOE_MESH_API_KEY": "sk-from-env"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:  # probes need no key
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None and time.monotonic() < deadline, "gateway did not come up"
+            time.sleep(0.1)
+        models = url + "/v1/models"
+        for key in ("sk-from-flag", "sk-from-file", "sk-from-env"):
+            assert httpx.get(models, headers={"Authorization": f"Bearer {key}"}).status_code == 200, key
+        assert httpx.get(models).status_code == 401
+        assert httpx.get(models, headers={"Authorization": "Bearer sk-from"}).status_code == 401
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=20)
