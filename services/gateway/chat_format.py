@@ -69,7 +69,7 @@ class ChatFormatter:
         # A content-only chunk rendered once around a marker, split into the bytes before and after.
         marker = "\u0000text\u0000"
         frame = sse_data(self._chunk({"content": marker}))
-        before, found, after = frame.partition(to_json(marker).encode())  # type: ignore[arg-type]
+        before, found, after = frame.partition(to_json(marker).encode())
         self._content_frame: tuple[bytes, bytes] | None = (before, after) if found else None
 
     # -- whole response -------------------------------------------------------------------------
@@ -122,7 +122,7 @@ class ChatFormatter:
             if not chunk.text:
                 return []
             prefix, suffix = self._content_frame
-            return [prefix + to_json(chunk.text).encode() + suffix]  # type: ignore[arg-type]
+            return [prefix + to_json(chunk.text).encode() + suffix]
         out: list[bytes] = []
         if chunk.reasoning:
             out.append(sse_data(self._chunk({"reasoning_content": chunk.reasoning})))
