@@ -36,6 +36,7 @@ def write_cluster_toml(
     workers: list[tuple[str, str, str]],
     tls_dir: str | None = None,
     core_metrics: str | None = None,
+    worker_metrics: str | None = None,
 ) -> Path:
     """workers: (name, address, experts)."""
     lines = [
@@ -51,6 +52,8 @@ def write_cluster_toml(
         lines += ["[tls]", f'dir = "{tls_dir}"']
     for name, address, experts in workers:
         lines += ["[[workers]]", f'name = "{name}"', f'address = "{address}"', f'experts = "{experts}"']
+        if worker_metrics:
+            lines.append(f'metrics = "{worker_metrics}"')
     path.write_text("\n".join(lines) + "\n")
     return path
 

@@ -175,3 +175,23 @@ def test_cluster_check_names_a_bad_expert_range(tmp_path, tiny_models):
         load_cluster(_config(tmp_path, split, [("a", "h:1", "0-7"), ("b", "h:2", "5-9")])), probe=False
     )
     assert report.errors == ["worker b: workers.b.experts: '5-9' is outside 0-7"]
+
+
+def test_deploy_cli_writes_the_unit(tmp_path, capsys):
+    from services.cli import main
+
+    main(
+        [
+            "deploy",
+            "systemd",
+            "--config",
+            str(REPO / "deploy" / "cluster.toml"),
+            "--role",
+            "worker:mac-b",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    unit = tmp_path / "moe-mesh-worker-mac-b.service"
+    assert capsys.readouterr().out.strip() == str(unit)
+    assert "--name mac-b" in unit.read_text()

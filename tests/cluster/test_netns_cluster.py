@@ -95,6 +95,7 @@ def hosts(netns_ok, tiny_models):
             [(f"w{i}", f"{lab.worker_ip(i)}:{PORT}", r) for i, r in enumerate(RANGES)],
             tls_dir="certs",
             core_metrics=METRICS,
+            worker_metrics=METRICS,  # each worker in its own namespace: same port, no clash
         )
         made = subprocess.run(
             [*CLI, "certs", "--config", str(config)], check=False, capture_output=True, text=True
@@ -118,6 +119,8 @@ async def test_greedy_tokens_across_hosts_equal_mlx_lm(hosts, tiny_models):
         assert any(entry["request_id"] == "netns-req-7f3a" for entry in seen), text[-1500:]
         assert "insecure_bind" not in text  # mTLS: no warning
         assert hosts.metric("moe_mesh_expert_worker_calls_total", worker=hosts.address(i)) > 0
+        worker_metrics = hosts.lab.http_get(hosts.lab.worker_ns[i], f"http://{METRICS}/metrics")
+        assert "python_info" in worker_metrics  # the worker's own endpoint (cache metrics: #5's)
 
 
 def test_cluster_check_sees_the_running_workers(hosts):
