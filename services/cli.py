@@ -47,17 +47,47 @@ def _core(args) -> None:
 
 
 def _gateway(args) -> None:
+    from services.gateway.auth import load_api_keys
     from services.gateway.server import run_gateway
 
-    run_gateway(host=args.host, port=args.port, core_target=args.core, log_level=args.log_level)
+    run_gateway(
+        host=args.host,
+        port=args.port,
+        core_target=args.core,
+        log_level=args.log_level,
+        api_keys=load_api_keys(args.api_key or (), args.api_key_file),
+    )
 
 
 def _up(args) -> None:
     from services.up import run_up
 
     sys.exit(
-        run_up(model=args.model, experts=args.experts, port=args.port, host=args.host, workdir=args.workdir)
+        run_up(
+            model=args.model,
+            experts=args.experts,
+            port=args.port,
+            host=args.host,
+            workdir=args.workdir,
+            gateway_args=_gateway_key_args(args),
+        )
     )
+
+
+def _add_api_key_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="require this key on /v1/* (repeatable; also MOE_MESH_API_KEY, comma-separated)",
+    )
+    p.add_argument("--api-key-file", default=None, help="file with one accepted API key per line")
+
+
+def _gateway_key_args(args) -> list[str]:
+    """`up` passes its key flags through to the gateway (MOE_MESH_API_KEY is inherited)."""
+    out = [flag for key in args.api_key or () for flag in ("--api-key", key)]
+    return out + (["--api-key-file", args.api_key_file] if args.api_key_file else [])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--core", default="127.0.0.1:50051", help="core address")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    _add_api_key_flags(p)
     p.set_defaults(func=_gateway)
 
     p = sub.add_parser("up", help="start workers, core and gateway on this machine")
@@ -115,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="gateway port")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--workdir", default=None, help="where sockets and logs go (default: a temp folder)")
+    _add_api_key_flags(p)
     p.set_defaults(func=_up)
     return parser
 

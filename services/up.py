@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 from services.common.logging import get_logger
@@ -122,7 +123,12 @@ def _gateway_ready(url: str) -> bool:
 
 
 def run_up(
-    model: str | None, experts: int, port: int, host: str = "127.0.0.1", workdir: str | None = None
+    model: str | None,
+    experts: int,
+    port: int,
+    host: str = "127.0.0.1",
+    workdir: str | None = None,
+    gateway_args: Sequence[str] = (),
 ) -> int:
     from services.common.manifest import Manifest
 
@@ -159,7 +165,9 @@ def run_up(
             "--worker",
             ",".join(worker_sockets),
         )
-        cluster.start("gateway", "gateway", "--core", core_socket, "--host", host, "--port", str(port))
+        cluster.start(
+            "gateway", "gateway", "--core", core_socket, "--host", host, "--port", str(port), *gateway_args
+        )
         url = f"http://{host}:{port}"
         checks = [(address, lambda a=address: _grpc_serving(a)) for address in worker_sockets]
         checks += [
