@@ -5,7 +5,8 @@ Placement: w0 holds experts 0-3, w1 holds 4-7, w2 holds all 8 (a replica of ever
 core spreads every layer call over the replicas. Checked: greedy tokens equal mlx-lm's own;
 request ids reach the workers' logs; `cluster check` sees the running workers; SIGKILL of a
 worker mid-generation is invisible to the request (identical tokens, the retry in core's
-metrics) and the restarted worker is used again without restarting core; losing the last
+metrics) and the restarted worker is used again without restarting core; a hung worker is
+bypassed within the call deadline; losing the last
 owner of experts 4-7 fails the request with UNAVAILABLE naming them, health reports the gap,
 and service resumes when they are back; SIGTERM drains the in-flight request.
 """
@@ -161,6 +162,29 @@ async def test_worker_killed_mid_generation_is_invisible_and_comes_back(hosts, t
     assert await client.tokens(client.request(ids, 40)) == want
     assert hosts.metric("moe_mesh_expert_worker_calls_total", worker=replica) > calls_before
     assert hosts.core.poll() is None
+
+
+async def test_hung_replica_is_bypassed_within_the_call_deadline(hosts, tiny_models):
+    """A worker that stops answering (SIGSTOP: a Mac gone to sleep) gets half of the 10 s call
+    deadline, then its pairs go to the other replica: same tokens, no error."""
+    ids, want = oracle_tokens(tiny_models.checkpoint("qwen3_moe", None), PROMPT, 16)
+    client = hosts.client
+    replica = hosts.address(2)
+    await hosts.wait_metric("moe_mesh_expert_worker_up", 1, worker=replica)
+    async with client.channel() as channel:
+        call = core_pb2_grpc.CoreStub(channel).Generate(client.request(ids, 16), timeout=60)
+        got = list((await call.read()).token_ids)
+        hosts.workers[2].send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            while (chunk := await call.read()) is not grpc.aio.EOF:
+                got.extend(chunk.token_ids)
+            assert time.monotonic() - started < 10
+        finally:
+            hosts.workers[2].send_signal(signal.SIGCONT)
+    assert got == want
+    assert hosts.metric("moe_mesh_expert_worker_errors_total", worker=replica, code="UNAVAILABLE") > 0
+    await hosts.wait_metric("moe_mesh_expert_worker_up", 1, worker=replica)  # back after SIGCONT
 
 
 async def test_last_owner_lost_fails_with_the_missing_experts_then_recovers(hosts, tiny_models):
