@@ -11,6 +11,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Literal
 
 import anthropic
 import grpc
@@ -296,3 +297,65 @@ def test_qwen3_count_tokens_and_model(qwen3: LiveStack) -> None:
     counted = qwen3.anthropic().messages.count_tokens(model=qwen3.model, messages=QUESTION)
     assert counted.input_tokens == 15  # what generation reports as the prompt (see above)
     assert qwen3.openai().models.retrieve(qwen3.model).id == qwen3.model
+
+
+UNIT_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "set_unit",
+        "description": "Choose the temperature unit",
+        "parameters": {
+            "type": "object",
+            "properties": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_qwen3_forced_tool_call_streams_to_the_openai_helper(qwen3: LiveStack) -> None:
+    """tool_choice names a function: core's grammar makes even random weights write a Qwen3
+    `<tool_call>`, core's parser turns it into a ToolCall, the gateway streams it as OpenAI does."""
+    with qwen3.openai().chat.completions.stream(
+        model=qwen3.model,
+        messages=[{"role": "user", "content": "Use celsius."}],
+        tools=[UNIT_TOOL],
+        tool_choice={"type": "function", "function": {"name": "set_unit"}},
+        max_tokens=64,
+    ) as stream:
+        final = stream.get_final_completion()
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert [call.function.name for call in choice.message.tool_calls] == ["set_unit"]
+    assert json.loads(choice.message.tool_calls[0].function.arguments)["unit"] in ("celsius", "fahrenheit")
+    assert choice.message.tool_calls[0].id
+
+
+def test_qwen3_forced_tool_use_in_anthropic_shape(qwen3: LiveStack) -> None:
+    tool = {"name": "set_unit", "input_schema": UNIT_TOOL["function"]["parameters"]}
+    message = qwen3.anthropic().messages.create(
+        model=qwen3.model,
+        max_tokens=64,
+        messages=[{"role": "user", "content": "Use celsius."}],
+        tools=[tool],
+        tool_choice={"type": "tool", "name": "set_unit"},
+    )
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert message.stop_reason == "tool_use" and [use.name for use in uses] == ["set_unit"]
+    assert uses[0].input["unit"] in ("celsius", "fahrenheit")
+
+
+def test_qwen3_json_schema_output_parses(qwen3: LiveStack) -> None:
+    from pydantic import BaseModel
+
+    class Unit(BaseModel):
+        unit: Literal["celsius", "fahrenheit"]
+
+    parsed = qwen3.openai().chat.completions.parse(
+        model=qwen3.model,
+        messages=[{"role": "user", "content": "Pick a unit."}],
+        response_format=Unit,
+        max_tokens=64,
+    )
+    assert isinstance(parsed.choices[0].message.parsed, Unit)
