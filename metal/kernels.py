@@ -151,14 +151,36 @@ def _code_bytes(codec) -> int:
     return packed_bytes(codec.bits, codec.padded)
 
 
+def kernels_match_twin(seed: int = 0) -> bool:
+    """Run every kernel on random data and compare with the pure-MLX twin."""
+    from services.core.kv.codec import TurboQuantCodec
+    from services.core.kv.compressed import CompressedTokens
+
+    mx.random.seed(seed)
+    for bits, qjl, dim in ((3, True, 128), (4, False, 64), (2, True, 80)):
+        codec = TurboQuantCodec(dim, bits, qjl, seed=seed)
+        x = mx.random.normal((1, 2, 37, dim))
+        twin = codec.encode(x)
+        norm, codes, residual_norm, signs = pack(codec, x)
+        packed = CompressedTokens(norm, codes, residual_norm, signs)
+        if not mx.allclose(codec.decode(packed), codec.decode(twin), atol=1e-2).item():
+            return False
+        q = codec.rotate_queries(mx.random.normal((1, 2, 3, dim)))
+        if not mx.allclose(key_scores(codec, q, twin), codec.key_scores(q, twin), atol=1e-3).item():
+            return False
+        w = mx.softmax(mx.random.normal((1, 2, 3, 37)), axis=-1)
+        expected = (w * twin.norm.astype(mx.float32)[..., None, :]) @ codec.centroid_values(twin)
+        if not mx.allclose(weighted_values(codec, w, twin), expected, atol=1e-4).item():
+            return False
+    return True
+
+
 @cache
 def kernels_available() -> bool:
     """True on an Apple GPU whose kernels match the twin on a random self-check."""
     if not metal_present():
         return False
     try:
-        from services.core.kv.kernel_check import kernels_match_twin
-
         return kernels_match_twin()
     except Exception:  # noqa: BLE001 - any kernel failure means: use the twin
         return False

@@ -43,6 +43,26 @@ def test_twin_equals_attention_over_the_decoded_cache(queries_len):
     assert mx.allclose(got, expected, atol=1e-4).item()
 
 
+def test_twin_with_qjl_equals_softmax_over_the_estimated_scores():
+    settings = KVCacheSettings(key_qjl=True, sink_tokens=4, recent_window=8, block_size=8)
+    cache = filled_cache(settings, [40, 5])
+    codec = cache.key_codec
+    queries = mx.random.normal((1, 2, 5, 48))
+    scores = mx.concatenate(
+        [
+            queries @ cache.sink_keys.swapaxes(-1, -2),
+            codec.key_scores(codec.rotate_queries(queries), cache.compressed_keys),
+            queries @ cache.recent_keys.swapaxes(-1, -2),
+        ],
+        axis=-1,
+    )
+    positions = cache.offset - 5 + mx.arange(5)
+    scores = mx.where(positions[:, None] >= mx.arange(cache.offset)[None], scores * 0.2, -mx.inf)
+    _, values = decoded(cache)
+    expected = mx.softmax(scores, axis=-1) @ values
+    assert mx.allclose(turboquant_attention(queries, cache, scale=0.2), expected, atol=1e-4).item()
+
+
 def test_qjl_scores_add_the_residual_estimate():
     settings = KVCacheSettings(key_qjl=True, sink_tokens=0, recent_window=0, block_size=4)
     cache = filled_cache(settings, [16])

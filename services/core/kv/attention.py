@@ -16,6 +16,7 @@ import mlx.core as mx
 from mlx_lm.models import base as mlx_base
 
 from services.core.kv.cache import TurboQuantKVCache
+from services.core.kv.metal_attention import kernel_attention, kernels_ready
 
 _HOOK_MARK = "_moe_mesh_turboquant"
 
@@ -27,58 +28,45 @@ def turboquant_attention(
 
     queries: [B, Hq, L, D] after RoPE; query i sits at position query_start + i
     (default: the last L positions of the cache). Queries past the cache's end see
-    every key (their rows are padding in a batch and are never read)."""
+    every key (their rows are padding in a batch and are never read).
+
+    Everything runs in the rotated domain: the query is rotated once and augmented with
+    its QJL projection, compressed keys become [|k| c, |k| |r| scale sign(Sr)] so a
+    single dot product is the unbiased estimate, compressed values are |v| c; exact
+    runs (sinks, recent window) are rotated too (a handful of tokens). One fused
+    mx.fast.scaled_dot_product_attention call (GQA, softmax and the value sum) then
+    works on these transient per-layer arrays, and its output is rotated back once."""
     B, n_q_heads, L, D = queries.shape
     if cache.offset == 0:
         return mx.zeros_like(queries)
-    n_kv_heads = _first(cache).shape[1]
-    rep = n_q_heads // n_kv_heads
-    q = (queries * scale).reshape(B, n_kv_heads, rep * L, D)  # GQA: q head = kv * rep + r
-
-    parts, scores = [], []
-    if cache.sink_keys is not None:
-        parts.append("sink")
-        scores.append((q @ cache.sink_keys.swapaxes(-1, -2).astype(q.dtype)).astype(mx.float32))
-    if cache.compressed_keys is not None:
-        parts.append("compressed")
-        rotated = cache.key_codec.rotate_queries(q)
-        scores.append(cache.key_codec.key_scores(rotated, cache.compressed_keys))
-    if cache.recent_keys is not None:
-        parts.append("recent")
-        scores.append((q @ cache.recent_keys.swapaxes(-1, -2).astype(q.dtype)).astype(mx.float32))
-    lengths = [s.shape[-1] for s in scores]
-    scores = mx.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
-
     start = cache.offset - L if query_start is None else query_start
+    if L <= 8 and cache.compressed_keys is not None and kernels_ready():
+        return kernel_attention(queries, cache, scale, start)  # Apple GPU: straight from the codes
+    keys_codec, values_codec = cache.key_codec, cache.value_codec
+    dtype = queries.dtype
+    q = keys_codec.augment_queries(keys_codec.rotate_queries(queries)).astype(dtype)
+    keys, values = [], []
+    for exact_k, exact_v, packed_k, packed_v in (
+        (cache.sink_keys, cache.sink_values, None, None),
+        (None, None, cache.compressed_keys, cache.compressed_values),
+        (cache.recent_keys, cache.recent_values, None, None),
+    ):
+        if exact_k is not None and exact_k.shape[2]:
+            keys.append(keys_codec.rotate_exact_keys(exact_k).astype(dtype))
+            values.append(values_codec.rotation.forward(exact_v).astype(dtype))
+        elif packed_k is not None:
+            keys.append(keys_codec.augmented_keys(packed_k, dtype))
+            values.append(values_codec.decode_rotated(packed_v).astype(dtype))
+    keys = mx.concatenate(keys, axis=2) if len(keys) > 1 else keys[0]
+    values = mx.concatenate(values, axis=2) if len(values) > 1 else values[0]
+
+    mask = None
     if L > 1 or start + L > cache.offset:
         query_pos = start + mx.arange(L)
-        visible = query_pos[:, None] >= mx.arange(cache.offset)[None, :]
-        visible = visible | (query_pos[:, None] >= cache.offset)  # padding rows: see all
-        visible = mx.tile(visible, (rep, 1))
-        scores = mx.where(visible, scores, mx.finfo(mx.float32).min)
-    weights = mx.softmax(scores, axis=-1, precise=True)
-
-    out = None
-    begin = 0
-    for part, length in zip(parts, lengths, strict=True):
-        w = weights[..., begin : begin + length]
-        begin += length
-        if part == "compressed":
-            values = cache.compressed_values
-            scaled = w * values.norm.astype(mx.float32)[..., None, :]
-            term = cache.value_codec.unrotate(scaled @ cache.value_codec.centroid_values(values))
-        else:
-            exact = cache.sink_values if part == "sink" else cache.recent_values
-            term = w.astype(exact.dtype) @ exact
-        out = term if out is None else out + term
-    return out.reshape(B, n_q_heads, L, -1).astype(queries.dtype)
-
-
-def _first(cache: TurboQuantKVCache) -> mx.array:
-    for item in (cache.sink_keys, cache.recent_keys):
-        if item is not None:
-            return item
-    return cache.compressed_keys.norm[..., None]
+        mask = query_pos[:, None] >= mx.arange(cache.offset)[None, :]
+        mask = mask | (query_pos[:, None] >= cache.offset)  # padding rows: see all
+    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    return values_codec.unrotate(out.astype(mx.float32)).astype(queries.dtype)
 
 
 def _attention_for(cache, queries: mx.array, scale: float) -> mx.array | None:

@@ -41,6 +41,16 @@ def _length(a) -> int:
     return a.length if isinstance(a, CompressedTokens) else a.shape[2]
 
 
+def _encode(codec: TurboQuantCodec, x: mx.array) -> CompressedTokens:
+    from services.core.kv.metal_attention import kernels_ready
+
+    if kernels_ready():  # Apple GPU: norm, rotate, quantize and pack in one kernel
+        from metal.kernels import pack
+
+        return CompressedTokens(*pack(codec, x))
+    return codec.encode(x)
+
+
 class TurboQuantKVCache(_BaseCache):
     """KV cache of one layer for one sequence (batch 1, or several rows of equal length).
 
@@ -91,9 +101,11 @@ class TurboQuantKVCache(_BaseCache):
         if excess < s.block_size:
             return
         n = (excess // s.block_size) * s.block_size
-        self.compressed_keys = _join(self.compressed_keys, self.key_codec.encode(self.recent_keys[:, :, :n]))
+        self.compressed_keys = _join(
+            self.compressed_keys, _encode(self.key_codec, self.recent_keys[:, :, :n])
+        )
         self.compressed_values = _join(
-            self.compressed_values, self.value_codec.encode(self.recent_values[:, :, :n])
+            self.compressed_values, _encode(self.value_codec, self.recent_values[:, :, :n])
         )
         self.recent_keys = self.recent_keys[:, :, n:]
         self.recent_values = self.recent_values[:, :, n:]

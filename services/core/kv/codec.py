@@ -83,6 +83,31 @@ class TurboQuantCodec:
     def unrotate(self, rotated: mx.array) -> mx.array:
         return self.rotation.inverse(rotated)
 
+    def augment_queries(self, rotated_queries: mx.array) -> mx.array:
+        """[Fq, S Fq]: with `augmented_keys`, one dot product gives the full QJL estimate."""
+        if not self.qjl:
+            return rotated_queries
+        return mx.concatenate([rotated_queries, rotated_queries @ self.qjl_matrix_t], axis=-1)
+
+    def augmented_keys(self, tokens: CompressedTokens, dtype=mx.float32) -> mx.array:
+        """[|k| c, |k| |r| qjl_scale sign(S r)], [B, H, T, P or 2P], such that
+        <augment_queries(Fq), augmented_keys> == key_scores(Fq). Lets a fused attention
+        kernel score compressed keys; transient, one layer at a time."""
+        norm = tokens.norm.astype(dtype)[..., None]
+        mse = self.centroid_values(tokens).astype(dtype) * norm
+        if not self.qjl:
+            return mse
+        signs = unpack_plane(tokens.qjl_signs, 1).astype(dtype) * 2 - 1
+        weight = tokens.residual_norm.astype(dtype)[..., None] * self.qjl_scale * norm
+        return mx.concatenate([mse, signs * weight], axis=-1)
+
+    def rotate_exact_keys(self, keys: mx.array) -> mx.array:
+        """Exact keys in the augmented rotated domain ([Fk, 0]): scored by the same query."""
+        rotated = self.rotation.forward(keys)
+        if not self.qjl:
+            return rotated
+        return mx.concatenate([rotated, mx.zeros_like(rotated)], axis=-1)
+
     def key_scores(self, rotated_queries: mx.array, tokens: CompressedTokens) -> mx.array:
         """<q, k> estimates, [B, H, L, T], for rotated queries [B, H, L, P]."""
         scores = rotated_queries @ self.centroid_values(tokens).swapaxes(-1, -2)

@@ -1,0 +1,64 @@
+"""Decode-time attention over a TurboQuant cache with the Metal kernels (Apple GPUs only).
+
+Same numbers as `turboquant_attention` (the twin): scores of compressed keys come from
+the packed codes (kernel `scores`), one softmax covers all runs, compressed values are
+summed from their codes in the rotated domain (kernel `values`) and rotated back once.
+No decompressed copy of the cache exists at any point. Used only when
+`metal.kernels.kernels_available()` (an Apple GPU whose kernels passed the self-check).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import mlx.core as mx
+
+from services.core.kv.cache import TurboQuantKVCache
+
+
+@cache
+def kernels_ready() -> bool:
+    try:
+        from metal.kernels import kernels_available
+    except ImportError:  # metal/ not installed with the package: the twin serves
+        return False
+    return kernels_available()
+
+
+def kernel_attention(queries: mx.array, cache: TurboQuantKVCache, scale: float, start: int) -> mx.array:
+    from metal import kernels
+
+    B, n_q_heads, L, D = queries.shape
+    exact = cache.sink_keys if cache.sink_keys is not None else cache.recent_keys
+    n_kv_heads = exact.shape[1] if exact is not None else cache.compressed_keys.norm.shape[1]
+    rep = n_q_heads // n_kv_heads
+    q = (queries.astype(mx.float32) * scale).reshape(B, n_kv_heads, rep * L, D)
+    runs = [
+        ("sink", cache.sink_keys, cache.sink_values),
+        ("compressed", cache.compressed_keys, cache.compressed_values),
+        ("recent", cache.recent_keys, cache.recent_values),
+    ]
+    runs = [r for r in runs if r[1] is not None and (r[0] == "compressed" or r[1].shape[2])]
+    scores = []
+    for name, keys, _ in runs:
+        if name == "compressed":
+            scores.append(kernels.key_scores(cache.key_codec, cache.key_codec.rotate_queries(q), keys))
+        else:
+            scores.append(q @ keys.astype(mx.float32).swapaxes(-1, -2))
+    scores = mx.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
+    if L > 1 or start + L > cache.offset:
+        query_pos = start + mx.arange(L)
+        visible = (query_pos[:, None] >= mx.arange(cache.offset)[None]) | (query_pos[:, None] >= cache.offset)
+        scores = mx.where(mx.tile(visible, (rep, 1)), scores, mx.finfo(mx.float32).min)
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    out, begin = None, 0
+    for name, keys, values in runs:
+        length = keys.length if name == "compressed" else keys.shape[2]
+        w = weights[..., begin : begin + length]
+        begin += length
+        if name == "compressed":
+            term = cache.value_codec.unrotate(kernels.weighted_values(cache.value_codec, w, values))
+        else:
+            term = w @ values.astype(mx.float32)
+        out = term if out is None else out + term
+    return out.reshape(B, n_q_heads, L, -1).astype(queries.dtype)
