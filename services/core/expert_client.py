@@ -29,7 +29,9 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import itertools
+import os
 import queue
+import socket
 import threading
 import time
 from collections import deque
@@ -40,7 +42,7 @@ import numpy as np
 
 from services.common import tensor_codec
 from services.common.grpc_util import aio_channel, normalize_address
-from services.common.logging import get_logger
+from services.common.logging import REQUEST_ID_METADATA_KEY, get_logger
 from services.common.manifest import Manifest
 from services.common.ranges import format_ranges
 from services.common.tls import TlsFiles
@@ -55,6 +57,7 @@ BATCH_REQUEST_IDS: contextvars.ContextVar[tuple[str, ...]] = contextvars.Context
     "batch_request_ids", default=()
 )
 RECONNECT_BACKOFF_S = (0.1, 5.0)  # first retry, cap; doubles in between
+CORE_LINK_ID = f"core-{socket.gethostname()}-{os.getpid()}"
 
 
 class ExpertCallError(RuntimeError):
@@ -110,7 +113,9 @@ class WorkerLink:
 
     def open_stream(self) -> grpc.aio.StreamStreamCall:
         if self.stream is None or self.stream.done():
-            self.stream = self.stub.Forward()
+            # The worker logs this link's lines under the core's identity; per-request ids ride
+            # in each ExpertCall, since one stream carries every request of every step.
+            self.stream = self.stub.Forward(metadata=((REQUEST_ID_METADATA_KEY, CORE_LINK_ID),))
         return self.stream
 
     def reset(self) -> None:
