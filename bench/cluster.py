@@ -1,17 +1,18 @@
 """Decode speed with expert workers on other hosts vs on this one, in one run.
 
     sudo python bench/cluster.py                  # demo model, 2 workers, 32 tokens
-    sudo python bench/cluster.py --tokens 64 --delay-ms 1
+    sudo python bench/cluster.py --tokens 64 --delay-ms 0.25,1,2
 
 Variants (same split, same prompt, greedy; tokens must be identical across all of them):
 - `unix`: core and workers on this host over Unix sockets (what `moe-mesh up` does);
 - `loopback_tcp`: the same over 127.0.0.1 TCP;
 - `netns_tcp`: core and each worker in its own network namespace, linked by veth pairs, each
   worker on its own address: real separate network stacks, as between Macs;
-- `netns_delay`: the same plus `--delay-ms` of latency each way on every core<->worker link, with
-  `tc netem` when the kernel has it; otherwise through a userspace relay (bench/delay_relay.py),
-  in which case `netns_relay0` (the relay with no delay) is measured too, so the delay's own
-  effect is netns_delay vs netns_relay0.
+- `netns_delay_<d>ms`: the same plus d ms of latency each way on every core<->worker link, for
+  each d of `--delay-ms`, with `tc netem` when the kernel has it; otherwise through a userspace
+  relay (bench/delay_relay.py), in which case `netns_relay0` (the relay with no delay) is
+  measured too and is the baseline of the delay curve. The curve also gives the tok/s predicted
+  if every MoE layer simply waited one extra round trip (2 x d x layers per token).
 Every variant's processes are started first and kept up; decode rounds then interleave over the
 variants and the best round of each is kept (this box is shared and noisy). Per variant: decode
 tok/s over the decode steps and core's per-layer expert call p50/p99 (total, and transport =
@@ -160,7 +161,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="checkpoint or split (default: the demo model)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--delay-ms", type=float, default=1.0)
+    parser.add_argument("--delay-ms", default="1", help="link delays to measure, e.g. 0.25,1,2 (ms each way)")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
@@ -195,20 +196,27 @@ def main() -> None:
             labs.append(lab)
             direct = stack.workers_in(lab, "netns")
             stack.core("netns_tcp", direct, lab)
-            delayed = NetnsLab(workers=args.workers, subnet=78).__enter__()
-            labs.append(delayed)
-            if delayed.add_delay(args.delay_ms):
-                result["delay_method"] = f"tc netem {args.delay_ms:g} ms each way on every veth"
-                stack.core("netns_delay", stack.workers_in(delayed, "netem"), delayed)
+            delays = [float(d) for d in args.delay_ms.split(",")]
+            probe = NetnsLab(workers=1, subnet=79).__enter__()
+            labs.append(probe)
+            if probe.add_delay(delays[0]):  # netem: one lab (namespaces + veths) per delay
+                result["delay_method"] = "tc netem, each way on every veth"
+                for index, delay in enumerate(delays):
+                    delayed = NetnsLab(workers=args.workers, subnet=80 + index).__enter__()
+                    labs.append(delayed)
+                    delayed.add_delay(delay)
+                    stack.core(
+                        f"netns_delay_{delay:g}ms", stack.workers_in(delayed, f"netem{index}"), delayed
+                    )
             else:
                 result["delay_method"] = (
-                    f"userspace relay, {args.delay_ms:g} ms each way (this kernel has no sch_netem): "
-                    "compare netns_delay with netns_relay0, the same relay without delay"
+                    "userspace relay, each way (this kernel has no sch_netem): compare "
+                    "netns_delay_*ms with netns_relay0, the same relay without delay"
                 )
                 stack.core("netns_relay0", stack.relays(lab, direct, 0.0, RELAY_BASE_PORT), lab)
-                stack.core(
-                    "netns_delay", stack.relays(lab, direct, args.delay_ms, RELAY_BASE_PORT + 100), lab
-                )
+                for index, delay in enumerate(delays):
+                    relays = stack.relays(lab, direct, delay, RELAY_BASE_PORT + 100 * (index + 1))
+                    stack.core(f"netns_delay_{delay:g}ms", relays, lab)
         log(f"starting {len(stack.cores)} variants: {', '.join(stack.cores)}")
         stack.wait()
         for round_ in range(args.rounds):  # interleaved; best round per variant (a noisy shared box)
@@ -228,12 +236,26 @@ def main() -> None:
         del v["tokens"]
     base = variants["unix"]["tok_s"]
     result["tok_s_vs_unix"] = {name: round(v["tok_s"] / base, 3) for name, v in variants.items()}
-    if "netns_delay" in variants:
-        undelayed = variants.get("netns_relay0", variants["netns_tcp"])
-        result["delay_tok_s_ratio"] = round(variants["netns_delay"]["tok_s"] / undelayed["tok_s"], 3)
-        result["delay_added_layer_call_p50_us"] = (
-            variants["netns_delay"]["layer_call_us"]["total_p50"] - undelayed["layer_call_us"]["total_p50"]
-        )
+    undelayed = variants.get("netns_relay0", variants.get("netns_tcp"))
+    curve = []
+    for name, v in variants.items():
+        if name.startswith("netns_delay_"):
+            delay_ms = float(name.removeprefix("netns_delay_").removesuffix("ms"))
+            # Every MoE layer waits one round trip per token: 2 x delay x layers on top of the
+            # undelayed token time, if nothing overlaps.
+            predicted = 1 / (1 / undelayed["tok_s"] + 2 * delay_ms / 1000 * len(manifest.layers))
+            curve.append(
+                {
+                    "delay_ms_each_way": delay_ms,
+                    "tok_s": v["tok_s"],
+                    "vs_undelayed": round(v["tok_s"] / undelayed["tok_s"], 3),
+                    "predicted_tok_s": round(predicted, 3),
+                    "added_layer_call_p50_us": v["layer_call_us"]["total_p50"]
+                    - undelayed["layer_call_us"]["total_p50"],
+                }
+            )
+    if curve:
+        result["delay_curve"] = sorted(curve, key=lambda row: row["delay_ms_each_way"])
     print(json.dumps(result, indent=1))
 
 
