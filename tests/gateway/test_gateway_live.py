@@ -359,3 +359,26 @@ def test_qwen3_json_schema_output_parses(qwen3: LiveStack) -> None:
         max_tokens=64,
     )
     assert isinstance(parsed.choices[0].message.parsed, Unit)
+
+
+QWEN3_THINK_START = 151667  # "<think>" in the Qwen3 vocabulary
+
+
+def test_qwen3_logit_bias_and_reasoning_separation(qwen3: LiveStack) -> None:
+    """A +100 bias on `<think>` makes random weights open a thinking block and repeat the marker:
+    logit_bias reached the sampler, and what follows the first marker is reasoning_content, never
+    content, whole or streamed."""
+    client = qwen3.openai()
+    kwargs = {"model": qwen3.model, "messages": QUESTION, "max_tokens": 4, "temperature": 0}
+    unbiased = client.chat.completions.create(**kwargs).choices[0].message
+    assert unbiased.content and not getattr(unbiased, "reasoning_content", None)
+    biased = {**kwargs, "logit_bias": {str(QWEN3_THINK_START): 100}}
+    message = client.chat.completions.create(**biased).choices[0].message
+    assert not message.content
+    assert message.reasoning_content == "<think>" * 3  # type: ignore[attr-defined]
+    reasoning, content = "", ""
+    for chunk in client.chat.completions.create(**biased, stream=True):
+        if chunk.choices:
+            reasoning += getattr(chunk.choices[0].delta, "reasoning_content", None) or ""
+            content += chunk.choices[0].delta.content or ""
+    assert (reasoning, content) == ("<think>" * 3, "")
