@@ -1,0 +1,61 @@
+"""A real core process launched with --kv-cache turboquant, over real expert workers:
+its greedy tokens equal mlx-lm's generate_step over the same TurboQuant cache, and a
+request may still ask for fp16."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import grpc
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.generate import generate_step
+
+from services.core.kv import KVCacheSettings, make_kv_cache
+from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
+from tests.helpers import Workers, spawn, stop, wait_serving
+
+SETTINGS = KVCacheSettings(recent_window=8)  # compresses all but the newest 8-71 tokens
+PROMPT = [(i * 37) % 5000 + 200 for i in range(150)]
+
+
+@pytest.fixture(scope="module")
+def core(tiny_models):
+    workdir = Path(tempfile.mkdtemp(prefix="mm-", dir="/tmp"))
+    split = tiny_models.split("qwen3_moe", None)
+    workers = Workers(split, workdir, ["0-7"]).start()
+    address = f"unix:{workdir / 'core.sock'}"
+    argv = ["core", "--split", str(split), "--listen", address, "--worker", ",".join(workers.addresses)]
+    proc = spawn([*argv, "--kv-cache", "turboquant", "--kv-recent-window", "8"], workdir / "core.log")
+    wait_serving(address, timeout_s=60)
+    yield address, tiny_models.checkpoint("qwen3_moe", None)
+    stop([proc])
+    workers.stop()
+
+
+def local_greedy(checkpoint, kind: str, n: int) -> list[int]:
+    model, _ = mlx_lm.load(str(checkpoint))
+    cache = make_kv_cache(model, kind, SETTINGS)
+    return [t for t, _ in generate_step(mx.array(PROMPT), model, prompt_cache=cache, max_tokens=n)]
+
+
+async def remote_greedy(address: str, kind: str, n: int) -> list[int]:
+    request = core_pb2.GenerateRequest(
+        token_ids=core_pb2.TokenIds(ids=PROMPT),
+        sampling=core_pb2.SamplingParams(temperature=0),
+        stopping=core_pb2.StoppingCriteria(max_tokens=n, ignore_eos=True),
+        kv_cache=kind,
+    )
+    async with grpc.aio.insecure_channel(address) as channel:
+        chunks = [c async for c in core_pb2_grpc.CoreStub(channel).Generate(request, timeout=120)]
+    return [t for c in chunks for t in c.token_ids]
+
+
+async def test_core_serves_turboquant_by_default_and_fp16_on_request(core):
+    address, checkpoint = core
+    turboquant, fp16 = local_greedy(checkpoint, "turboquant", 12), local_greedy(checkpoint, "fp16", 12)
+    assert turboquant != fp16  # on this random tiny model the two caches are told apart
+    assert await remote_greedy(address, "", 12) == turboquant
+    assert await remote_greedy(address, "fp16", 12) == fp16
