@@ -344,6 +344,15 @@ def main() -> None:
                 "vs_same_qd": round(run["read_gbps"] / ref[qd], 3),
                 "vs_best_qd": round(run["read_gbps"] / disk["best"][run["io"]]["gbps"], 3),
             }
+    lru_runs = [r for r in runs if r["policy"] == "lru" and r["read_gbps"]]
+    io_means = {
+        io: round(
+            sum(r["read_gbps"] for r in lru_runs if r["io"] == io)
+            / max(1, sum(r["io"] == io for r in lru_runs)),
+            3,
+        )
+        for io in ("direct", "buffered")
+    }
     result = {
         "bench": "stream",
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
@@ -357,6 +366,8 @@ def main() -> None:
         "policy_replay_25pct": policies,
         "policy_replay_25pct_zipf_synthetic": policies_zipf,
         "policy_kept": better,
+        "io_mean_read_gbps": io_means,
+        "io_default_by_measurement": max(io_means, key=io_means.get),
         "prefetch": {
             **prefetch,
             "read_share_of_decode_25pct_direct": runs[0]["read_share_of_decode"],
