@@ -51,6 +51,11 @@ def build_engine(
         log.info(
             "core_model_loaded", seconds=round(time.monotonic() - started, 2), layers=len(manifest.layers)
         )
+        # The grammar engine's view of the vocabulary takes seconds and holds the GIL: build it
+        # before core reports SERVING, not on the first constrained request of a live server.
+        started = time.monotonic()
+        preparer.output_preparer.grammar_tokenizer.get()
+        log.info("grammar_vocabulary_ready", seconds=round(time.monotonic() - started, 2))
         return model, dispatcher.discover, dispatcher.timings
 
     engine = Engine(tokenizer, engine_config, loader)
