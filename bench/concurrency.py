@@ -43,9 +43,12 @@ TOPICS = [
     "the desert", "a garden", "a mountain", "a market", "the rain", "a bridge", "a river", "winter",
     "a castle",
 ]  # fmt: skip
-SYSTEM_PROMPT = "You are a careful assistant. " + " ".join(
+RULES = [
     f"Rule {i}: answer politely, cite facts you are sure of, and keep rule {i} in mind." for i in range(90)
-)
+]
+LONG_PROMPT = "You are a careful assistant. " + " ".join(RULES)  # ~2.1K tokens with a chat template
+SYSTEM_PROMPT = "You are a careful assistant. " + " ".join(RULES[:45])  # ~1.1K tokens
+DECODE_FOREVER = 2000  # tokens: the decoding streams are cancelled long before
 
 
 def chat(text: str, tokens: int, system: str | None = None) -> core_pb2.GenerateRequest:
@@ -99,15 +102,18 @@ async def interleave(stub) -> dict:
     arrivals: list[list[float]] = [[] for _ in range(4)]
 
     async def decode(i: int) -> None:
-        request = chat(f"Tell me a long story about {TOPICS[i]}.", 100000)
+        request = chat(f"Tell me a long story about {TOPICS[i]}.", DECODE_FOREVER)
         async for chunk in stub.Generate(request, timeout=3600):
             arrivals[i].extend([time.perf_counter()] * len(chunk.token_ids))
 
     tasks = [asyncio.create_task(decode(i)) for i in range(4)]
     while min(len(a) for a in arrivals) < 8:
+        for task in tasks:
+            if task.done():
+                task.result()  # a stream that failed: raise its error instead of waiting forever
         await asyncio.sleep(0.05)
     submitted = time.perf_counter()
-    result = await timed_stream(stub, chat(" ".join([SYSTEM_PROMPT] * 2), 1))
+    result = await timed_stream(stub, chat(LONG_PROMPT, 1))
     first_token = result["arrivals"][0]
     for task in tasks:
         task.cancel()
@@ -156,14 +162,17 @@ async def run_model(address: str, tokens: int, rounds: int, extras: bool) -> dic
                 if best is None or result["aggregate_tok_s"] > best["aggregate_tok_s"]:
                     best = result
             levels.append(best)
+            log(json.dumps(best))
         out = {"levels": levels}
         base = levels[0]["aggregate_tok_s"]
         out["speedup_vs_1"] = {str(lv["streams"]): round(lv["aggregate_tok_s"] / base, 2) for lv in levels}
         if extras:
             log("long prompt during decode")
             out["long_prompt"] = await interleave(stub)
+            log(json.dumps(out["long_prompt"]))
             log("prefix cache")
             out["prefix_cache"] = await prefix_reuse(stub)
+            log(json.dumps(out["prefix_cache"]))
         return out
 
 
