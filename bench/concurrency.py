@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import grpc
+import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -205,7 +206,7 @@ def main() -> None:
     args = parser.parse_args()
     result = {
         "bench": "concurrency",
-        "machine": f"{platform.system()} {platform.machine()}",
+        "machine": f"{platform.system()} {platform.machine()}, mlx {mx.__version__} on {mx.default_device()}",
         "tokens_per_stream": args.tokens,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "models": {},
