@@ -339,6 +339,7 @@ class ExpertDispatcher:
         Answers (True, [(mask or None, rows, stats), ...]) or (False, ExpertCallError)."""
         deadline = self.loop.time() + self.call_timeout_s
         done: list[tuple] = []
+        failed_links: set[int] = set()  # out of this call for good, even if they still look up
         try:
             while plan:
                 remaining = deadline - self.loop.time()
@@ -369,7 +370,8 @@ class ExpertDispatcher:
                         failed.append((part, outcome))
                     else:
                         done.append((part.mask, *outcome))
-                plan = self._replan(layer, failed, hidden, ids) if failed else []
+                failed_links.update(part.link for part, _ in failed)
+                plan = self._replan(layer, failed, hidden, ids, failed_links) if failed else []
             self._replies.put((True, done))
         except ExpertCallError as error:
             self._replies.put((False, error))
@@ -378,7 +380,9 @@ class ExpertDispatcher:
                 (False, ExpertCallError(grpc.StatusCode.INTERNAL, f"layer {layer} call failed: {error!r}"))
             )
 
-    def _replan(self, layer: int, failed: list, hidden: np.ndarray, ids: np.ndarray) -> list[_Part]:
+    def _replan(
+        self, layer: int, failed: list, hidden: np.ndarray, ids: np.ndarray, exclude: set[int]
+    ) -> list[_Part]:
         """Move the failed parts' pairs to other live replicas, or raise naming what is missing."""
         pending = np.zeros(ids.shape, dtype=bool)
         for part, error in failed:
@@ -395,11 +399,9 @@ class ExpertDispatcher:
             failed=[self.links[part.link].address for part, _ in failed],
             error=str(failed[0][1]),
         )
-        # A link that failed stays out of this call even if it still looks up (an in-band error).
-        exclude = tuple(sorted({part.link for part, _ in failed}))
         owners = np.full(ids.shape, -1, dtype=np.int32)
         try:
-            owners[pending] = self._choose(layer, ids[pending], next(self._rotation), exclude)
+            owners[pending] = self._choose(layer, ids[pending], next(self._rotation), tuple(exclude))
         except ExpertCallError as gap:  # name what failed and what is now missing
             causes = "; ".join(dict.fromkeys(str(error) for _, error in failed))
             raise ExpertCallError(grpc.StatusCode.UNAVAILABLE, f"{causes}; {gap}") from None
