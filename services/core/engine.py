@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 import grpc
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import make_prompt_cache
 
 from services.common.logging import get_logger
 from services.core.expert_client import BATCH_REQUEST_IDS, ExpertCallError
+from services.core.kv import KV_CACHE_KINDS, make_kv_cache
 from services.core.prefix_cache import PrefixCache
 from services.core.request_prep import PreparedRequest
 from services.core.text_output import TextEmitter
@@ -141,13 +141,7 @@ class Engine:
     def on_health(self, listener: Callable[[bool], None]) -> None:
         self._health_listeners.append(listener)
 
-    @property
-    def kv_cache_kinds(self) -> tuple[str, ...]:
-        try:
-            from services.core.kv import KV_CACHE_KINDS
-        except ImportError:  # TODO(kv): drop once services/core/kv lands
-            return ("fp16",)
-        return KV_CACHE_KINDS
+    kv_cache_kinds = KV_CACHE_KINDS
 
     @property
     def running(self) -> int:
@@ -194,10 +188,6 @@ class Engine:
         return self._generators[kind]
 
     def _new_cache(self, kind: str) -> list:
-        if kind == "fp16":
-            return make_prompt_cache(self.model)
-        from services.core.kv import make_kv_cache
-
         return make_kv_cache(self.model, kind, self.config.kv_settings)
 
     def _run(self) -> None:

@@ -181,19 +181,22 @@ async def test_long_prompt_prefill_does_not_freeze_decoding_streams(tiny_cores):
     assert stats.running_requests == 0, "cancelled streams still hold their place"
 
 
-async def test_shared_system_prompt_is_reused_and_output_unchanged(tiny_cores):
+@pytest.mark.parametrize("kv_cache", ["fp16", "turboquant"])
+async def test_shared_system_prompt_is_reused_and_output_unchanged(tiny_cores, kv_cache):
     plain, cached = tiny_cores
     first = chat(
         "What is the capital of France?",
         SYSTEM_PROMPT,
         sampling=GREEDY,
         stopping=core_pb2.StoppingCriteria(max_tokens=8),
+        kv_cache=kv_cache,
     )
     second = chat(
         "Name a large ocean.",
         SYSTEM_PROMPT,
         sampling=GREEDY,
         stopping=core_pb2.StoppingCriteria(max_tokens=8),
+        kv_cache=kv_cache,
     )
     async with grpc.aio.insecure_channel(cached.address) as channel:
         stub = core_pb2_grpc.CoreStub(channel)
