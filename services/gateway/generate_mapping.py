@@ -109,6 +109,7 @@ def build_chat_request(request: ChatCompletionRequest, request_id: str) -> core_
         stopping=stopping_criteria(request),
         logprobs=request.logprobs,
         top_logprobs=request.top_logprobs or 0,
+        kv_cache=request.kv_cache or "",
     )
     if (structured := response_format(request)) is not None:
         generate.response_format.CopyFrom(structured)
@@ -138,6 +139,7 @@ def build_completion_request(request: CompletionRequest, request_id: str) -> cor
         logprobs=request.logprobs is not None,
         top_logprobs=request.logprobs or 0,
         echo=request.echo,
+        kv_cache=request.kv_cache or "",
     )
     if (text := request.prompt_text()) is not None:
         generate.prompt = text

@@ -158,6 +158,8 @@ class GenerationOptions(ApiModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=UINT32_MAX)]] | None = None  # vLLM extension
     ignore_eos: bool = False  # vLLM extension, handy for benchmarks
+    # moe-mesh extension: this request's KV cache kind ("fp16" | "turboquant"); core validates it.
+    kv_cache: str | None = Field(default=None, max_length=32)
 
     n: int = 1
     user: str | None = None

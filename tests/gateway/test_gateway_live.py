@@ -196,6 +196,17 @@ def test_qwen3_errors(qwen3: LiveStack) -> None:
     assert anthropic_error.value.body["error"]["type"] == "invalid_request_error"
 
 
+def test_qwen3_kv_cache_per_request(qwen3: LiveStack) -> None:
+    """`kv_cache` (a moe-mesh extension) picks the request's KV cache; an unknown kind is a 400."""
+    client = qwen3.openai()
+    kwargs = {"model": qwen3.model, "messages": QUESTION, "temperature": 0, "max_tokens": 6}
+    compressed = client.chat.completions.create(**kwargs, extra_body={"kv_cache": "turboquant"})
+    assert compressed.usage.completion_tokens == 6 or compressed.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(**kwargs, extra_body={"kv_cache": "int3-magic"})
+    assert "kv_cache" in raised.value.message
+
+
 def test_qwen3_disconnect_frees_the_sequence(qwen3: LiveStack) -> None:
     body = {
         "model": qwen3.model,

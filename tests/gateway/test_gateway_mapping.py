@@ -33,6 +33,7 @@ def test_extensions_and_edge_values_map_to_core() -> None:
             chat_template_kwargs={"enable_thinking": False},
             max_tokens=5,
             max_completion_tokens=9,
+            kv_cache="turboquant",
         ),
         "rid-1",
     )
@@ -44,6 +45,7 @@ def test_extensions_and_edge_values_map_to_core() -> None:
     assert sent.stopping.max_tokens == 9  # max_completion_tokens wins over the deprecated max_tokens
     assert json.loads(sent.chat.template_kwargs_json) == {"enable_thinking": False}
     assert sent.model == ""  # core chooses its served model
+    assert sent.kv_cache == "turboquant"
 
 
 def test_content_parts_are_joined() -> None:
