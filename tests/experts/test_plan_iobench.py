@@ -6,11 +6,17 @@ import json
 
 import pytest
 
-from services.cli import main
+from services.cli import build_parser
 from services.common.manifest import Manifest
 from services.experts.iobench import run_iobench
 from services.experts.streaming_store import expert_bytes
 from services.plan import memory_plan
+
+
+def run_cli(*argv: str) -> None:
+    """The subcommand as `moe-mesh` runs it, minus logging setup (global, and pytest's streams close)."""
+    args = build_parser().parse_args(list(argv))
+    args.func(args)
 
 
 def test_plan_splits_experts_between_ram_and_disk(tiny_models, capsys):
@@ -35,7 +41,7 @@ def test_plan_splits_experts_between_ram_and_disk(tiny_models, capsys):
     assert plan["kv"]["bytes_per_token"] == 4 * 2 * 2 * 16 * 2
     assert plan["kv"]["budget_bytes"] == plan["kv"]["bytes_per_token"] * 2000
 
-    main(["plan", "--model", str(split), "--memory-gb", str(budget_gb), "--workers", "2"])
+    run_cli("plan", "--model", str(split), "--memory-gb", str(budget_gb), "--workers", "2")
     text = capsys.readouterr().out
     assert "worker 1 (experts 4-7)" in text and "MB per token" in text
     checkpoint_plan = memory_plan(tiny_models.checkpoint("qwen3_moe", 4), memory_gb=budget_gb, workers=2)
@@ -54,5 +60,5 @@ def test_iobench_measures_both_modes_at_the_record_size(tiny_models, capsys):
     for mode in ("direct", "buffered"):
         assert set(result["gbps"][mode]) == {"1", "4"}
         assert all(r["reads"] > 0 and r["gbps"] > 0 for r in result["runs"][mode].values())
-    main(["iobench", str(split), "--queue-depths", "2", "--seconds", "0.05", "--json"])
+    run_cli("iobench", str(split), "--queue-depths", "2", "--seconds", "0.05", "--json")
     assert json.loads(capsys.readouterr().out)["best"]["direct"]["queue_depth"] == 2
