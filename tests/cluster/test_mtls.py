@@ -5,10 +5,10 @@ certificate from another CA is refused by the client; binding beyond loopback wi
 from __future__ import annotations
 
 import socket
+from types import SimpleNamespace
 
 import grpc
 import pytest
-import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.cli import main
@@ -104,23 +104,26 @@ async def test_gateway_reaches_core_over_mtls_on_a_unix_socket(pki, short_tmp):
         await running.server.stop(0)
 
 
-async def test_binding_beyond_loopback_without_tls_warns(pki):
+async def test_binding_beyond_loopback_without_tls_warns(pki, monkeypatch):
+    from services.common import grpc_util
+
+    warnings = []
+    # A stand-in for the module's logger: structlog loggers cached by earlier tests would
+    # bypass structlog.testing.capture_logs.
+    monkeypatch.setattr(
+        grpc_util, "log", SimpleNamespace(warning=lambda event, **kw: warnings.append((event, kw)))
+    )
     cluster, _ = pki
     port = _free_port()
-    with structlog.testing.capture_logs() as logs:
-        running = await start_server(lambda server: None, "test.Service", f"0.0.0.0:{port}")
-        await running.server.stop(0)
-        loopback = await start_server(lambda server: None, "test.Service", f"127.0.0.1:{_free_port()}")
-        await loopback.server.stop(0)
-        secure = await start_server(
-            lambda server: None,
-            "test.Service",
-            f"0.0.0.0:{_free_port()}",
-            tls=TlsFiles.in_dir(cluster, "core"),
-        )
-        await secure.server.stop(0)
-    warnings = [entry for entry in logs if entry["event"] == "insecure_bind"]
-    assert [w["address"] for w in warnings] == [f"0.0.0.0:{port}"]
+    running = await start_server(lambda server: None, "test.Service", f"0.0.0.0:{port}")
+    await running.server.stop(0)
+    loopback = await start_server(lambda server: None, "test.Service", f"127.0.0.1:{_free_port()}")
+    await loopback.server.stop(0)
+    secure = await start_server(
+        lambda server: None, "test.Service", f"0.0.0.0:{_free_port()}", tls=TlsFiles.in_dir(cluster, "core")
+    )
+    await secure.server.stop(0)
+    assert [(event, kw["address"]) for event, kw in warnings] == [("insecure_bind", f"0.0.0.0:{port}")]
 
 
 async def test_missing_tls_files_are_named(tmp_path):
