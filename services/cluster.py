@@ -75,7 +75,6 @@ class CoreConfig:
     expert_timeout_s: float = 60.0
     max_num_seqs: int = 16
     max_queue: int = 256
-    prefill_step_size: int = 512
 
 
 @dataclass(frozen=True)
@@ -145,7 +144,6 @@ def parse_cluster(data: dict, path: Path) -> ClusterConfig:
         expert_timeout_s=reader.number(core_table, "expert_timeout_s", "core.expert_timeout_s", 60.0),
         max_num_seqs=int(reader.number(core_table, "max_num_seqs", "core.max_num_seqs", 16)),
         max_queue=int(reader.number(core_table, "max_queue", "core.max_queue", 256)),
-        prefill_step_size=int(reader.number(core_table, "prefill_step_size", "core.prefill_step_size", 512)),
     )
     gateway_table = reader.table(data, "gateway", required=False)
     reader.no_unknown(gateway_table, {"host", "port", "core"}, "gateway.")
