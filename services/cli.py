@@ -17,49 +17,43 @@ def _split(args) -> None:
 
 
 def _expert(args) -> None:
+    from services.cluster_roles import expert_kwargs
+    from services.experts.cli_flags import streaming_kwargs
     from services.experts.server import run_expert_worker
 
-    run_expert_worker(
-        split_dir=Path(args.split),
-        listen=args.listen,
-        layers=args.layers,
-        experts=args.experts,
-        worker_id=args.worker_id,
-    )
+    # cluster.toml settings (expert_kwargs) win over the streaming flags' defaults.
+    run_expert_worker(**{**streaming_kwargs(args), **expert_kwargs(args)})
 
 
 def _core(args) -> None:
+    from services.cluster_roles import core_kwargs
     from services.core.engine import EngineConfig
+    from services.core.kv.cli_flags import kv_engine_kwargs
     from services.core.server import run_core
 
+    cluster_kwargs = core_kwargs(args)  # fills options left at their defaults from --config
     run_core(
-        split_dir=Path(args.split),
-        listen=args.listen,
-        workers=[w for spec in args.worker for w in spec.split(",") if w],
+        **cluster_kwargs,
         engine_config=EngineConfig(
             max_num_seqs=args.max_num_seqs,
             max_queue=args.max_queue,
             max_num_batched_tokens=args.max_num_batched_tokens,
             prefix_cache_bytes=int(args.prefix_cache_gb * (1 << 30)),
+            **kv_engine_kwargs(args),
         ),
-        expert_timeout_s=args.expert_timeout,
     )
 
 
 def _gateway(args) -> None:
+    from services.cluster_roles import gateway_kwargs
     from services.gateway.auth import load_api_keys
     from services.gateway.server import run_gateway
 
-    run_gateway(
-        host=args.host,
-        port=args.port,
-        core_target=args.core,
-        log_level=args.log_level,
-        api_keys=load_api_keys(args.api_key or (), args.api_key_file),
-    )
+    run_gateway(**gateway_kwargs(args), api_keys=load_api_keys(args.api_key or (), args.api_key_file))
 
 
 def _up(args) -> None:
+    from services.core.kv.cli_flags import kv_cli_args
     from services.up import run_up
 
     sys.exit(
@@ -70,6 +64,8 @@ def _up(args) -> None:
             host=args.host,
             workdir=args.workdir,
             gateway_args=_gateway_key_args(args),
+            expert_memory_gb=args.expert_memory_gb,
+            core_args=kv_cli_args(args),
         )
     )
 
@@ -91,6 +87,11 @@ def _gateway_key_args(args) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from services.cluster_roles import add_cluster_flags
+    from services.cluster_tools import add_cluster_commands
+    from services.core.kv.cli_flags import add_kv_cache_flags
+    from services.experts.cli_flags import add_storage_commands, add_streaming_flags
+
     parser = argparse.ArgumentParser(
         prog="moe-mesh", description="Serve huge MoE models as a core plus expert workers."
     )
@@ -106,18 +107,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_split)
 
     p = sub.add_parser("expert", help="serve a shard of the routed experts")
-    p.add_argument("--split", required=True, help="split folder (from `moe-mesh split`)")
+    p.add_argument("--split", default=None, help="split folder (from `moe-mesh split`)")
     p.add_argument("--listen", default="127.0.0.1:50061", help="host:port or unix:/path.sock")
     p.add_argument("--layers", default=None, help="MoE layers to serve, e.g. 0-23 (default: all)")
     p.add_argument("--experts", default=None, help="experts of each layer to serve, e.g. 0-63 (default: all)")
     p.add_argument("--worker-id", default=None)
-    p.set_defaults(func=_expert)
+    p.add_argument("--name", default=None, help="this worker's name in --config")
+    add_cluster_flags(p)
+    add_streaming_flags(p)
+    p.set_defaults(func=_expert, parser=p)
 
     p = sub.add_parser("core", help="serve the Core gRPC API over the expert workers")
-    p.add_argument("--split", required=True)
+    p.add_argument("--split", default=None)
     p.add_argument("--listen", default="127.0.0.1:50051")
     p.add_argument(
-        "--worker", action="append", required=True, help="expert worker address (repeat or comma-separate)"
+        "--worker", action="append", default=None, help="expert worker address (repeat or comma-separate)"
     )
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-queue", type=int, default=256)
@@ -130,15 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefix-cache-gb", type=float, default=1.0, help="byte budget of the prefix cache (0 = off)"
     )
+    add_kv_cache_flags(p)
     p.add_argument("--expert-timeout", type=float, default=60.0, help="seconds a layer call may take")
-    p.set_defaults(func=_core)
+    add_cluster_flags(p)
+    p.set_defaults(func=_core, parser=p)
 
     p = sub.add_parser("gateway", help="serve the OpenAI-compatible HTTP API in front of core")
     p.add_argument("--core", default="127.0.0.1:50051", help="core address")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    add_cluster_flags(p, metrics=False)
     _add_api_key_flags(p)
-    p.set_defaults(func=_gateway)
+    p.set_defaults(func=_gateway, parser=p)
 
     p = sub.add_parser("up", help="start workers, core and gateway on this machine")
     p.add_argument("--model", default=None, help="checkpoint or split folder (default: the demo model)")
@@ -146,8 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="gateway port")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--workdir", default=None, help="where sockets and logs go (default: a temp folder)")
+    p.add_argument(
+        "--expert-memory-gb", type=float, default=None, help="each worker's expert RAM budget (default: all)"
+    )
+    add_kv_cache_flags(p)
     _add_api_key_flags(p)
     p.set_defaults(func=_up)
+    add_cluster_commands(sub)  # certs, deploy, cluster check
+    add_storage_commands(sub)  # iobench, plan
     return parser
 
 
@@ -156,12 +169,13 @@ def main(argv: list[str] | None = None) -> None:
     from services.common.logging import configure_logging
     from services.common.manifest import ManifestError
     from services.common.model_build import UnsupportedModelError
+    from services.common.tls import TlsError
     from services.experts.store import ExpertFileError
 
     configure_logging(args.command, args.log_level)
     try:
         args.func(args)
-    except (ManifestError, UnsupportedModelError, ExpertFileError, ValueError, OSError) as error:
+    except (ManifestError, UnsupportedModelError, ExpertFileError, TlsError, ValueError, OSError) as error:
         # Bad flags, a missing or damaged split, a port in use: one line, no traceback.
         raise SystemExit(f"moe-mesh {args.command}: {error}") from None
 

@@ -22,6 +22,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from services.cluster import local_cluster_toml
 from services.common.logging import get_logger
 
 log = get_logger(__name__)
@@ -129,6 +130,8 @@ def run_up(
     host: str = "127.0.0.1",
     workdir: str | None = None,
     gateway_args: Sequence[str] = (),
+    expert_memory_gb: float | None = None,
+    core_args: Sequence[str] = (),
 ) -> int:
     from services.common.manifest import Manifest
 
@@ -150,24 +153,27 @@ def run_up(
     signal.signal(signal.SIGTERM, on_signal)
     worker_sockets = [f"unix:{work / f'expert-{i}.sock'}" for i in range(experts)]
     core_socket = f"unix:{work / 'core.sock'}"
-    try:
-        for i, (address, span) in enumerate(zip(worker_sockets, ranges, strict=True)):
-            cluster.start(
-                f"expert-{i}", "expert", "--split", str(split_dir), "--listen", address, "--experts", span
-            )
-        cluster.start(
-            "core",
-            "core",
-            "--split",
-            str(split_dir),
-            "--listen",
+    # One cluster.toml for the whole machine; each service starts from it plus its role.
+    config = work / "cluster.toml"
+    config.write_text(
+        local_cluster_toml(
+            split_dir,
             core_socket,
-            "--worker",
-            ",".join(worker_sockets),
+            [
+                (f"expert-{i}", a, span)
+                for i, (a, span) in enumerate(zip(worker_sockets, ranges, strict=True))
+            ],
+            host,
+            port,
         )
-        cluster.start(
-            "gateway", "gateway", "--core", core_socket, "--host", host, "--port", str(port), *gateway_args
-        )
+    )
+    try:
+        for i in range(experts):
+            # Each worker keeps at most expert_memory_gb of its experts in RAM, streams the rest.
+            budget = ["--memory-gb", str(expert_memory_gb)] if expert_memory_gb else []
+            cluster.start(f"expert-{i}", "expert", "--config", str(config), "--name", f"expert-{i}", *budget)
+        cluster.start("core", "core", "--config", str(config), *core_args)
+        cluster.start("gateway", "gateway", "--config", str(config), *gateway_args)
         url = f"http://{host}:{port}"
         checks = [(address, lambda a=address: _grpc_serving(a)) for address in worker_sockets]
         checks += [
