@@ -31,7 +31,8 @@ SETTINGS = {
     "K3+QJL/V3 (default)": KVCacheSettings(),
     "K4/V4": KVCacheSettings(key_bits=4, value_bits=4, key_qjl=False),
     "K2+QJL/V2": KVCacheSettings(key_bits=2, value_bits=2, key_qjl=True),
-    "K3/V3 (no QJL)": KVCacheSettings(key_qjl=False),
+    "K3+QJL/V3, window 128": KVCacheSettings(recent_window=128),
+    "K4/V4, window 128": KVCacheSettings(key_bits=4, value_bits=4, key_qjl=False, recent_window=128),
 }
 QUESTIONS = [
     "What is the capital of France?",
@@ -60,7 +61,7 @@ def main() -> None:
     )
     parser.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--context-chars", type=int, default=1500, help="license text before each question")
+    parser.add_argument("--context-chars", type=int, default=3000, help="license text before each question")
     parser.add_argument("--answer-tokens", type=int, default=24)
     args = parser.parse_args()
     if args.model is None:
