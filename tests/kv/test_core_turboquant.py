@@ -41,7 +41,7 @@ def local_greedy(checkpoint, kind: str, n: int) -> list[int]:
     return [t for t, _ in generate_step(mx.array(PROMPT), model, prompt_cache=cache, max_tokens=n)]
 
 
-async def remote_greedy(address: str, kind: str, n: int) -> list[int]:
+async def remote_greedy(address: str, kind: str, n: int, cached: list | None = None) -> list[int]:
     request = core_pb2.GenerateRequest(
         token_ids=core_pb2.TokenIds(ids=PROMPT),
         sampling=core_pb2.SamplingParams(temperature=0),
@@ -50,6 +50,8 @@ async def remote_greedy(address: str, kind: str, n: int) -> list[int]:
     )
     async with grpc.aio.insecure_channel(address) as channel:
         chunks = [c async for c in core_pb2_grpc.CoreStub(channel).Generate(request, timeout=120)]
+    if cached is not None:
+        cached.append(chunks[-1].usage.cached_prompt_tokens)
     return [t for c in chunks for t in c.token_ids]
 
 
@@ -58,4 +60,7 @@ async def test_core_serves_turboquant_by_default_and_fp16_on_request(core):
     turboquant, fp16 = local_greedy(checkpoint, "turboquant", 12), local_greedy(checkpoint, "fp16", 12)
     assert turboquant != fp16  # on this random tiny model the two caches are told apart
     assert await remote_greedy(address, "", 12) == turboquant
+    cached: list[int] = []
+    assert await remote_greedy(address, "", 12, cached) == turboquant  # again: from the prefix cache
+    assert cached[0] > 0
     assert await remote_greedy(address, "fp16", 12) == fp16
