@@ -4,7 +4,8 @@ Reads whole records at random record-aligned offsets of a split's layer files (o
 any file), from N threads at once (queue depth N), with direct I/O and through the
 page cache. Before each buffered run the files' cached pages are dropped
 (POSIX_FADV_DONTNEED, no root needed), so both modes start cold; reads follow a
-shuffled order of all records, so a record is read twice only after all were read once.
+shuffled order of all records, and the page cache is dropped again each time all were read
+once, so small files stay cold too.
 The same code measures the disk for bench/stream.py, so the ratio it reports compares
 like with like.
 """
@@ -57,7 +58,11 @@ def measure(files: list[Path], record_size: int, mode: str, queue_depth: int, se
             buffer = aligned_buffer(record_size)
             while time.perf_counter() < deadline:
                 with lock:
-                    fd, offset = slots[next(cursor) % len(slots)]
+                    turn = next(cursor)
+                    if mode == "buffered" and turn and turn % len(slots) == 0:
+                        for f in files:  # every record read once: forget them before reading again
+                            drop_page_cache(f)
+                    fd, offset = slots[turn % len(slots)]
                 start = time.perf_counter()
                 got = os.preadv(fd, [buffer], offset)
                 latencies[index].append(time.perf_counter() - start)
