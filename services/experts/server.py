@@ -79,7 +79,16 @@ async def serve_expert_worker(
     )
 
     async def on_stop() -> None:
-        log.info("worker_stopping", calls=servicer.calls, rejected=servicer.rejected)
+        stats = store.stats()
+        log.info(
+            "worker_stopping",
+            calls=servicer.calls,
+            rejected=servicer.rejected,
+            cache_hits=stats.hits,
+            cache_misses=stats.misses,
+            bytes_read=stats.bytes_read,
+            read_gbps=round(stats.read_gbps, 3),
+        )
 
     # A Forward stream never ends by itself: let the call in flight finish (ms), then cancel the
     # streams; core fails over to a replica or reconnects when this worker is back.
