@@ -28,7 +28,7 @@ def decoded(cache: TurboQuantKVCache):
     return mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
 
 
-@pytest.mark.parametrize("queries_len", [1, 7])
+@pytest.mark.parametrize("queries_len", [1, 7, 12])  # decode form (<= 8 queries) and fused-SDPA form
 def test_twin_equals_attention_over_the_decoded_cache(queries_len):
     # dim 48 is padded to 64 for the transform; 6 query heads over 2 KV heads (GQA)
     settings = KVCacheSettings(key_qjl=False, sink_tokens=4, recent_window=8, block_size=8)
@@ -43,11 +43,12 @@ def test_twin_equals_attention_over_the_decoded_cache(queries_len):
     assert mx.allclose(got, expected, atol=1e-4).item()
 
 
-def test_twin_with_qjl_equals_softmax_over_the_estimated_scores():
+@pytest.mark.parametrize("queries_len", [1, 5, 12])
+def test_twin_with_qjl_equals_softmax_over_the_estimated_scores(queries_len):
     settings = KVCacheSettings(key_qjl=True, sink_tokens=4, recent_window=8, block_size=8)
-    cache = filled_cache(settings, [40, 5])
+    cache = filled_cache(settings, [40, queries_len])
     codec = cache.key_codec
-    queries = mx.random.normal((1, 2, 5, 48))
+    queries = mx.random.normal((1, 2, queries_len, 48))
     scores = mx.concatenate(
         [
             queries @ cache.sink_keys.swapaxes(-1, -2),
@@ -56,7 +57,7 @@ def test_twin_with_qjl_equals_softmax_over_the_estimated_scores():
         ],
         axis=-1,
     )
-    positions = cache.offset - 5 + mx.arange(5)
+    positions = cache.offset - queries_len + mx.arange(queries_len)
     scores = mx.where(positions[:, None] >= mx.arange(cache.offset)[None], scores * 0.2, -mx.inf)
     _, values = decoded(cache)
     expected = mx.softmax(scores, axis=-1) @ values

@@ -42,6 +42,8 @@ def turboquant_attention(
     start = cache.offset - L if query_start is None else query_start
     if L <= 8 and cache.compressed_keys is not None and kernels_ready():
         return kernel_attention(queries, cache, scale, start)  # Apple GPU: straight from the codes
+    if L <= 8 and start + L <= cache.offset:
+        return _decode_attention(queries, cache, scale)
     keys_codec, values_codec = cache.key_codec, cache.value_codec
     dtype = queries.dtype
     q = keys_codec.augment_queries(keys_codec.rotate_queries(queries)).astype(dtype)
@@ -67,6 +69,48 @@ def turboquant_attention(
         mask = mask | (query_pos[:, None] >= cache.offset)  # padding rows: see all
     out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
     return values_codec.unrotate(out.astype(mx.float32)).astype(queries.dtype)
+
+
+def _decode_attention(queries: mx.array, cache: TurboQuantKVCache, scale: float) -> mx.array:
+    """The same numbers for a few queries at the end of the cache (decode steps): scores
+    are taken straight from the codes (`key_scores`), so no augmented key copy is built,
+    and exact runs are used as stored, unrotated. Cheaper than the fused-SDPA form when
+    the queries are few and the compressed run is long."""
+    B, n_q_heads, L, D = queries.shape
+    runs = [
+        (cache.sink_keys, cache.sink_values, False),
+        (cache.compressed_keys, cache.compressed_values, True),
+        (cache.recent_keys, cache.recent_values, False),
+    ]
+    runs = [r for r in runs if r[0] is not None and (r[2] or r[0].shape[2])]
+    n_kv_heads = (runs[0][0].norm if runs[0][2] else runs[0][0]).shape[1]
+    rep = n_q_heads // n_kv_heads
+    q = (queries.astype(mx.float32) * scale).reshape(B, n_kv_heads, rep * L, D)
+    scores = []
+    for keys, _, packed in runs:
+        if packed:
+            scores.append(cache.key_codec.key_scores(cache.key_codec.rotate_queries(q), keys))
+        else:
+            scores.append(q @ keys.astype(mx.float32).swapaxes(-1, -2))
+    lengths = [s.shape[-1] for s in scores]
+    scores = mx.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
+    if L > 1:
+        query_pos = cache.offset - L + mx.arange(L)
+        visible = mx.tile(query_pos[:, None] >= mx.arange(cache.offset)[None, :], (rep, 1))
+        scores = mx.where(visible, scores, mx.finfo(mx.float32).min)
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    out, begin = None, 0
+    for (_, values, packed), length in zip(runs, lengths, strict=True):
+        w = weights[..., begin : begin + length]
+        begin += length
+        if packed:
+            scaled = w * values.norm.astype(mx.float32)[..., None, :]
+            codec = cache.value_codec
+            term = codec.unrotate(scaled @ codec.centroid_values(values))
+        else:
+            term = w @ values.astype(mx.float32)
+        out = term if out is None else out + term
+    return out.reshape(B, n_q_heads, L, -1).astype(queries.dtype)
 
 
 def _attention_for(cache, queries: mx.array, scale: float) -> mx.array | None:
