@@ -20,6 +20,7 @@ from services.core.expert_client import ExpertDispatcher
 from services.core.model_loader import load_core_model, load_core_tokenizer
 from services.core.request_prep import RequestPreparer
 from services.core.servicer import CoreServicer
+from services.core.structured_output import GrammarError
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 
 log = get_logger(__name__)
@@ -53,9 +54,13 @@ def build_engine(
         )
         # The grammar engine's view of the vocabulary takes seconds and holds the GIL: build it
         # before core reports SERVING, not on the first constrained request of a live server.
+        # A tokenizer llguidance cannot read costs only constrained requests, which then fail clearly.
         started = time.monotonic()
-        preparer.output_preparer.grammar_tokenizer.get()
-        log.info("grammar_vocabulary_ready", seconds=round(time.monotonic() - started, 2))
+        try:
+            preparer.output_preparer.grammar_tokenizer.get()
+            log.info("grammar_vocabulary_ready", seconds=round(time.monotonic() - started, 2))
+        except GrammarError as error:
+            log.warning("constrained_decoding_unavailable", error=str(error))
         return model, dispatcher.discover, dispatcher.timings
 
     engine = Engine(tokenizer, engine_config, loader)

@@ -48,11 +48,12 @@ class GrammarTokenizer:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._built: llguidance.LLTokenizer | None = None
+        self._unavailable: str | None = None  # why it cannot be built; not retried per request
         self._lock = threading.Lock()
 
     def get(self) -> llguidance.LLTokenizer:
         with self._lock:
-            if self._built is None:
+            if self._built is None and self._unavailable is None:
                 try:
                     self._built = llguidance.hf.from_tokenizer(
                         self._tokenizer._tokenizer,
@@ -60,9 +61,9 @@ class GrammarTokenizer:
                         eos_token=sorted(self._tokenizer.eos_token_ids),
                     )
                 except (ValueError, TypeError) as error:  # e.g. a slow (non-Rust) tokenizer
-                    raise GrammarError(
-                        f"constrained decoding is not available for this model's tokenizer: {error}"
-                    ) from None
+                    self._unavailable = f"constrained decoding is not available for this model's tokenizer: {error}"
+            if self._built is None:
+                raise GrammarError(self._unavailable)
             return self._built
 
 
