@@ -86,13 +86,23 @@ def _gateway_key_args(args) -> list[str]:
     return out + (["--api-key-file", args.api_key_file] if args.api_key_file else [])
 
 
+class _ArgvRecordingParser(argparse.ArgumentParser):
+    """Keeps the argument list on the namespace, so cluster.toml settings can yield to the flags a
+    user actually typed, even when they typed a flag's default value."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, rest = super().parse_known_args(args, namespace)
+        parsed.argv = list(sys.argv[1:] if args is None else args)
+        return parsed, rest
+
+
 def build_parser() -> argparse.ArgumentParser:
     from services.cluster_roles import add_cluster_flags
     from services.cluster_tools import add_cluster_commands
     from services.core.kv.cli_flags import add_kv_cache_flags
     from services.experts.cli_flags import add_storage_commands, add_streaming_flags
 
-    parser = argparse.ArgumentParser(
+    parser = _ArgvRecordingParser(
         prog="moe-mesh", description="Serve huge MoE models as a core plus expert workers."
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

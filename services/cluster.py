@@ -75,6 +75,9 @@ class CoreConfig:
     expert_timeout_s: float = 60.0
     max_num_seqs: int = 16
     max_queue: int = 256
+    max_num_batched_tokens: int = 512
+    prefix_cache_gb: float = 1.0
+    kv_cache: str = "fp16"
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,11 @@ def parse_cluster(data: dict, path: Path) -> ClusterConfig:
         expert_timeout_s=reader.number(core_table, "expert_timeout_s", "core.expert_timeout_s", 60.0),
         max_num_seqs=int(reader.number(core_table, "max_num_seqs", "core.max_num_seqs", 16)),
         max_queue=int(reader.number(core_table, "max_queue", "core.max_queue", 256)),
+        max_num_batched_tokens=int(
+            reader.number(core_table, "max_num_batched_tokens", "core.max_num_batched_tokens", 512)
+        ),
+        prefix_cache_gb=reader.non_negative(core_table, "prefix_cache_gb", "core.prefix_cache_gb", 1.0),
+        kv_cache=reader.string(core_table, "kv_cache", "core.kv_cache", "fp16"),
     )
     gateway_table = reader.table(data, "gateway", required=False)
     reader.no_unknown(gateway_table, {"host", "port", "core"}, "gateway.")
@@ -261,6 +269,12 @@ class _Reader:
         value = table.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
             self.fail(f"{name} must be a positive number")
+        return value
+
+    def non_negative(self, table: dict, key: str, name: str, default: float) -> float:
+        value = table.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            self.fail(f"{name} must be a number >= 0")
         return value
 
     def path(self, table: dict, key: str, name: str, required: bool) -> Path | None:

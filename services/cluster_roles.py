@@ -16,8 +16,13 @@ from services.common.tls import TlsFiles
 
 
 def _unset(args: argparse.Namespace, dest: str) -> bool:
+    """True when the user did not give the flag for `dest` (then cluster.toml may fill it)."""
     parser: argparse.ArgumentParser = args.parser
-    return getattr(args, dest) == parser.get_default(dest)
+    argv = getattr(args, "argv", None)
+    if argv is None:
+        return getattr(args, dest) == parser.get_default(dest)
+    options = [o for action in parser._actions if action.dest == dest for o in action.option_strings]
+    return not any(token == o or token.startswith(o + "=") for token in argv for o in options)
 
 
 def _fill(args: argparse.Namespace, dest: str, value) -> None:
@@ -80,6 +85,9 @@ def core_kwargs(args: argparse.Namespace) -> dict:
         _fill(args, "expert_timeout", config.core.expert_timeout_s)
         _fill(args, "max_num_seqs", config.core.max_num_seqs)
         _fill(args, "max_queue", config.core.max_queue)
+        _fill(args, "max_num_batched_tokens", config.core.max_num_batched_tokens)
+        _fill(args, "prefix_cache_gb", config.core.prefix_cache_gb)
+        _fill(args, "kv_cache", config.core.kv_cache)
         workers = workers or config.worker_addresses
     if not args.split:
         raise ValueError("--split (or --config) is required")

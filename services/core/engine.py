@@ -91,6 +91,8 @@ class EngineConfig:
                 raise ValueError(f"{name.replace('_', '-')} must be at least 1")
         if self.max_queue < 0 or self.prefix_cache_bytes < 0:
             raise ValueError("max-queue and the prefix cache budget must not be negative")
+        if self.kv_cache not in KV_CACHE_KINDS:
+            raise ValueError(f"kv-cache must be one of {', '.join(KV_CACHE_KINDS)}, not {self.kv_cache!r}")
 
 
 @dataclass

@@ -195,3 +195,25 @@ def test_deploy_cli_writes_the_unit(tmp_path, capsys):
     unit = tmp_path / "moe-mesh-worker-mac-b.service"
     assert capsys.readouterr().out.strip() == str(unit)
     assert "--name mac-b" in unit.read_text()
+
+
+def test_core_scheduling_and_kv_settings_come_from_the_file_unless_flagged(tmp_path, tiny_models):
+    split = tiny_models.split("qwen3_moe", None)
+    path = tmp_path / "cluster.toml"
+    path.write_text(
+        f'[model]\nsplit = "{split}"\n'
+        '[core]\nmax_num_batched_tokens = 128\nprefix_cache_gb = 0\nkv_cache = "turboquant"\n'
+        '[[workers]]\nname = "a"\naddress = "127.0.0.1:7000"\n'
+    )
+    parser = build_parser()
+    args = parser.parse_args(["core", "--config", str(path)])
+    core_kwargs(args)
+    assert (args.max_num_batched_tokens, args.prefix_cache_gb, args.kv_cache) == (128, 0, "turboquant")
+    args = parser.parse_args(
+        ["core", "--config", str(path), "--max-num-batched-tokens", "64", "--kv-cache", "fp16"]
+    )
+    core_kwargs(args)
+    assert (args.max_num_batched_tokens, args.kv_cache) == (64, "fp16")
+    path.write_text(path.read_text().replace("prefix_cache_gb = 0", "prefix_cache_gb = -1"))
+    with pytest.raises(ClusterConfigError, match="core.prefix_cache_gb"):
+        load_cluster(path)
