@@ -31,15 +31,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.decode import timed_decode
 from services.common.manifest import Manifest
-from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 from services.up import expert_ranges, resolve_split
 from tests.cluster.netns import NetnsLab, netns_unavailable
 from tests.helpers import spawn, stop, wait_serving
@@ -60,22 +57,7 @@ def free_port() -> int:
 
 
 def decode(core_address: str, prompt: list[int], tokens: int) -> dict:
-    with grpc.insecure_channel(core_address) as channel:
-        stub = core_pb2_grpc.CoreStub(channel)
-        request = core_pb2.GenerateRequest(
-            token_ids=core_pb2.TokenIds(ids=prompt),
-            sampling=core_pb2.SamplingParams(temperature=0),
-            stopping=core_pb2.StoppingCriteria(max_tokens=4, ignore_eos=True),
-        )
-        list(stub.Generate(request, timeout=600))  # warm-up
-        request.stopping.max_tokens = tokens
-        out, stamps = [], []
-        for chunk in stub.Generate(request, timeout=3600):
-            out.extend(chunk.token_ids)
-            stamps.append(time.perf_counter())
-            if len(stamps) == 1:
-                stub.GetStats(core_pb2.GetStatsRequest(reset_layer_calls=True))  # decode steps only
-        calls = stub.GetStats(core_pb2.GetStatsRequest()).layer_calls
+    out, stamps, calls = timed_decode(core_address, prompt, tokens)
     return {
         "tok_s": round((len(stamps) - 1) / (stamps[-1] - stamps[0]), 3),
         "layer_call_us": {

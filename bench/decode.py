@@ -89,6 +89,27 @@ def monolithic(path: Path, prompt: list[int], tokens: int, synced: bool = False)
     return (len(stamps) - 1) / (stamps[-1] - stamps[0]), out
 
 
+def timed_decode(core_address: str, prompt: list[int], tokens: int) -> tuple[list[int], list[float], object]:
+    """Greedy decode of `tokens` tokens from Core.Generate after a warm-up: (token ids, arrival
+    times, core's LayerCallStats over the decode steps only)."""
+    with grpc.insecure_channel(core_address) as channel:
+        stub = core_pb2_grpc.CoreStub(channel)
+        request = core_pb2.GenerateRequest(
+            token_ids=core_pb2.TokenIds(ids=prompt),
+            sampling=core_pb2.SamplingParams(temperature=0),
+            stopping=core_pb2.StoppingCriteria(max_tokens=4, ignore_eos=True),
+        )
+        list(stub.Generate(request, timeout=600))  # warm-up
+        request.stopping.max_tokens = tokens
+        out, stamps = [], []
+        for chunk in stub.Generate(request, timeout=3600):
+            out.extend(chunk.token_ids)
+            stamps.append(time.perf_counter())
+            if len(stamps) == 1:
+                stub.GetStats(core_pb2.GetStatsRequest(reset_layer_calls=True))  # keep decode steps only
+        return out, stamps, stub.GetStats(core_pb2.GetStatsRequest()).layer_calls
+
+
 def split_run(split: Path, workdir: Path, workers: int, prompt: list[int], tokens: int) -> dict:
     manifest = Manifest.load(split)
     ranges = expert_ranges(manifest.num_experts, workers)
@@ -101,22 +122,7 @@ def split_run(split: Path, workdir: Path, workers: int, prompt: list[int], token
     )
     try:
         wait_serving(core_address, core, timeout_s=600, log_path=core_log)
-        with grpc.insecure_channel(core_address) as channel:
-            stub = core_pb2_grpc.CoreStub(channel)
-            request = core_pb2.GenerateRequest(
-                token_ids=core_pb2.TokenIds(ids=prompt),
-                sampling=core_pb2.SamplingParams(temperature=0),
-                stopping=core_pb2.StoppingCriteria(max_tokens=4, ignore_eos=True),
-            )
-            list(stub.Generate(request, timeout=600))  # warm-up
-            request.stopping.max_tokens = tokens
-            out, stamps = [], []
-            for chunk in stub.Generate(request, timeout=3600):
-                out.extend(chunk.token_ids)
-                stamps.append(time.perf_counter())
-                if len(stamps) == 1:
-                    stub.GetStats(core_pb2.GetStatsRequest(reset_layer_calls=True))  # keep decode steps only
-            calls = stub.GetStats(core_pb2.GetStatsRequest()).layer_calls
+        out, stamps, calls = timed_decode(core_address, prompt, tokens)
     finally:
         stop([core])
         pool.stop()
