@@ -30,6 +30,11 @@ def spawn(args: list[str], log_path: Path) -> subprocess.Popen:
         )
 
 
+def core_args(split: Path, listen: str, workers: list[str], *extra: str) -> list[str]:
+    """`moe-mesh core` arguments for a core over `workers` (for `spawn`)."""
+    return ["core", "--split", str(split), "--listen", listen, "--worker", ",".join(workers), *extra]
+
+
 def serving(address: str) -> bool:
     """Sync health check (usable from async tests, unlike asyncio.run)."""
     with grpc.insecure_channel(normalize_address(address)) as channel:

@@ -18,7 +18,7 @@ import pytest
 
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 from services.up import resolve_split
-from tests.helpers import Workers, spawn, stop, wait_serving
+from tests.helpers import Workers, core_args, spawn, stop, wait_serving
 
 GREEDY = core_pb2.SamplingParams(temperature=0)
 QUESTIONS = [
@@ -50,8 +50,7 @@ class Core:
         self.address = f"unix:{workdir / f'{name}.sock'}"
         self.log = workdir / f"{name}.log"
         self.proc = spawn(
-            ["core", "--split", str(split), "--listen", self.address, "--worker", ",".join(workers.addresses)]
-            + extra,
+            core_args(split, self.address, workers.addresses, *extra),
             self.log,
         )
 

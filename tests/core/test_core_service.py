@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mlx_lm.generate import generate_step
 
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
-from tests.helpers import Workers, spawn, stop, wait_serving
+from tests.helpers import Workers, core_args, spawn, stop, wait_serving
 
 GREEDY = core_pb2.SamplingParams(temperature=0)
 
@@ -27,17 +27,7 @@ class Stack:
         self.core_address = f"unix:{workdir / 'core.sock'}"
         self.core_log = workdir / "core.log"
         self.core = spawn(
-            [
-                "core",
-                "--split",
-                str(split),
-                "--listen",
-                self.core_address,
-                "--worker",
-                ",".join(self.workers.addresses),
-                "--expert-timeout",
-                "10",
-            ],
+            core_args(split, self.core_address, self.workers.addresses, "--expert-timeout", "10"),
             self.core_log,
         )
 
@@ -271,21 +261,9 @@ async def test_overflow_is_refused_with_resource_exhausted(stack, tiny_models):
     stack.workers.ensure_running()
     address = f"unix:{stack.workdir / 'small-core.sock'}"
     log = stack.workdir / "small-core.log"
+    split = tiny_models.split("qwen3_moe", None)
     small = spawn(
-        [
-            "core",
-            "--split",
-            str(tiny_models.split("qwen3_moe", None)),
-            "--listen",
-            address,
-            "--worker",
-            ",".join(stack.workers.addresses),
-            "--max-num-seqs",
-            "1",
-            "--max-queue",
-            "1",
-        ],
-        log,
+        core_args(split, address, stack.workers.addresses, "--max-num-seqs", "1", "--max-queue", "1"), log
     )
     try:
         await asyncio.get_running_loop().run_in_executor(

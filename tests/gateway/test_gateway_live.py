@@ -21,7 +21,7 @@ import pytest
 
 from services.common.manifest import Manifest
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
-from tests.helpers import Workers, spawn, stop, wait_serving
+from tests.helpers import Workers, core_args, spawn, stop, wait_serving
 
 from .conftest import GatewayThread
 
@@ -39,18 +39,7 @@ class LiveStack:
         self.workers = Workers(split, self.workdir, [f"0-{experts - 1}"]).start()
         self.core_address = f"unix:{self.workdir / 'core.sock'}"
         self.core_log = self.workdir / "core.log"
-        self.core = spawn(
-            [
-                "core",
-                "--split",
-                str(split),
-                "--listen",
-                self.core_address,
-                "--worker",
-                self.workers.addresses[0],
-            ],
-            self.core_log,
-        )
+        self.core = spawn(core_args(split, self.core_address, self.workers.addresses), self.core_log)
         wait_serving(self.core_address, self.core, log_path=self.core_log)
         self.gateway = GatewayThread(self.core_address).start()
         self.url = self.gateway.url
