@@ -1,0 +1,81 @@
+"""One attention layer's decode step over a TurboQuant vs an fp16 cache, at long context.
+
+    python bench/kv_attention.py                       # 1K/4K/16K, head_dim 64 and 128
+    python bench/kv_attention.py --contexts 4096 --head-dims 128
+
+Isolates what the KV cache costs per decode step (the whole-model bench/kv.py needs a
+16K-token prefill, which takes hours on a small CPU). Cache: random keys/values
+stored through TurboQuantKVCache's own update path (default settings); fp16: mlx-lm's
+fused scaled_dot_product_attention over the same keys in float16 (float32 on CPUs,
+where MLX has no fast float16 path). Best of `--repeats`; prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.core.kv import KVCacheSettings, TurboQuantKVCache, turboquant_attention
+
+
+def best_ms(fn, repeats: int, inner: int = 10) -> float:
+    mx.eval(fn())
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            mx.eval(fn())
+        best = min(best, (time.perf_counter() - start) / inner)
+    return best * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--q-heads", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    dtype = mx.float32 if mx.default_device() == mx.cpu else mx.float16
+    settings = KVCacheSettings()
+    result = {"bench": "kv_attention", "device": str(mx.default_device()), "settings": settings.describe()}
+    rows = {}
+    for dim in args.head_dims:
+        for n in args.contexts:
+            mx.random.seed(0)
+            keys = mx.random.normal((1, args.kv_heads, n, dim)).astype(dtype)
+            values = mx.random.normal((1, args.kv_heads, n, dim)).astype(dtype)
+            cache = TurboQuantKVCache(settings, layer=0)
+            for i in range(0, n, 2048):
+                cache.update_and_fetch(keys[:, :, i : i + 2048], values[:, :, i : i + 2048])
+                mx.eval(cache.state)
+            query = mx.random.normal((1, args.q_heads, 1, dim)).astype(dtype)
+            scale = dim**-0.5
+            fp16 = best_ms(
+                lambda q=query, k=keys, v=values, s=scale: mx.fast.scaled_dot_product_attention(
+                    q, k, v, scale=s, mask=None
+                ),
+                args.repeats,
+            )
+            tq = best_ms(lambda q=query, c=cache, s=scale: turboquant_attention(q, c, s), args.repeats)
+            rows[f"d{dim}/{n}"] = {
+                "fp16_ms": round(fp16, 3),
+                "turboquant_ms": round(tq, 3),
+                "speed_ratio": round(fp16 / tq, 3),
+                "bytes_ratio_vs_fp16": round(2 * keys.size * 2 / cache.nbytes, 2),  # K and V, 2 bytes each
+            }
+            print(json.dumps({"progress": f"d{dim}/{n}", **rows[f"d{dim}/{n}"]}), file=sys.stderr, flush=True)
+    result["rows"] = rows
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
