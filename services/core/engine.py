@@ -125,6 +125,7 @@ class Engine:
         self._active: dict[tuple[str, int], Sequence] = {}
         self._stop = threading.Event()
         self._health_listeners: list[Callable[[bool], None]] = []
+        self.closers: list[Callable[[], None]] = []  # run by stop(), after the step loop ends
         # One batch per KV cache kind: a batch's caches merge into one batched cache, so kinds
         # cannot share one. Each kind's batch makes its own expert calls in a step.
         self._generators: dict[str, BatchGenerator] = {}
@@ -136,9 +137,16 @@ class Engine:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the step loop, then close what the loader opened (expert links): a gRPC channel
+        left open at interpreter exit can abort the process instead of exiting 0."""
         self._stop.set()
         self._inbox.put(None)
         self._thread.join(timeout=10)
+        for close in self.closers:
+            try:
+                close()
+            except Exception:  # stopping anyway; say what did not close cleanly
+                log.exception("close_failed")
 
     def on_health(self, listener: Callable[[bool], None]) -> None:
         self._health_listeners.append(listener)

@@ -47,6 +47,7 @@ def build_engine(
 
     def loader():
         dispatcher = ExpertDispatcher(manifest, workers, call_timeout_s=expert_timeout_s, tls=tls)
+        engine.closers.append(dispatcher.close)
         started = time.monotonic()
         model = load_core_model(split_dir, manifest, dispatcher)
         log.info(
