@@ -354,6 +354,9 @@ class Engine:
         if sequence.first_token_at is None:
             sequence.first_token_at = time.monotonic()
         chunk = core_pb2.GenerateChunk(request_id=request.request_id, token_ids=[response.token])
+        if sequence.generated == 1:  # clients want the prompt's size up front (Anthropic's message_start)
+            chunk.usage.prompt_tokens = len(request.prompt)
+            chunk.usage.cached_prompt_tokens = sequence.cached_tokens
         finish = FINISH.get(response.finish_reason) if response.finish_reason else None
         is_stop_token = response.finish_reason == "stop"
         if not is_stop_token:

@@ -4,8 +4,8 @@ Stream contract (Anthropic's): `message_start`, then for each content block `con
 its deltas (`thinking_delta`, `text_delta` or `input_json_delta`) and `content_block_stop`, then
 `message_delta` (stop_reason, usage) and `message_stop`; an error after the stream began is an
 `error` event. Thinking text (core's `reasoning`) becomes `thinking` blocks, tool calls
-`tool_use` blocks. Core reports prompt tokens at the end, so `message_start` carries 0 input tokens
-and `message_delta` carries the real count (Anthropic's `message_delta.usage` has the field too).
+`tool_use` blocks. Core reports the prompt's token count on its first chunk, which
+the gateway reads before it sends `message_start`.
 """
 
 from __future__ import annotations
@@ -91,9 +91,14 @@ class AnthropicFormatter:
         )
         return self._message(content, self._stop()[0])
 
-    def opening(self) -> list[bytes]:
+    def opening(self, first: core_pb2.GenerateChunk) -> list[bytes]:
         start = self._message([], None)
-        start["usage"] = {"input_tokens": 0, "output_tokens": 0}
+        # Core puts the prompt's token counts on its first chunk (and again on the last).
+        start["usage"] = {
+            "input_tokens": first.usage.prompt_tokens,
+            "output_tokens": 0,
+            "cache_read_input_tokens": first.usage.cached_prompt_tokens,
+        }
         return [sse_named("message_start", {"type": "message_start", "message": start})]
 
     def on_chunk(self, chunk: core_pb2.GenerateChunk) -> list[bytes]:

@@ -109,7 +109,7 @@ class ChatFormatter:
         }
 
     # -- stream -----------------------------------------------------------------------------------
-    def opening(self) -> list[bytes]:
+    def opening(self, first: core_pb2.GenerateChunk) -> list[bytes]:
         return [sse_data(self._chunk({"role": "assistant", "content": ""}))]
 
     def on_chunk(self, chunk: core_pb2.GenerateChunk) -> list[bytes]:

@@ -91,7 +91,7 @@ class CompletionFormatter:
             usage=usage_json(state),
         )
 
-    def opening(self) -> list[bytes]:
+    def opening(self, first: core_pb2.GenerateChunk) -> list[bytes]:
         return []
 
     def on_chunk(self, chunk: core_pb2.GenerateChunk) -> list[bytes]:

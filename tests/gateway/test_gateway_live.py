@@ -166,8 +166,12 @@ def test_qwen3_anthropic_client(qwen3: LiveStack) -> None:
     with client.messages.stream(
         model=qwen3.model, max_tokens=8, messages=QUESTION, extra_body={"temperature": 0}
     ) as stream:
-        streamed = "".join(stream.text_stream)
+        events = list(stream)
+        streamed = "".join(
+            e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta"
+        )
         final = stream.get_final_message()
+    assert events[0].type == "message_start" and events[0].message.usage.input_tokens == 15
     text = "".join(block.text for block in whole.content if block.type == "text")
     assert streamed == text and final.usage.output_tokens == whole.usage.output_tokens
     assert whole.stop_reason in ("end_turn", "max_tokens") and whole.usage.input_tokens == 15
