@@ -14,8 +14,13 @@ import time
 from pathlib import Path
 
 import grpc
+import mlx.core as mx
+import mlx_lm
 import pytest
+from mlx_lm.generate import generate_step
 
+from services.common.demo_model import ensure_demo_model
+from services.core.sampling import make_sampler
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 from services.up import resolve_split
 from tests.helpers import Workers, core_args, spawn, stop, wait_serving
@@ -125,13 +130,27 @@ def requests_for_batch() -> list[core_pb2.GenerateRequest]:
     return out
 
 
+def run_alone_with_mlx_lm(requests: list[core_pb2.GenerateRequest]) -> list[list[int]]:
+    """Each request on its own through mlx-lm's `generate_step` on the unsplit demo model, with
+    core's own per-request sampler (same seed chain): the oracle for "the same request run alone"."""
+    model, tokenizer = mlx_lm.load(str(ensure_demo_model()))
+    out = []
+    for request in requests:
+        sampler = make_sampler(request.sampling, model.args.vocab_size)
+        prompt = mx.array(tokenizer.encode(request.prompt))
+        steps = generate_step(prompt, model, sampler=sampler, max_tokens=request.stopping.max_tokens)
+        out.append([int(token) for token, _ in steps])
+    return out
+
+
 async def test_sixteen_concurrent_requests_match_each_run_alone(demo_core):
+    requests = requests_for_batch()
     async with grpc.aio.insecure_channel(demo_core.address) as channel:
         stub = core_pb2_grpc.CoreStub(channel)
-        batch = await asyncio.gather(*(run(stub, r) for r in requests_for_batch()))
-        alone = [await run(stub, r) for r in requests_for_batch()]
+        batch = await asyncio.gather(*(run(stub, r) for r in requests))
         stats = await stub.GetStats(core_pb2.GetStatsRequest())
-    for i, ((batched_tokens, _), (alone_tokens, _)) in enumerate(zip(batch, alone, strict=True)):
+    alone = run_alone_with_mlx_lm(requests)
+    for i, ((batched_tokens, _), alone_tokens) in enumerate(zip(batch, alone, strict=True)):
         assert batched_tokens == alone_tokens, f"request {i} ({QUESTIONS[i]!r}) differs when batched"
         assert len(alone_tokens) == 4 + i % 3
     assert stats.running_requests == 0 and stats.waiting_requests == 0
