@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-import mlx_lm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.core.kv import KVCacheSettings, TurboQuantKVCache, kv_cache_bytes, make_kv_cache
+from services.core.kv.quality import load_bench_model
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "assets" / "gpl-3.0.txt"
 
@@ -81,13 +81,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk (mlx-lm's default step)")
     args = parser.parse_args()
 
-    if args.model is None:
-        from services.core.kv.quality import ensure_dense_demo_model
-
-        args.model = str(ensure_dense_demo_model())
-    model, tokenizer = mlx_lm.load(args.model)
-    if args.dtype:
-        model.set_dtype(getattr(mx, args.dtype))
+    model, tokenizer, args.model = load_bench_model(args.model, args.dtype)
     settings = KVCacheSettings()
     config = model.args
     heads = getattr(config, "num_key_value_heads", None)

@@ -18,13 +18,12 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
-import mlx_lm
 from mlx_lm.generate import generate_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.core.kv import KVCacheSettings, make_kv_cache
-from services.core.kv.quality import perplexity
+from services.core.kv.quality import load_bench_model, perplexity
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "assets" / "gpl-3.0.txt"
 SETTINGS = {
@@ -64,13 +63,7 @@ def main() -> None:
     parser.add_argument("--context-chars", type=int, default=3000, help="license text before each question")
     parser.add_argument("--answer-tokens", type=int, default=24)
     args = parser.parse_args()
-    if args.model is None:
-        from services.core.kv.quality import ensure_dense_demo_model
-
-        args.model = str(ensure_dense_demo_model())
-    model, tokenizer = mlx_lm.load(args.model)
-    if args.dtype:
-        model.set_dtype(getattr(mx, args.dtype))
+    model, tokenizer, args.model = load_bench_model(args.model, args.dtype)
 
     ids = tokenizer.encode(TEXT.read_text())[: args.tokens + 1]
     if len(ids) < args.tokens + 1:

@@ -35,6 +35,15 @@ def core_args(split: Path, listen: str, workers: list[str], *extra: str) -> list
     return ["core", "--split", str(split), "--listen", listen, "--worker", ",".join(workers), *extra]
 
 
+async def health_status(channel: grpc.aio.Channel) -> int:
+    """The gRPC health status a server reports on `channel`, or -1 when it does not answer."""
+    try:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+    except grpc.aio.AioRpcError:
+        return -1
+    return reply.status
+
+
 def serving(address: str) -> bool:
     """Sync health check (usable from async tests, unlike asyncio.run)."""
     with grpc.insecure_channel(normalize_address(address)) as channel:

@@ -11,13 +11,13 @@ import grpc
 import mlx.core as mx
 import mlx_lm
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mlx_lm.generate import generate_step
 
 from services.common.grpc_util import aio_channel
 from services.common.tls import TlsFiles
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 from tests.cluster.netns import netns_unavailable
+from tests.helpers import health_status
 
 GREEDY = core_pb2.SamplingParams(temperature=0)
 
@@ -77,13 +77,7 @@ class CoreClient:
 
     async def health(self) -> int:
         async with self.channel() as channel:
-            try:
-                reply = await health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(), timeout=2
-                )
-            except grpc.aio.AioRpcError:
-                return -1
-        return reply.status
+            return await health_status(channel)
 
     async def wait_health(self, status: int, timeout_s: float = 90.0, log: Path | None = None) -> None:
         deadline = time.monotonic() + timeout_s

@@ -11,11 +11,11 @@ import grpc
 import mlx.core as mx
 import mlx_lm
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from mlx_lm.generate import generate_step
 
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
-from tests.helpers import Workers, core_args, spawn, stop, wait_serving
+from tests.helpers import Workers, core_args, health_status, spawn, stop, wait_serving
 
 GREEDY = core_pb2.SamplingParams(temperature=0)
 
@@ -46,13 +46,7 @@ def stack(tiny_models):
 
 async def health(stack) -> int:
     async with stack.channel() as channel:
-        try:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=2
-            )
-        except grpc.aio.AioRpcError:
-            return -1
-    return reply.status
+        return await health_status(channel)
 
 
 async def generate(

@@ -48,3 +48,14 @@ def ensure_dense_demo_model(cache_dir=None):
     demo_model._write_checkpoint(tmp, cfg, dense, meta)
     tmp.rename(out)
     return out
+
+
+def load_bench_model(path: str | None = None, dtype: str | None = None):
+    """(model, tokenizer, path) for the KV benches: `path`, or the demo model's dense twin, in `dtype`."""
+    import mlx_lm
+
+    path = path or str(ensure_dense_demo_model())
+    model, tokenizer = mlx_lm.load(path)
+    if dtype:
+        model.set_dtype(getattr(mx, dtype))
+    return model, tokenizer, path
