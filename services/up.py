@@ -195,7 +195,8 @@ def run_up(
             pending = [(name, check) for name, check in pending if not check()]
             time.sleep(0.2)
         if not stopping:
-            print(f"moe-mesh is serving {manifest.model_type} at {url}/v1  (Ctrl-C stops it)", flush=True)
+            model = f"{manifest.model_id(split_dir)} ({manifest.model_type})"
+            print(f"moe-mesh is serving {model} at {url}/v1  (Ctrl-C stops it)", flush=True)
         while not stopping:
             if (dead := cluster.dead()) is not None:
                 return _report_death(*dead)

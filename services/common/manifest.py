@@ -85,6 +85,10 @@ class Manifest:
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1))
 
+    def model_id(self, split_dir: Path) -> str:
+        """The name clients use for this model: the source checkpoint's folder name."""
+        return Path(self.source).name or Path(split_dir).name
+
     @classmethod
     def load(cls, split_dir: Path) -> Manifest:
         path = Path(split_dir) / "manifest.json"

@@ -41,7 +41,7 @@ def build_engine(
     manifest = Manifest.load(split_dir)
     tokenizer = load_core_tokenizer(split_dir, manifest)
     text_config = _text_config(manifest.config)
-    model_id = Path(manifest.source).name or Path(split_dir).name
+    model_id = manifest.model_id(split_dir)
     context_length = int(text_config.get("max_position_embeddings") or 4096)
     preparer = RequestPreparer(tokenizer, model_id, context_length, int(text_config["vocab_size"]))
 
