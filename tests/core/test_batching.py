@@ -242,3 +242,31 @@ async def test_unknown_kv_cache_kind_is_invalid_argument(tiny_cores):
             await run(stub, chat("hi", sampling=GREEDY, kv_cache="int3-magic"))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "kv_cache" in error.value.details()
+
+
+async def test_core_reports_kv_bytes_in_use_and_turboquant_holds_fewer(tiny_cores):
+    """GetStats.kv_cache_bytes covers the sequences in flight; a ~2K-token context costs fewer
+    bytes compressed than in fp16, and nothing once the request is gone."""
+    plain, _ = tiny_cores
+    in_use = {}
+    async with grpc.aio.insecure_channel(plain.address) as channel:
+        stub = core_pb2_grpc.CoreStub(channel)
+        for kind in ("fp16", "turboquant"):
+            request = chat(
+                SYSTEM_PROMPT,
+                sampling=GREEDY,
+                stopping=core_pb2.StoppingCriteria(max_tokens=1000, ignore_eos=True),
+                kv_cache=kind,
+            )
+            call = stub.Generate(request, timeout=600)
+            for _ in range(3):  # past prefill, decoding
+                await call.read()
+            in_use[kind] = (await stub.GetStats(core_pb2.GetStatsRequest())).kv_cache_bytes
+            call.cancel()
+        for _ in range(100):
+            stats = await stub.GetStats(core_pb2.GetStatsRequest())
+            if stats.running_requests == 0:
+                break
+            await asyncio.sleep(0.1)
+    assert in_use["fp16"] > 0 and 0 < in_use["turboquant"] < 0.7 * in_use["fp16"], in_use
+    assert stats.running_requests == 0
