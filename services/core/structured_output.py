@@ -61,7 +61,9 @@ class GrammarTokenizer:
                         eos_token=sorted(self._tokenizer.eos_token_ids),
                     )
                 except (ValueError, TypeError) as error:  # e.g. a slow (non-Rust) tokenizer
-                    self._unavailable = f"constrained decoding is not available for this model's tokenizer: {error}"
+                    self._unavailable = (
+                        f"constrained decoding is not available for this model's tokenizer: {error}"
+                    )
             if self._built is None:
                 raise GrammarError(self._unavailable)
             return self._built
