@@ -37,13 +37,11 @@ import time
 from pathlib import Path
 
 import grpc
-import mlx.core as mx
-from mlx import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.common.manifest import Manifest
-from services.common.synthetic_model import QWEN3_30B_A3B_SHAPE, qwen3_tokenizer_dir
+from services.common.synthetic_model import QWEN3_30B_A3B_SHAPE, build_random_checkpoint
 from services.experts.cache_policy import make_policy
 from services.experts.io import drop_page_cache
 from services.experts.iobench import measure, run_iobench
@@ -60,30 +58,6 @@ def log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
-def build_model(out: Path, layers: int) -> Path:
-    """A random 4-bit checkpoint, quantized one tensor at a time (float weights never all in RAM)."""
-    from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
-
-    config = {**QWEN3_30B_A3B_SHAPE, "num_hidden_layers": layers}
-    mx.random.seed(0)
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
-    model.update(nn.utils.tree_map(lambda p: p * 2.0 if p.ndim > 1 else p, model.parameters()))
-    model, config = quantize_model(model, config, 64, 4)
-    for _, module in model.named_modules():  # evaluate leaf by leaf: peak = one float tensor
-        own = {k: v for k, v in module.parameters().items() if isinstance(v, mx.array)}
-        if own:
-            mx.eval(own)
-    mx.eval(model.parameters())
-    out.mkdir(parents=True, exist_ok=True)
-    save_model(out, model)
-    save_config(config, out / "config.json")
-    for path in qwen3_tokenizer_dir().iterdir():
-        if path.is_file():
-            shutil.copy(path, out / path.name)
-    return out
-
-
 def bench_split(layers: int) -> Path:
     split = cache_root() / "bench" / f"stream-qwen3-30b-a3b-{layers}layer-q4-split"
     if not (split / "manifest.json").exists():
@@ -91,7 +65,8 @@ def bench_split(layers: int) -> Path:
 
         checkpoint = cache_root() / "bench" / f".stream-{layers}layer-checkpoint"
         log(f"building the {layers}-layer 4-bit model (once) in {checkpoint}")
-        build_model(checkpoint, layers)
+        config = {**QWEN3_30B_A3B_SHAPE, "num_hidden_layers": layers}
+        build_random_checkpoint(checkpoint, config, bits=4, group_size=64)
         split_checkpoint(checkpoint, split, progress=False)
         shutil.rmtree(checkpoint)  # only the split is needed from here on
     return split

@@ -183,9 +183,14 @@ def build_random_checkpoint(
             lambda p: (p * 2.0).astype(dtype) if p.ndim > 1 else p.astype(dtype), model.parameters()
         )
     )
-    mx.eval(model.parameters())
     if bits is not None:
         model, config = quantize_model(model, config, group_size, bits)
+    # Evaluate leaf by leaf: the float weights of a quantized model are never all in RAM at once.
+    for _, module in model.named_modules():
+        own = {k: v for k, v in module.parameters().items() if isinstance(v, mx.array)}
+        if own:
+            mx.eval(own)
+    mx.eval(model.parameters())
     out_dir.mkdir(parents=True, exist_ok=True)
     save_model(out_dir, model)
     save_config(config, out_dir / "config.json")
