@@ -66,6 +66,3 @@ class PrefixCache:
         if not self.enabled or not tokens or not cache:
             return
         self._lru.insert_cache(kind, list(tokens), cache)
-
-    def trim_to(self, budget_bytes: int) -> None:
-        self._lru.trim_to(n_bytes=max(0, budget_bytes))
