@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from services.experts.cache_policy import POLICIES
-from services.experts.io import DEFAULT_IO_THREADS, IO_MODES
+from services.experts.io import DEFAULT_IO_THREADS, DEFAULT_MIN_SEGMENT_BYTES, IO_MODES
 from services.experts.store_setup import DEFAULT_IO_MODE, DEFAULT_POLICY
 
 
@@ -25,8 +25,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def add_streaming_flags(parser: argparse.ArgumentParser) -> None:
-    """`moe-mesh expert` flags: --memory-gb, --io, --cache-policy, --io-threads."""
+    """`moe-mesh expert` flags: --memory-gb, --io, --cache-policy, --io-threads, --io-segment-kb."""
     parser.add_argument(
         "--memory-gb",
         type=_positive_float,
@@ -44,11 +51,22 @@ def add_streaming_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--io-threads", type=_positive_int, default=DEFAULT_IO_THREADS, help="parallel reads (queue depth)"
     )
+    parser.add_argument(
+        "--io-segment-kb",
+        type=_non_negative_int,
+        default=DEFAULT_MIN_SEGMENT_BYTES // 1024,
+        help="cut each expert record into reads of at least this many KiB, read in parallel, so a "
+        "call that misses few experts still keeps --io-threads reads in flight (0: whole records)",
+    )
 
 
 def streaming_kwargs(args: argparse.Namespace) -> dict:
     return dict(
-        memory_gb=args.memory_gb, io_mode=args.io, cache_policy=args.cache_policy, io_threads=args.io_threads
+        memory_gb=args.memory_gb,
+        io_mode=args.io,
+        cache_policy=args.cache_policy,
+        io_threads=args.io_threads,
+        io_min_segment_bytes=args.io_segment_kb * 1024,
     )
 
 

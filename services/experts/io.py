@@ -2,19 +2,23 @@
 
 `RecordReader` owns one file descriptor per layer file and a thread pool. `read_many`
 issues every read of a call at once (the GIL is released inside `os.preadv`, so the
-reads overlap in the kernel and on the device) and waits for all of them.
+reads overlap in the kernel and on the device) and waits for all of them. A call that
+misses only one or two experts would leave the device's queue nearly empty, so each
+record is cut into page-aligned segments (at least `min_segment_bytes` each) until
+about `threads` reads are in flight; every segment lands directly in its destination.
 
 Two modes, chosen by flag because the faster one depends on the machine:
 - `buffered`: the page cache. `preadv` scatters each record straight into its
   destination buffers (one iovec per tensor), so there is no extra copy.
 - `direct`: O_DIRECT on Linux, F_NOCACHE on macOS. O_DIRECT needs block-aligned
-  memory, so each thread reads into its own page-aligned staging buffer (allocated
-  once, reused) and copies the tensors out (numpy's copy releases the GIL too).
+  memory: page-aligned destinations (the streaming store's slabs) are read into as
+  they are; otherwise each thread reads into its own page-aligned staging buffer
+  (allocated once, reused) and copies the tensors out (numpy's copy releases the GIL too).
 
 Every layer file's size is checked against the manifest when it is opened, and
-every read must return exactly the bytes asked for: a truncated, missing or
-unreadable file raises `ExpertFileError` naming the file and the expert, and the
-destination of a failed read is never handed to the compute side.
+every read (every segment) must return exactly the bytes asked for: a truncated,
+missing or unreadable file raises `ExpertFileError` naming the file and the expert,
+and the destination of a failed read is never handed to the compute side.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ log = get_logger(__name__)
 
 IO_MODES = ("direct", "buffered")
 DEFAULT_IO_THREADS = 8
+# Records are cut into segments no smaller than this (bench/stream.py measured the choice).
+DEFAULT_MIN_SEGMENT_BYTES = 1 << 20
+DIRECT_IO_ALIGNMENT = 4096
 
 
 class ExpertFileError(RuntimeError):
@@ -113,11 +120,21 @@ def drop_page_cache(path: Path) -> None:
             os.close(fd)
 
 
+@dataclass(frozen=True)
+class _Segment:
+    """Bytes [start, stop) of one record read; start is page-aligned within the record."""
+
+    read: RecordRead
+    start: int
+    stop: int
+
+
 class RecordReader:
     """Parallel whole-record reads from a split's layer files.
 
     Thread-safe for concurrent `read_many` calls only in the sense that each read
     writes its own targets; callers must not give two reads the same target.
+    `min_segment_bytes` = 0 reads every record in one piece.
     """
 
     def __init__(
@@ -126,10 +143,15 @@ class RecordReader:
         layers: Sequence[MoeLayer],
         mode: str = "buffered",
         threads: int = DEFAULT_IO_THREADS,
+        min_segment_bytes: int = DEFAULT_MIN_SEGMENT_BYTES,
     ):
         if threads < 1:
             raise ValueError("io threads must be at least 1")
+        if min_segment_bytes < 0:
+            raise ValueError("the minimum segment size cannot be negative")
         self.mode = mode
+        self.threads = threads
+        self.min_segment_bytes = min_segment_bytes
         self._layers = {layer.layer: layer for layer in layers}
         self._paths: dict[int, Path] = {}
         self._fds: dict[int, int] = {}
@@ -166,45 +188,63 @@ class RecordReader:
     def read_many(self, reads: Sequence[RecordRead]) -> tuple[int, float, list[tuple[RecordRead, str]]]:
         """Issue all reads at once; wait for all. Returns (bytes read, seconds, failures).
 
-        A failure is (the read, message naming file and expert); its targets hold
-        undefined bytes and must not be used.
+        A failure is (the read, message naming file and expert), one per failed record
+        however many of its segments failed; its targets hold undefined bytes and must not be used.
         """
         if not reads:
             return 0, 0.0, []
         start = time.perf_counter()
-        # The caller reads the first record itself: a decode call usually misses one expert, and
-        # waking a pool thread costs more than the read's own latency on a busy CPU.
-        futures = [self._pool.submit(self._read_one, read) for read in reads[1:]]
-        total, failures = 0, []
+        segments = self.segments(reads)
+        # The caller reads the first segment itself: waking a pool thread costs more than a
+        # segment's own latency on a busy CPU, and the caller would only wait otherwise.
+        futures = [self._pool.submit(self._read_segment, segment) for segment in segments[1:]]
+        outcomes: list[int | BaseException] = []
         try:
-            total += self._read_one(reads[0])
-        except ExpertFileError as error:
-            failures.append((reads[0], str(error)))
+            outcomes.append(self._read_segment(segments[0]))
+        except Exception as error:  # noqa: BLE001 - reported like the pool's failures, after all finished
+            outcomes.append(error)
         wait(futures)
         seconds = time.perf_counter() - start
-        for read, future in zip(reads[1:], futures, strict=True):
-            error = future.exception()
-            if error is None:
-                total += future.result()
+        outcomes += [future.exception() or future.result() for future in futures]
+        total, failed = 0, {}
+        for segment, outcome in zip(segments, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                failed.setdefault(id(segment.read), (segment.read, str(outcome)))
             else:
-                failures.append((read, str(error)))
-        return total, seconds, failures
+                total += outcome
+        return total, seconds, list(failed.values())
 
-    def _read_one(self, read: RecordRead) -> int:
+    def segments(self, reads: Sequence[RecordRead]) -> list[_Segment]:
+        """Cut each record into page-aligned pieces so that about `threads` reads are in flight."""
+        per_record = max(1, -(-self.threads // len(reads)))
+        out = []
+        for read in reads:
+            extent = _extent(read.targets, self.mode)
+            pieces = 1
+            if self.min_segment_bytes:
+                pieces = min(per_record, max(1, extent // self.min_segment_bytes))
+            size = -(-extent // pieces)
+            size = -(-size // DIRECT_IO_ALIGNMENT) * DIRECT_IO_ALIGNMENT
+            out += [_Segment(read, lo, min(lo + size, extent)) for lo in range(0, extent, size)]
+        return out
+
+    def _read_segment(self, segment: _Segment) -> int:
+        read = segment.read
         layer = self._layers[read.layer]
-        offset = read.expert * layer.record_size
+        offset = read.expert * layer.record_size + segment.start
         fd = self._fds[read.layer]
+        expected = segment.stop - segment.start
         try:
-            iovecs, expected = _scatter_iovecs(read.targets, self._gap_scratch())
+            iovecs = _scatter_iovecs(read.targets, segment.start, segment.stop, self._gap_scratch())
             if self.mode == "buffered" or _direct_io_aligned(iovecs, offset):
                 got = os.preadv(fd, iovecs, offset)  # straight into the targets
             else:
+                # Whole pages into staging (the record's padding keeps this inside the file).
+                expected = -(-expected // DIRECT_IO_ALIGNMENT) * DIRECT_IO_ALIGNMENT
                 staging = self._staging()
-                got = os.preadv(fd, [staging[: layer.record_size]], offset)
-                expected = layer.record_size
+                got = os.preadv(fd, [staging[:expected]], offset)
                 if got == expected:
-                    for start, target in read.targets:
-                        np.copyto(target, staging[start : start + target.nbytes])
+                    _copy_out(staging, read.targets, segment.start, segment.stop)
         except OSError as error:
             raise ExpertFileError(
                 f"{self._paths[read.layer]}: reading expert {read.expert} of layer {read.layer} "
@@ -215,7 +255,7 @@ class RecordReader:
                 f"{self._paths[read.layer]}: short read of expert {read.expert} of layer {read.layer} "
                 f"({got} of {expected} bytes at offset {offset}); the file was truncated"
             )
-        return got
+        return segment.stop - segment.start
 
     def _staging(self) -> np.ndarray:
         buffer = getattr(self._local, "staging", None)
@@ -242,7 +282,12 @@ class RecordReader:
         self.close()
 
 
-DIRECT_IO_ALIGNMENT = 4096
+def _extent(targets: Sequence[tuple[int, np.ndarray]], mode: str) -> int:
+    """Bytes of the record to read: up to the end of the last target (whole pages for direct I/O)."""
+    end = max((start + target.nbytes for start, target in targets), default=0)
+    if mode == "direct":
+        end = -(-end // DIRECT_IO_ALIGNMENT) * DIRECT_IO_ALIGNMENT
+    return end
 
 
 def _direct_io_aligned(iovecs: list, offset: int) -> bool:
@@ -255,12 +300,25 @@ def _direct_io_aligned(iovecs: list, offset: int) -> bool:
     )
 
 
-def _scatter_iovecs(targets: Sequence[tuple[int, np.ndarray]], scratch: np.ndarray) -> tuple[list, int]:
-    """iovecs that land each target at its record offset; gaps between them go to scratch."""
-    iovecs, position = [], 0
+def _scatter_iovecs(targets: Sequence[tuple[int, np.ndarray]], lo: int, hi: int, scratch: np.ndarray) -> list:
+    """iovecs that land bytes [lo, hi) of the record in the targets; bytes no target wants go to scratch."""
+    iovecs, position = [], lo
     for start, target in sorted(targets, key=lambda item: item[0]):
-        if start > position:
-            iovecs.append(scratch[: start - position])
-        iovecs.append(target)
-        position = start + target.nbytes
-    return iovecs, position
+        first, last = max(start, lo), min(start + target.nbytes, hi)
+        if first >= last:
+            continue
+        if first > position:
+            iovecs.append(scratch[: first - position])
+        iovecs.append(target[first - start : last - start])
+        position = last
+    if hi > position:
+        iovecs.append(scratch[: hi - position])
+    return iovecs
+
+
+def _copy_out(staging: np.ndarray, targets: Sequence[tuple[int, np.ndarray]], lo: int, hi: int) -> None:
+    """Copy the parts of the targets that fall in [lo, hi) of the record out of staging (holding lo..)."""
+    for start, target in targets:
+        first, last = max(start, lo), min(start + target.nbytes, hi)
+        if first < last:
+            np.copyto(target[first - start : last - start], staging[first - lo : last - lo])

@@ -13,6 +13,7 @@ from services.common.manifest import Manifest
 from services.common.ranges import format_ranges, parse_ranges
 from services.common.tls import TlsFiles
 from services.experts.compute import DEFAULT_MAX_CALL_BYTES, ExpertCompute
+from services.experts.io import DEFAULT_MIN_SEGMENT_BYTES
 from services.experts.servicer import ExpertWorkerServicer
 from services.experts.store_setup import DEFAULT_IO_MODE, DEFAULT_POLICY, open_store
 from services.proto.moemesh.v1 import expert_pb2, expert_pb2_grpc
@@ -47,6 +48,7 @@ async def serve_expert_worker(
     io_mode: str = DEFAULT_IO_MODE,
     cache_policy: str = DEFAULT_POLICY,
     io_threads: int = 8,
+    io_min_segment_bytes: int = DEFAULT_MIN_SEGMENT_BYTES,
 ) -> None:
     """`tls`: serve mTLS only (clients need a certificate from the cluster CA); `metrics`:
     host:port of the Prometheus endpoint (None = none)."""
@@ -58,7 +60,14 @@ async def serve_expert_worker(
     )
     # `memory_gb`: keep at most that many GB of expert weights in RAM, stream the rest.
     store, budget_bytes = open_store(
-        split_dir, manifest, owned, memory_gb, io_mode=io_mode, policy=cache_policy, io_threads=io_threads
+        split_dir,
+        manifest,
+        owned,
+        memory_gb,
+        io_mode=io_mode,
+        policy=cache_policy,
+        io_threads=io_threads,
+        min_segment_bytes=io_min_segment_bytes,
     )
     compute = ExpertCompute(store, max_call_bytes=max_call_bytes)
     servicer = ExpertWorkerServicer(compute, worker_id, memory_budget_bytes=budget_bytes)

@@ -8,7 +8,7 @@ from pathlib import Path
 from services.common.logging import get_logger
 from services.common.manifest import Manifest
 from services.experts.cache_policy import POLICIES
-from services.experts.io import DEFAULT_IO_THREADS, IO_MODES
+from services.experts.io import DEFAULT_IO_THREADS, DEFAULT_MIN_SEGMENT_BYTES, IO_MODES
 from services.experts.metrics import ExpertCacheMetrics
 from services.experts.store import ExpertStore, ResidentExpertStore, StoreStats
 from services.experts.streaming_store import StreamingExpertStore, expert_bytes
@@ -37,6 +37,7 @@ def open_store(
     io_mode: str = DEFAULT_IO_MODE,
     policy: str = DEFAULT_POLICY,
     io_threads: int = DEFAULT_IO_THREADS,
+    min_segment_bytes: int = DEFAULT_MIN_SEGMENT_BYTES,
 ) -> tuple[ExpertStore, int]:
     """(store, budget bytes; 0 = unbounded). A budget that holds the whole shard loads it all."""
     if io_mode not in IO_MODES:
@@ -61,6 +62,7 @@ def open_store(
             io_mode=io_mode,
             policy=policy,
             io_threads=io_threads,
+            min_segment_bytes=min_segment_bytes,
             metrics=metrics,
             trace_path=os.environ.get(TRACE_ENV) or None,
         )
@@ -72,6 +74,7 @@ def open_store(
             io=io_mode,
             policy=policy,
             io_threads=io_threads,
+            min_segment_bytes=min_segment_bytes,
         )
     metrics.budget_bytes.set(budget)
     metrics.resident_bytes.set(store.stats().resident_bytes)

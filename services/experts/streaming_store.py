@@ -33,7 +33,13 @@ import numpy as np
 
 from services.common.manifest import ExpertTensor, Manifest, MoeLayer
 from services.experts.cache_policy import CachePolicy, make_policy
-from services.experts.io import DEFAULT_IO_THREADS, ExpertFileError, RecordRead, RecordReader
+from services.experts.io import (
+    DEFAULT_IO_THREADS,
+    DEFAULT_MIN_SEGMENT_BYTES,
+    ExpertFileError,
+    RecordRead,
+    RecordReader,
+)
 from services.experts.store import StoreStats
 
 PAGE = 4096
@@ -124,6 +130,7 @@ class StreamingExpertStore:
         io_mode: str = "buffered",
         policy: str = "lru",
         io_threads: int = DEFAULT_IO_THREADS,
+        min_segment_bytes: int = DEFAULT_MIN_SEGMENT_BYTES,
         metrics=None,
         trace_path: Path | None = None,
     ):
@@ -154,7 +161,9 @@ class StreamingExpertStore:
             self._pools[key] = SlotPool(list(example[key].tensors), slots, make_policy(policy, slots))
         for layer in layers:
             self._pool_of[layer.layer] = self._pools[layout_key(layer)]
-        self._reader = RecordReader(split_dir, layers, mode=io_mode, threads=io_threads)
+        self._reader = RecordReader(
+            split_dir, layers, mode=io_mode, threads=io_threads, min_segment_bytes=min_segment_bytes
+        )
         for pool in self._pools.values():
             pool.allocate()
         self.policy_name = policy

@@ -51,22 +51,27 @@ def random_calls(manifest: Manifest, count: int, seed: int = 0) -> list[expert_p
 
 
 @pytest.mark.parametrize(
-    "arch,bits,io_mode,policy",
+    "arch,bits,io_mode,policy,min_segment_bytes",
     [
-        ("qwen3_moe", 4, "buffered", "lru"),
-        ("qwen3_moe", 4, "direct", "lfu-decay"),
-        ("mixtral", None, "direct", "lru"),
-        ("qwen3_5_moe", 4, "buffered", "lfu-decay"),
+        ("qwen3_moe", 4, "buffered", "lru", 0),
+        ("qwen3_moe", 4, "direct", "lfu-decay", 4096),  # sub-page tensors: staged, two segments
+        ("mixtral", None, "direct", "lru", 4096),  # page-multiple tensors: read into the slots
+        ("mixtral", None, "buffered", "lfu-decay", 8192),
+        ("qwen3_5_moe", 4, "buffered", "lfu-decay", 1 << 20),
     ],
 )
-def test_budget_smaller_than_shard_gives_bit_identical_outputs(tiny_models, arch, bits, io_mode, policy):
+def test_budget_smaller_than_shard_gives_bit_identical_outputs(
+    tiny_models, arch, bits, io_mode, policy, min_segment_bytes
+):
     split = tiny_models.split(arch, bits)
     manifest = Manifest.load(split)
     owned = all_experts(manifest)
     resident = ExpertCompute(ResidentExpertStore(split, manifest, owned))
     # 3 experts of the 32 owned: decode calls mostly miss, wide calls run in several groups.
     budget = 3 * expert_bytes(manifest.layers[0])
-    store = StreamingExpertStore(split, manifest, owned, budget, io_mode=io_mode, policy=policy)
+    store = StreamingExpertStore(
+        split, manifest, owned, budget, io_mode=io_mode, policy=policy, min_segment_bytes=min_segment_bytes
+    )
     streaming = ExpertCompute(store)
     for call in random_calls(manifest, 60):
         expected = resident.run(call).output

@@ -132,7 +132,8 @@ def test_rss_stays_under_budget_through_256_tokens_with_experts_4x_the_budget(tm
     assert stats.cache_hits > 0 and stats.read_failures == 0 and stats.read_gbps > 0
 
 
-def test_damaged_layer_file_at_start_and_while_serving(tiny_models, tmp_path, workdir):
+@pytest.mark.parametrize("segment_kb", [None, "4"])  # whole records; two segments per record
+def test_damaged_layer_file_at_start_and_while_serving(tiny_models, tmp_path, workdir, segment_kb):
     split = tmp_path / "split"
     shutil.copytree(tiny_models.split("qwen3_moe", 4), split)
     manifest = Manifest.load(split)
@@ -158,13 +159,15 @@ def test_damaged_layer_file_at_start_and_while_serving(tiny_models, tmp_path, wo
     # Truncated while serving: the call needing a lost expert fails naming it; the worker stays up.
     layer_file.write_bytes(original)
     address = f"unix:{workdir / 'w.sock'}"
+    segments = ["--io-segment-kb", segment_kb] if segment_kb else []
     worker = spawn(
-        ["expert", "--split", str(split), "--listen", address, "--memory-gb", budget], workdir / "w.log"
+        ["expert", "--split", str(split), "--listen", address, "--memory-gb", budget, *segments],
+        workdir / "w.log",
     )
     try:
         wait_serving(address, worker, log_path=workdir / "w.log")
         with open(layer_file, "r+b") as f:
-            f.truncate(6 * layer.record_size)  # experts 6 and 7 of layer 1 are gone
+            f.truncate(6 * layer.record_size + 4096)  # expert 6 keeps its first page; 7 is gone
         hidden = mx.array(np.random.RandomState(0).normal(size=(1, manifest.hidden_size)).astype(np.float32))
 
         def call(call_id: int, experts: list[int]) -> expert_pb2.ExpertCall:
