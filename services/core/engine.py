@@ -24,13 +24,16 @@ from dataclasses import dataclass, field
 
 import grpc
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator
+from mlx_lm.generate import BatchGenerator, generation_stream
 
 from services.common.logging import get_logger
+from services.core.batch_step import GeneratorStep
+from services.core.engine_metrics import ENGINE_FORWARDS, ENGINE_STEPS
 from services.core.expert_client import BATCH_REQUEST_IDS, ExpertCallError
 from services.core.kv import KV_CACHE_KINDS, make_kv_cache
 from services.core.prefix_cache import PrefixCache
 from services.core.request_prep import PreparedRequest
+from services.core.step_merge import run_side_by_side
 from services.core.text_output import TextEmitter
 from services.proto.moemesh.v1 import core_pb2
 
@@ -127,7 +130,7 @@ class Engine:
         self._health_listeners: list[Callable[[bool], None]] = []
         self.closers: list[Callable[[], None]] = []  # run by stop(), after the step loop ends
         # One batch per KV cache kind: a batch's caches merge into one batched cache, so kinds
-        # cannot share one. Each kind's batch makes its own expert calls in a step.
+        # cannot share one. Their forwards still share each step's expert calls (step_merge).
         self._generators: dict[str, BatchGenerator] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -279,25 +282,36 @@ class Engine:
         return any(key[0] == kind for key in self._active)
 
     def _step(self) -> None:
-        for kind, generator in list(self._generators.items()):
-            if not self._has_work(kind):
-                continue
-            self._limit_prefill_chunk(generator)
-            started = time.monotonic()
-            # The expert calls of this step carry these ids to the workers' logs.
-            BATCH_REQUEST_IDS.set(
-                tuple(s.request.request_id for key, s in self._active.items() if key[0] == kind)
-            )
-            try:
-                with mx.stream(generator.stream):
-                    prompt_responses, responses = generator._next()
-            except ExpertCallError as error:
-                self._fail_all(error.code, str(error))
-                return
-            except Exception as error:  # never let one bad step take the server down
-                log.exception("engine_step_failed")
-                self._fail_all(grpc.StatusCode.INTERNAL, f"generation failed: {error}")
-                return
+        started = time.monotonic()
+        steps: dict[str, GeneratorStep] = {}
+        # The expert calls of this step carry these ids to the workers' logs.
+        BATCH_REQUEST_IDS.set(tuple(s.request.request_id for s in self._active.values()))
+        try:
+            with mx.stream(generation_stream):
+                for kind, generator in list(self._generators.items()):
+                    if self._has_work(kind):
+                        self._limit_prefill_chunk(generator)
+                        steps[kind] = GeneratorStep(generator)
+                # Every forward of the step (decode, prompts joining, prefill chunks, of every
+                # KV kind) shares one expert call per worker per layer.
+                tasks = [task for step in steps.values() for task in step.tasks]
+                results = run_side_by_side(tasks)
+                outcomes, start = {}, 0
+                for kind, step in steps.items():
+                    outcomes[kind] = step.finish(results[start : start + len(step.tasks)])
+                    start += len(step.tasks)
+        except ExpertCallError as error:
+            self._fail_all(error.code, str(error))
+            return
+        except Exception as error:  # never let one bad step take the server down
+            log.exception("engine_step_failed")
+            self._fail_all(grpc.StatusCode.INTERNAL, f"generation failed: {error}")
+            return
+        if tasks:
+            ENGINE_STEPS.inc()
+            ENGINE_FORWARDS.inc(len(tasks))
+        for kind, (prompt_responses, responses) in outcomes.items():
+            generator = self._generators[kind]
             self._after_prefill(kind, generator, prompt_responses, started)
             for response in responses:
                 sequence = self._active.get((kind, response.uid))

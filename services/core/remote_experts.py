@@ -13,6 +13,7 @@ from mlx import nn
 
 from services.common import tensor_codec
 from services.core.expert_client import ExpertDispatcher
+from services.core.step_merge import expert_call
 
 
 class RemoteExperts(nn.Module):
@@ -29,5 +30,6 @@ class RemoteExperts(nn.Module):
         flat_x = tensor_codec.wire_form(x.reshape(-1, hidden_size).astype(self._dispatcher.hidden_dtype))
         flat_ids = indices.reshape(-1, k).astype(mx.int32)  # routers give uint32; the wire wants int32
         mx.eval(flat_x, flat_ids)  # the one synchronisation of this layer on the core side
-        out = self._dispatcher.call(self._layer, flat_x, flat_ids)
+        # Inside an engine step this joins the layer's one call for all the step's forwards.
+        out = expert_call(self._dispatcher, self._layer, flat_x, flat_ids)
         return out.reshape(*indices.shape, hidden_size)

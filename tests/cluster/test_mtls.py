@@ -4,7 +4,6 @@ certificate from another CA is refused by the client; binding beyond loopback wi
 
 from __future__ import annotations
 
-import socket
 from types import SimpleNamespace
 
 import grpc
@@ -15,12 +14,7 @@ from services.cli import main
 from services.common.grpc_util import aio_channel, start_server
 from services.common.tls import TlsFiles, channel_credentials, issue_certificate
 from services.gateway.core_client import CoreClient, CoreClientConfig
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import free_port
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +46,7 @@ async def _health(address: str, credentials: grpc.ChannelCredentials | None) -> 
 
 async def test_only_clients_with_a_certificate_from_the_cluster_ca_get_in(pki):
     cluster, other = pki
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     running = await start_server(
         lambda server: None, "test.Service", address, tls=TlsFiles.in_dir(cluster, "core")
     )
@@ -74,7 +68,7 @@ async def test_only_clients_with_a_certificate_from_the_cluster_ca_get_in(pki):
 
 async def test_client_refuses_a_server_certified_by_another_ca(pki):
     cluster, other = pki
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     running = await start_server(
         lambda server: None, "test.Service", address, tls=TlsFiles.in_dir(other, "core")
     )
@@ -114,13 +108,13 @@ async def test_binding_beyond_loopback_without_tls_warns(pki, monkeypatch):
         grpc_util, "log", SimpleNamespace(warning=lambda event, **kw: warnings.append((event, kw)))
     )
     cluster, _ = pki
-    port = _free_port()
+    port = free_port()
     running = await start_server(lambda server: None, "test.Service", f"0.0.0.0:{port}")
     await running.server.stop(0)
-    loopback = await start_server(lambda server: None, "test.Service", f"127.0.0.1:{_free_port()}")
+    loopback = await start_server(lambda server: None, "test.Service", f"127.0.0.1:{free_port()}")
     await loopback.server.stop(0)
     secure = await start_server(
-        lambda server: None, "test.Service", f"0.0.0.0:{_free_port()}", tls=TlsFiles.in_dir(cluster, "core")
+        lambda server: None, "test.Service", f"0.0.0.0:{free_port()}", tls=TlsFiles.in_dir(cluster, "core")
     )
     await secure.server.stop(0)
     assert [(event, kw["address"]) for event, kw in warnings] == [("insecure_bind", f"0.0.0.0:{port}")]

@@ -14,16 +14,19 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 import mlx.core as mx
 import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.demo_model import ensure_demo_model
+from services.common.manifest import Manifest
 from services.core.sampling import make_sampler
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 from services.up import resolve_split
-from tests.helpers import Workers, core_args, spawn, stop, wait_serving
+from tests.helpers import Workers, core_args, free_port, spawn, stop, wait_serving
 
 GREEDY = core_pb2.SamplingParams(temperature=0)
 QUESTIONS = [
@@ -54,10 +57,22 @@ class Core:
     def __init__(self, split: Path, workers: Workers, workdir: Path, name: str, extra: list[str]):
         self.address = f"unix:{workdir / f'{name}.sock'}"
         self.log = workdir / f"{name}.log"
+        self.metrics_port = free_port()
         self.proc = spawn(
-            core_args(split, self.address, workers.addresses, *extra),
+            core_args(
+                split, self.address, workers.addresses, "--metrics-port", str(self.metrics_port), *extra
+            ),
             self.log,
         )
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples by name{labels}."""
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
+        return {
+            f"{s.name}{sorted(s.labels.items()) if s.labels else ''}": s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
 
     def wait(self) -> None:
         wait_serving(self.address, self.proc, timeout_s=300, log_path=self.log)
@@ -156,7 +171,7 @@ async def test_sixteen_concurrent_requests_match_each_run_alone(demo_core):
     assert stats.running_requests == 0 and stats.waiting_requests == 0
 
 
-async def test_long_prompt_prefill_does_not_freeze_decoding_streams(tiny_cores):
+async def test_long_prompt_prefill_does_not_freeze_decoding_streams(tiny_cores, tiny_models):
     """Prefill is chunked by --max-num-batched-tokens (64 here) and interleaved with decode."""
     plain, _ = tiny_cores
     arrivals: dict[int, list[float]] = {i: [] for i in range(4)}
@@ -170,6 +185,7 @@ async def test_long_prompt_prefill_does_not_freeze_decoding_streams(tiny_cores):
         async for chunk in stub.Generate(request, timeout=600):
             arrivals[i].extend([time.monotonic()] * len(chunk.token_ids))
 
+    before = plain.metrics()
     async with grpc.aio.insecure_channel(plain.address) as channel:
         stub = core_pb2_grpc.CoreStub(channel)
         streams = [asyncio.create_task(stream(i, stub)) for i in range(4)]
@@ -197,6 +213,18 @@ async def test_long_prompt_prefill_does_not_freeze_decoding_streams(tiny_cores):
             f"stream {i} got {len(during)} tokens during a {prompt_tokens}-token prefill"
         )
     assert stats.running_requests == 0, "cancelled streams still hold their place"
+
+    # One expert call per worker per MoE layer per step, although most of these steps ran two
+    # forwards (the streams' decode and a prefill chunk), some three (a prompt joining).
+    after = plain.metrics()
+    delta = {name: after[name] - before.get(name, 0.0) for name in after}
+    moe_layers = len(Manifest.load(tiny_models.split("qwen3_moe", None)).layers)
+    steps, forwards = delta["moe_mesh_engine_steps_total"], delta["moe_mesh_engine_forwards_total"]
+    assert forwards >= 1.5 * steps, (steps, forwards)
+    calls = {n: v for n, v in delta.items() if n.startswith("moe_mesh_expert_worker_calls_total")}
+    assert len(calls) == 2
+    for worker, count in calls.items():
+        assert steps * moe_layers * 0.9 <= count <= steps * moe_layers, (worker, count, steps)
 
 
 @pytest.mark.parametrize("kv_cache", ["fp16", "turboquant"])

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,15 +12,11 @@ from pathlib import Path
 
 import httpx
 
+from tests.helpers import free_port
+
 from .core_double import MODEL_ID, CoreDouble
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_run_gateway_serves_logs_json_and_stops_on_sigterm(core_server, core: CoreDouble) -> None:

@@ -1,0 +1,106 @@
+"""One engine step of one `BatchGenerator`, split into its model forwards and its bookkeeping.
+
+This mirrors mlx-lm 0.32's `BatchGenerator._next` (pinned in pyproject) line for line,
+with one change: instead of running its forwards one after another, it hands them back
+as tasks, so the engine can run the forwards of every batch in the step side by side
+(`step_merge.run_side_by_side`) and make one expert call per worker per layer for all of
+them. The forwards of one generator touch disjoint state: the decode runs on the
+generation batch, the first token of finished prompts on a batch split off the prompt
+batch (joined to the generation batch only in `finish`), the prefill chunk on what stays
+in the prompt batch.
+
+One difference from `_next`: whether the running batch has room for new prompts is
+judged before this step's decode rather than after it, so a place freed by a sequence
+finishing in this step is filled in the next step (one step later than mlx-lm would).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
+
+
+class GeneratorStep:
+    """`tasks` run the step's forwards (in any interleaving); `finish(results)` takes their
+    results in task order and returns what `_next` returns: (prompt_responses,
+    generation_responses)."""
+
+    def __init__(self, generator: BatchGenerator):
+        self.generator = generator
+        self.tasks: list[Callable[[], object]] = []
+        self._decode_task: int | None = None
+        self._joining_task: int | None = None
+        self._prompt_tokens = 0
+        self.prompt_responses: list = []
+        self._plan()
+
+    def _add(self, task: Callable[[], object]) -> int:
+        self.tasks.append(task)
+        return len(self.tasks) - 1
+
+    def _plan(self) -> None:
+        gen = self.generator
+        generation = gen._generation_batch
+        if len(generation) > 0:
+            self._decode_task = self._add(generation.next)
+        # Busy enough with decoding: no prompt work this step.
+        if len(generation) >= gen.completion_batch_size:
+            return
+
+        n = min(
+            gen.prefill_batch_size - len(gen._prompt_batch),
+            gen.completion_batch_size - len(generation),
+            len(gen._unprocessed_sequences),
+        )
+        if n > 0:
+            gen._prompt_batch.extend(gen._make_batch(n))
+
+        # Prompts with only their last token left move to generation: that token's forward
+        # samples their first generated token.
+        keep, split = [], []
+        for i, seq in enumerate(gen._currently_processing):
+            segments = seq[0]
+            (split if len(segments) == 1 and len(segments[0]) == 1 else keep).append(i)
+        if split:
+            last_inputs = [gen._currently_processing[i][0][0] for i in split]
+            progress = [(gen._currently_processing[i][2],) * 2 for i in split]
+            gen._currently_processing = [gen._currently_processing[i] for i in keep]
+            joining = gen._prompt_batch.split(split)
+            for uid, p in zip(joining.uids, progress, strict=True):
+                self.prompt_responses.append(PromptProcessingBatch.Response(uid, p, True, True))
+            self._joining_task = self._add(lambda: joining.generate(last_inputs))
+
+        # The next chunk of every prompt still being prefilled.
+        prompts = []
+        for i, seq in enumerate(gen._currently_processing):
+            response = PromptProcessingBatch.Response(gen._prompt_batch.uids[i], 0, False, False)
+            segments = seq[0]
+            n = min(len(segments[0]), gen.prefill_step_size)
+            prompts.append(segments[0][:n])
+            segments[0] = segments[0][n:]
+            if len(segments[0]) == 0:
+                segments.pop(0)
+                response.end_of_segment = True
+            seq[1] += len(prompts[-1])
+            response.progress = (seq[1], seq[2])
+            self.prompt_responses.append(response)
+        if prompts:
+            self._prompt_tokens = sum(len(p) for p in prompts)
+            prompt_batch = gen._prompt_batch
+            self._add(lambda: prompt_batch.prompt(prompts))
+
+    def finish(self, results: list) -> tuple[list, list]:
+        gen = self.generator
+        generation_responses = []
+        if self._decode_task is not None:
+            generation_responses = results[self._decode_task]
+            gen._counters.generation_tokens += len(generation_responses)
+            gen._counters.generation_steps += 1
+            if gen._counters.generation_steps % 512 == 0:
+                mx.clear_cache()
+        if self._joining_task is not None:
+            gen._generation_batch.extend(results[self._joining_task])
+        gen._counters.prompt_tokens += self._prompt_tokens
+        return self.prompt_responses, generation_responses
