@@ -283,15 +283,13 @@ class Engine:
 
     def _step(self) -> None:
         started = time.monotonic()
-        steps: dict[str, GeneratorStep] = {}
         # The expert calls of this step carry these ids to the workers' logs.
         BATCH_REQUEST_IDS.set(tuple(s.request.request_id for s in self._active.values()))
         try:
             with mx.stream(generation_stream):
-                for kind, generator in list(self._generators.items()):
-                    if self._has_work(kind):
-                        self._limit_prefill_chunk(generator)
-                        steps[kind] = GeneratorStep(generator)
+                busy = {kind: g for kind, g in self._generators.items() if self._has_work(kind)}
+                self._limit_prefill_chunks(list(busy.values()))
+                steps = {kind: GeneratorStep(generator) for kind, generator in busy.items()}
                 # Every forward of the step (decode, prompts joining, prefill chunks, of every
                 # KV kind) shares one expert call per worker per layer.
                 tasks = [task for step in steps.values() for task in step.tasks]
@@ -329,21 +327,31 @@ class Engine:
                 sequence.send(EngineError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"))
                 self._finish(sequence, remove=True)
 
-    def _limit_prefill_chunk(self, generator: BatchGenerator) -> None:
-        """Share the step's token budget: decoding sequences take one token each, the
-        sequences being prefilled split the rest. Mirrors how `BatchGenerator._next`
-        admits prompts, so the chunk it cuts next step stays within budget."""
-        decoding = len(generator._generation_batch)
-        joining = min(
-            generator.prefill_batch_size - len(generator._prompt_batch),
-            generator.completion_batch_size - decoding,
-            len(generator._unprocessed_sequences),
-        )
-        prefilling = len(generator._prompt_batch) + max(joining, 0)
-        if prefilling:
-            chunk = max(1, (self.config.max_num_batched_tokens - decoding) // prefilling)
-            generator.prefill_step_size = chunk
-            generator._prompt_batch.prefill_step_size = chunk
+    def _limit_prefill_chunks(self, generators: list[BatchGenerator]) -> None:
+        """Share the step's token budget across every batch of the step: decoding sequences take
+        one token each, the sequences being prefilled split the rest. Mirrors how
+        `BatchGenerator._next` admits prompts, so the chunks it cuts this step stay within budget."""
+        decoding = sum(len(g._generation_batch) for g in generators)
+        in_batches = sum(len(g._generation_batch) + len(g._prompt_batch) for g in generators)
+        prefilling = {}
+        for generator in generators:
+            # --max-num-seqs bounds all batches together: this one may grow into what the others
+            # leave free (it stops admitting prompts at its own size, never shrinks below it).
+            own = len(generator._generation_batch) + len(generator._prompt_batch)
+            room = self.config.max_num_seqs - (in_batches - own)
+            generator.completion_batch_size = generator.prefill_batch_size = max(room, 0)
+            joining = min(
+                generator.prefill_batch_size - len(generator._prompt_batch),
+                generator.completion_batch_size - len(generator._generation_batch),
+                len(generator._unprocessed_sequences),
+            )
+            prefilling[generator] = len(generator._prompt_batch) + max(joining, 0)
+        if sum(prefilling.values()):
+            chunk = max(1, (self.config.max_num_batched_tokens - decoding) // sum(prefilling.values()))
+            for generator, count in prefilling.items():
+                if count:
+                    generator.prefill_step_size = chunk
+                    generator._prompt_batch.prefill_step_size = chunk
 
     def _after_prefill(self, kind: str, generator: BatchGenerator, prompt_responses, started: float) -> None:
         """Note when each sequence's prefill began, and keep the KV of every prompt whose

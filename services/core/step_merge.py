@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 from greenlet import greenlet
 
-
 _START = object()
 
 

@@ -298,3 +298,28 @@ async def test_core_reports_kv_bytes_in_use_and_turboquant_holds_fewer(tiny_core
             await asyncio.sleep(0.1)
     assert in_use["fp16"] > 0 and 0 < in_use["turboquant"] < 0.7 * in_use["fp16"], in_use
     assert stats.running_requests == 0
+
+
+async def test_fp16_and_turboquant_requests_batch_together_unchanged(tiny_cores):
+    """Requests with different KV cache kinds run in one step (their expert calls merged) and
+    give the tokens they give alone."""
+    plain, _ = tiny_cores
+    requests = [
+        chat(
+            question,
+            sampling=GREEDY,
+            stopping=core_pb2.StoppingCriteria(max_tokens=12, ignore_eos=True),
+            kv_cache=kind,
+        )
+        for question, kind in zip(QUESTIONS[:4], ["fp16", "turboquant"] * 2, strict=True)
+    ]
+    async with grpc.aio.insecure_channel(plain.address) as channel:
+        stub = core_pb2_grpc.CoreStub(channel)
+        alone = [(await run(stub, request))[0] for request in requests]
+        before = plain.metrics()
+        together = await asyncio.gather(*(run(stub, request) for request in requests))
+        after = plain.metrics()
+    assert [tokens for tokens, _ in together] == alone
+    steps = after["moe_mesh_engine_steps_total"] - before["moe_mesh_engine_steps_total"]
+    forwards = after["moe_mesh_engine_forwards_total"] - before["moe_mesh_engine_forwards_total"]
+    assert forwards > steps  # the kinds' forwards shared steps
