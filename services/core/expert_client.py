@@ -172,6 +172,7 @@ class ExpertDispatcher:
         # routes[layer] = (replicas [E, R] link indices padded with -1, live replica count [E]);
         # swapped whole (never mutated) so the engine thread always reads a consistent table.
         self.routes: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._sole_owner: dict[int, int] = {}  # layer -> the one link holding all of it
         self._rebuild_routes()
         self.hidden_dtype = tensor_codec.MLX_DTYPE_BY_NAME[manifest.dtype]
         self.timings = LayerCallTimings()
@@ -253,6 +254,14 @@ class ExpertDispatcher:
             for expert, o in enumerate(owners):
                 replicas[expert, : len(o)] = o
             routes[layer] = (replicas, np.array([len(o) for o in owners], dtype=np.int32))
+        # The usual placement (one live worker holds the whole layer, no replica): the layer call
+        # skips per-pair routing. Read without a lock: a stale entry names a link that still
+        # held the layer a moment ago, and a call that finds it down fails over like any other.
+        self._sole_owner = {
+            layer: owners[0][0]
+            for layer, owners in held.items()
+            if owners and all(len(o) == 1 and o[0] == owners[0][0] for o in owners)
+        }
         self.routes = routes
 
     def coverage_gaps(self) -> list[str]:
@@ -297,14 +306,19 @@ class ExpertDispatcher:
         tokens, k = expert_ids.shape
         ids = np.asarray(expert_ids)  # evaluated int32 (RemoteExperts made it so): a view, no sync
         host_hidden = tensor_codec.numpy_view(hidden)
-        try:
-            owners = self._choose(layer, ids, next(self._rotation))
-        except ExpertCallError as error:
-            expert_metrics.LAYER_CALL_FAILURES.labels(error.code.name).inc()
-            raise
-        plan = _plan(owners, host_hidden, ids)
+        sole = self._sole_owner.get(layer)
+        if sole is not None:
+            plan = [_Part(sole, None, host_hidden, ids)]
+        else:
+            try:
+                owners = self._choose(layer, ids, next(self._rotation))
+            except ExpertCallError as error:
+                expert_metrics.LAYER_CALL_FAILURES.labels(error.code.name).inc()
+                raise
+            plan = _plan(owners, host_hidden, ids)
+        # The coroutine object is made here; the loop only has to start it.
         self.loop.call_soon_threadsafe(
-            self._start_roundtrip, layer, plan, host_hidden, ids, BATCH_REQUEST_IDS.get()
+            self.loop.create_task, self._roundtrip(layer, plan, host_hidden, ids, BATCH_REQUEST_IDS.get())
         )
         ok, results = self._replies.get()
         if not ok:
@@ -329,9 +343,6 @@ class ExpertDispatcher:
         self.timings.record(elapsed * 1e6, worker_us, compute_us)
         self._layer_seconds[layer].observe(elapsed)
         return array
-
-    def _start_roundtrip(self, layer, plan, hidden, ids, request_ids) -> None:
-        self.loop.create_task(self._roundtrip(layer, plan, hidden, ids, request_ids))
 
     async def _roundtrip(self, layer: int, plan: list[_Part], hidden, ids, request_ids) -> None:
         """Runs on the I/O loop; always answers through self._replies, never raises.
