@@ -47,6 +47,7 @@ from services.common.manifest import Manifest
 from services.common.ranges import format_ranges
 from services.common.tls import TlsFiles
 from services.core import expert_metrics
+from services.core.attempt_deadlines import AttemptDeadlines
 from services.proto.moemesh.v1 import expert_pb2, expert_pb2_grpc, tensor_pb2
 
 log = get_logger(__name__)
@@ -162,6 +163,7 @@ class ExpertDispatcher:
         # The I/O loop and its thread. Channels are created inside the loop (see _discover)
         # so they bind to it and to no other loop.
         self.loop = _new_event_loop()
+        self._deadlines = AttemptDeadlines(self.loop)
         self._io_thread = threading.Thread(target=self.loop.run_forever, name="expert-io", daemon=True)
         self._io_thread.start()
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
@@ -421,11 +423,14 @@ class ExpertDispatcher:
     async def _attempt(self, part: _Part, layer: int, budget_s: float, request_ids) -> tuple:
         link = self.links[part.link]
         link.calls_metric.inc()
+        task = asyncio.current_task()
+        self._deadlines.watch(task, budget_s)
         try:
-            # asyncio.timeout, not wait_for: no extra task per await on the hot path.
-            async with asyncio.timeout(budget_s):
-                return await self._one(link, layer, part.hidden, part.ids, request_ids)
-        except TimeoutError:
+            return await self._one(link, layer, part.hidden, part.ids, request_ids)
+        except asyncio.CancelledError:
+            if not self._deadlines.expired(task):
+                raise
+            task.uncancel()
             link.reset()  # a late reply must not be taken for the next call's
             self._link_failed(link)
             error = ExpertCallError(
@@ -434,6 +439,8 @@ class ExpertDispatcher:
             )
         except ExpertCallError as failure:
             error = failure
+        finally:
+            self._deadlines.forget(task)
         expert_metrics.WORKER_ERRORS.labels(link.address, error.code.name).inc()
         raise error
 
