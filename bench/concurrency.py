@@ -204,6 +204,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     args = parser.parse_args()
+    from services.common.logging import configure_logging
+
+    configure_logging("bench", "warning")  # logs to stderr: stdout carries only the JSON
     result = {
         "bench": "concurrency",
         "machine": f"{platform.system()} {platform.machine()}, mlx {mx.__version__} on {mx.default_device()}",
