@@ -1,17 +1,24 @@
 """Expert streaming: decode with a worker whose RAM holds 25/50/100 % of the experts, vs the disk.
 
-    python bench/stream.py                    # builds the model once (~3 GB on disk), then measures
-    python bench/stream.py --layers 4 --tokens 16 --iobench-seconds 0.5     # quicker
+    python bench/stream.py --keep-model       # builds the model once (~2.3 GB on disk), then measures
+    python bench/stream.py --keep-model --rounds 2 --tokens 4 --probe-seconds 0.1   # quicker
 
 One run measures, on the same files:
-- `iobench`: the disk's random-read GB/s at the model's expert record size, queue depth 1-32,
-  direct I/O and page cache (cold: direct, or the files' pages dropped first);
-- decode through real processes (core + one expert worker over Unix sockets) at budgets of 25 %
-  and 50 % of the expert bytes with direct I/O and with the page cache (dropped before the run),
-  and at 100 % (every expert resident): tok/s, hit rate, and the worker's read GB/s while it
-  streamed (bytes read / time its reads took) against iobench's GB/s at the same record size;
-- the two cache policies (lru, lfu-decay) replayed on the recorded routing trace of a 25 % run,
-  plus one decode run with the better one;
+- decode through real processes (core + one expert worker over Unix sockets), with the worker's
+  defaults at budgets of 25 % and 50 % of the expert bytes and at 100 % (every expert resident),
+  plus the other I/O mode and the other cache policy at 25 %: tok/s, hit rate, and the worker's
+  read GB/s while it streamed (bytes read / time its reads took), in `--rounds` rounds of
+  `--tokens` tokens;
+- `iobench` probes of the same files before the first round and after every round: random
+  whole-record reads at queue depth 1-32, cold (direct I/O, or the page cache dropped; a buffered
+  decode has its files' pages dropped every 0.1 s too), in the worker's I/O mode, plus the same
+  reads one at a time after a 20 ms idle gap (a decoding worker's cadence). Each round's read GB/s
+  is divided by the mean of the probes right before and after it (the disk drifts from second to
+  second) at queue depth 1, at the worker's thread count, at the best queue depth (the highest
+  median over all of this run's probes) and paced; the JSON gives median, range and quartiles;
+- the worker's read path (threads, segment size) on the 25 % run's own misses, every setting
+  interleaved call by call (bench/stream_replay.py);
+- the two cache policies replayed on the 25 % run's routing trace and on a Zipf-skewed one;
 - prefetch: how many of a call's misses the obvious predictor (the experts this layer used on
   the previous token) would have fetched ahead, and the share of decode time spent reading — the
   most any prefetch could save.
@@ -25,7 +32,6 @@ would flatter the cache. Prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -33,25 +39,28 @@ import platform
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.stream_replay import prefetch_bound, replay_policies, replay_read_paths, zipf_trace
+from bench.stream_rounds import PACED, PACED_GAP_S, QUEUE_DEPTHS, decode_rounds, spread
 from services.common.manifest import Manifest
 from services.common.synthetic_model import QWEN3_30B_A3B_SHAPE, build_random_checkpoint
-from services.experts.cache_policy import make_policy
-from services.experts.io import drop_page_cache
-from services.experts.iobench import measure, run_iobench
-from services.experts.store_setup import TRACE_ENV
+from services.experts.io import DEFAULT_IO_THREADS, DEFAULT_MIN_SEGMENT_BYTES
+from services.experts.store_setup import DEFAULT_IO_MODE, DEFAULT_POLICY
 from services.experts.streaming_store import expert_bytes
-from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc, expert_pb2, expert_pb2_grpc
 from services.up import cache_root
-from tests.helpers import spawn, stop, wait_serving
 
-PROMPT = [785, 3974, 315, 9625, 374, 12095, 13, 576, 6722, 315, 15344, 374, 11099, 13, 576, 6722, 315]
+TARGET = 0.8  # streamed GB/s during decode / iobench GB/s (the issue's bar)
+READ_PATHS = {  # name: (io threads, minimum segment bytes; 0 = whole records)
+    "8 threads, whole records": (8, 0),
+    "8 threads, segments >= 1 MiB": (8, 1 << 20),
+    "8 threads, segments >= 512 KiB": (8, 512 << 10),
+    "8 threads, segments >= 256 KiB": (8, 256 << 10),
+    "4 threads, segments >= 512 KiB": (4, 512 << 10),
+    "16 threads, segments >= 256 KiB": (16, 256 << 10),
+}
 
 
 def log(message: str) -> None:
@@ -72,176 +81,44 @@ def bench_split(layers: int) -> Path:
     return split
 
 
-def rss_peak_mb(pid: int) -> int:
-    try:
-        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
-        return int(fields["VmHWM"].split()[0]) // 1024
-    except OSError:
-        return 0
-
-
-def describe(address: str) -> expert_pb2.DescribeResponse:
-    with grpc.insecure_channel(address) as channel:
-        return expert_pb2_grpc.ExpertWorkerStub(channel).Describe(expert_pb2.DescribeRequest(), timeout=30)
-
-
-def decode_run(
-    split: Path, workdir: Path, tokens: int, memory_gb: float | None, io: str, policy: str, trace=None
-):
-    """One worker (+ core) at this budget; decode `tokens`; counters over the decode steps only."""
-    manifest = Manifest.load(split)
-    files = [split / layer.file for layer in manifest.layers]
-    # The disk right before and after this run (other tenants make it drift from minute to minute).
-    disk_before = adjacent_iobench(files, manifest.layers[0].record_size, io) if memory_gb else {}
-    for path in files:
-        drop_page_cache(path)
-    tag = f"{io}-{policy}-{memory_gb}"
-    worker_address, core_address = f"unix:{workdir / f'{tag}.w.sock'}", f"unix:{workdir / f'{tag}.c.sock'}"
-    args = ["expert", "--split", str(split), "--listen", worker_address, "--io", io, "--cache-policy", policy]
-    if memory_gb is not None:
-        args += ["--memory-gb", f"{memory_gb:.6f}"]
-    env_before = os.environ.get(TRACE_ENV)
-    if trace is not None:
-        os.environ[TRACE_ENV] = str(trace)
-    worker = spawn(args, workdir / f"{tag}.w.log")
-    if env_before is None:
-        os.environ.pop(TRACE_ENV, None)
-    core = None
-    try:
-        wait_serving(worker_address, worker, timeout_s=600, log_path=workdir / f"{tag}.w.log")
-        core = spawn(
-            ["core", "--split", str(split), "--listen", core_address, "--worker", worker_address],
-            workdir / f"{tag}.c.log",
-        )
-        wait_serving(core_address, core, timeout_s=600, log_path=workdir / f"{tag}.c.log")
-        request = core_pb2.GenerateRequest(
-            token_ids=core_pb2.TokenIds(ids=PROMPT),
-            sampling=core_pb2.SamplingParams(temperature=1.0, seed=7),
-            stopping=core_pb2.StoppingCriteria(max_tokens=tokens, ignore_eos=True),
-        )
-
-        async def generate():
-            out, first = [], None
-            async with grpc.aio.insecure_channel(core_address) as channel:
-                async for chunk in core_pb2_grpc.CoreStub(channel).Generate(request, timeout=1800):
-                    if first is None and chunk.token_ids:
-                        first = (time.perf_counter(), await asyncio.to_thread(describe, worker_address))
-                    out.extend(chunk.token_ids)
-            return out, first, time.perf_counter()
-
-        out, (t_first, before), t_end = asyncio.run(generate())
-        after = describe(worker_address)
-        peak = rss_peak_mb(worker.pid)
-    finally:
-        stop([p for p in (core, worker) if p is not None])
-    disk_after = adjacent_iobench(files, manifest.layers[0].record_size, io) if memory_gb else {}
-    seconds = t_end - t_first
-    # The first token's time is measured after Describe returned; decode = the other tokens.
-    hits, misses = after.cache_hits - before.cache_hits, after.cache_misses - before.cache_misses
-    nbytes, read_s = after.bytes_read - before.bytes_read, after.read_seconds - before.read_seconds
+def summarize(fraction: float, memory_gb: float | None, io: str, policy: str, run: dict) -> dict:
+    """One decode configuration over its rounds."""
+    rounds = run["rounds"]
+    hits, misses = sum(r["hits"] for r in rounds), sum(r["misses"] for r in rounds)
+    nbytes, read_s = sum(r["bytes"] for r in rounds), sum(r["read_seconds"] for r in rounds)
+    seconds = sum(r["seconds"] for r in rounds)
+    per_round_gbps = [r["bytes"] / r["read_seconds"] / 1e9 for r in rounds if r["read_seconds"]]
     return {
+        "budget_fraction": fraction,
         "memory_gb": memory_gb,
         "io": io if memory_gb is not None else "resident",
         "policy": policy if memory_gb is not None else "",
-        "tokens": len(out),
-        "decode_tok_s": round((len(out) - 1) / seconds, 3),
+        "rounds": len(rounds),
+        "decode_tokens": sum(r["tokens"] - 1 for r in rounds),
+        "decode_tok_s": spread([(r["tokens"] - 1) / r["seconds"] for r in rounds]),
         "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 1.0,
         "decode_bytes_read": nbytes,
         "decode_read_seconds": round(read_s, 3),
-        "read_gbps": round(nbytes / read_s / 1e9, 3) if read_s else None,
-        "read_share_of_decode": round(read_s / seconds, 3),
-        "streamed_gbps_wall": round(nbytes / seconds / 1e9, 3),
-        "cache_slots": after.cache_slots,
-        "evictions": after.cache_evictions - before.cache_evictions,
-        "worker_peak_rss_mb": peak,
-        "token_ids_head": list(out[:8]),
-        "iobench_adjacent_gbps": {qd: round((disk_before[qd] + disk_after[qd]) / 2, 3) for qd in disk_before},
+        "read_gbps": spread(per_round_gbps) if per_round_gbps else None,
+        "read_gbps_pooled": round(nbytes / read_s / 1e9, 3) if read_s else None,
+        "read_share_of_decode": round(read_s / seconds, 4),
+        "streamed_gbps_wall": round(nbytes / seconds / 1e9, 4),
+        "cache_slots": rounds[-1]["slots"],
+        "evictions": sum(r["evictions"] for r in rounds),
+        "worker_peak_rss_mb": run["worker_peak_rss_mb"],
+        "bench_wall": run["wall"],
+        "token_ids_head": rounds[0]["token_ids_head"],
     }
 
 
-ADJACENT_QUEUE_DEPTHS = ("1", "8")  # one miss at a time, and the worker's 8 I/O threads
-
-
-def adjacent_iobench(files: list[Path], record_size: int, io: str, seconds: float = 0.5) -> dict:
-    return {qd: measure(files, record_size, io, int(qd), seconds)["gbps"] for qd in ADJACENT_QUEUE_DEPTHS}
-
-
-def replay_policies(trace: Path, slots: int) -> dict:
-    """Hit rate of each policy on the recorded calls, with the store's own slot logic."""
-    calls = [
-        (int(parts[0]), [int(e) for e in parts[1:]])
-        for parts in (line.split() for line in trace.read_text().splitlines())
-        if parts
-    ]
-    out = {}
-    for name in ("lru", "lfu-decay"):
-        policy, cached, hits, total = make_policy(name, slots), set(), 0, 0
-        for layer, experts in calls:
-            pinned = {(layer, e) for e in experts}
-            for key in sorted(pinned, key=lambda k: k not in cached):  # hits first, as plan() orders
-                total += 1
-                if key in cached:
-                    hits += 1
-                elif len(cached) >= slots:
-                    victim = policy.victim(pinned)
-                    cached.discard(victim)
-                    policy.forget(victim)
-                cached.add(key)
-                policy.touch(key)
-        out[name] = round(hits / total, 4) if total else 0.0
-    return {"calls": len(calls), "hit_rate": out}
-
-
-def zipf_trace(path: Path, layers: int, experts: int, top_k: int, calls: int, skew: float = 1.0) -> Path:
-    """A routing trace where expert popularity follows Zipf(skew), as real routers are skewed."""
-    import random
-
-    rng = random.Random(0)
-    weights = [1.0 / (rank + 1) ** skew for rank in range(experts)]
-    orders = [rng.sample(range(experts), experts) for _ in range(layers)]  # popularity per layer
-    lines = []
-    for _ in range(calls):
-        for layer in range(layers):
-            chosen: set[int] = set()
-            while len(chosen) < top_k:
-                chosen.add(orders[layer][rng.choices(range(experts), weights)[0]])
-            lines.append(f"{layer} " + " ".join(map(str, sorted(chosen))))
-    path.write_text("\n".join(lines))
-    return path
-
-
-def prefetch_bound(trace: Path, slots: int) -> dict:
-    """Would "this layer's experts of the previous token" have prefetched the misses?"""
-    previous: dict[int, set[int]] = {}
-    predicted_misses = misses = predicted = 0
-    policy, cached = make_policy("lru", slots), set()
-    for line in trace.read_text().splitlines():
-        parts = line.split()
-        if not parts:
-            continue
-        layer, experts = int(parts[0]), [int(e) for e in parts[1:]]
-        guess = previous.get(layer, set())
-        pinned = {(layer, e) for e in experts}
-        predicted += len([e for e in guess if (layer, e) not in cached])  # what a prefetch would read
-        for key in pinned:
-            if key not in cached:
-                misses += 1
-                predicted_misses += key[1] in guess
-                if len(cached) >= slots:
-                    victim = policy.victim(pinned)
-                    cached.discard(victim)
-                    policy.forget(victim)
-                cached.add(key)
-            policy.touch(key)
-        previous[layer] = set(experts)
-    return {
-        "misses": misses,
-        "misses_predicted": predicted_misses,
-        "share_of_misses_predicted": round(predicted_misses / misses, 4) if misses else 0.0,
-        "prefetch_reads_per_useful_read": round(predicted / predicted_misses, 2)
-        if predicted_misses
-        else None,
-    }
+def round_ratios(run: dict, qd: str) -> list[float]:
+    """Each round's read GB/s over the mean of its two adjacent probes at queue depth `qd`."""
+    values = []
+    for index, r in enumerate(run["rounds"]):
+        if r["read_seconds"]:
+            before, after = run["probes"][index][qd], run["probes"][index + 1][qd]
+            values.append(r["bytes"] / r["read_seconds"] / 1e9 / ((before + after) / 2))
+    return values
 
 
 def main() -> None:
@@ -249,8 +126,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--layers", type=int, default=6, help="MoE layers (6: 2.3 GB of experts)")
-    parser.add_argument("--tokens", type=int, default=16)
-    parser.add_argument("--iobench-seconds", type=float, default=1.0)
+    parser.add_argument("--rounds", type=int, default=6, help="decode rounds per configuration")
+    parser.add_argument("--tokens", type=int, default=10, help="tokens per decode round")
+    parser.add_argument("--probe-seconds", type=float, default=0.2, help="per queue depth per probe")
     parser.add_argument("--keep-model", action="store_true", help="keep the bench split for the next run")
     parser.add_argument("--build-only", action="store_true", help="build the bench split and stop")
     args = parser.parse_args()
@@ -266,30 +144,35 @@ def main() -> None:
     experts_total = per_expert * manifest.num_experts * len(manifest.layers)
     log(f"{split}: {experts_total / 1e9:.2f} GB of experts, record {manifest.layers[0].record_size} bytes")
 
-    log("iobench")
-    disk = run_iobench(split, seconds=args.iobench_seconds)
     workdir = Path(tempfile.mkdtemp(prefix="mm-stream-", dir="/tmp"))
-    runs = []
+    runs: list[tuple[dict, dict]] = []  # (summary, raw rounds and probes)
+
+    def decode(fraction: float, io: str, policy: str, **kwargs) -> None:
+        memory_gb = fraction * experts_total / 1e9 if fraction < 1 else None
+        log(f"decode at {fraction:.0%} budget, {io if memory_gb else 'resident'}, {policy}")
+        raw = decode_rounds(
+            split,
+            workdir,
+            tokens=args.tokens,
+            memory_gb=memory_gb,
+            io=io,
+            policy=policy,
+            probe_seconds=args.probe_seconds,
+            **{"rounds": args.rounds, **kwargs},
+        )
+        runs.append((summarize(fraction, memory_gb, io, policy, raw), raw))
+
     try:
         trace = workdir / "trace-25.txt"
-        for fraction in (0.25, 0.5):
-            for io in ("direct", "buffered"):
-                log(f"decode at {fraction:.0%} budget, {io}")
-                run = decode_run(
-                    split,
-                    workdir,
-                    args.tokens,
-                    fraction * experts_total / 1e9,
-                    io,
-                    "lru",
-                    trace=trace if (fraction, io) == (0.25, "direct") else None,
-                )
-                runs.append({"budget_fraction": fraction, **run})
-        log("decode with every expert resident")
-        runs.append(
-            {"budget_fraction": 1.0, **decode_run(split, workdir, args.tokens, None, "direct", "lru")}
-        )
-        slots = runs[0]["cache_slots"]
+        # The worker's defaults at every budget; the other I/O mode and policy at 25 %.
+        decode(0.25, DEFAULT_IO_MODE, DEFAULT_POLICY, trace=trace)
+        decode(0.5, DEFAULT_IO_MODE, DEFAULT_POLICY)
+        decode(1.0, DEFAULT_IO_MODE, DEFAULT_POLICY, rounds=max(2, args.rounds // 2))
+        other_io = next(mode for mode in ("direct", "buffered") if mode != DEFAULT_IO_MODE)
+        decode(0.25, other_io, DEFAULT_POLICY)
+        other_policy = next(name for name in ("lru", "lfu-decay") if name != DEFAULT_POLICY)
+        decode(0.25, DEFAULT_IO_MODE, other_policy)
+        slots = runs[0][0]["cache_slots"]
         policies = replay_policies(trace, slots)
         top_k = QWEN3_30B_A3B_SHAPE["num_experts_per_tok"]
         skewed = zipf_trace(workdir / "zipf.txt", len(manifest.layers), manifest.num_experts, top_k, 400)
@@ -298,55 +181,88 @@ def main() -> None:
         better = max(
             policies["hit_rate"], key=lambda n: (policies["hit_rate"][n], policies_zipf["hit_rate"][n])
         )
-        if better != "lru":
-            log(f"decode at 25% budget with {better}")
-            run = decode_run(split, workdir, args.tokens, 0.25 * experts_total / 1e9, "direct", better)
-            runs.append({"budget_fraction": 0.25, **run})
+        log("read paths on the 25% run's misses")
+        read_paths = replay_read_paths(split, trace, slots, DEFAULT_POLICY, READ_PATHS, mode=DEFAULT_IO_MODE)
         prefetch = prefetch_bound(trace, slots)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         if not args.keep_model:
             shutil.rmtree(split, ignore_errors=True)
 
-    qd = "8"  # the worker's I/O threads: the most reads a call has in flight
-    ratios = {}
-    for run in runs:
-        if run["read_gbps"]:
-            ref = disk["gbps"][run["io"]]
-            adjacent = max(run["iobench_adjacent_gbps"].values())
-            ratios[f"{run['io']}@{run['budget_fraction']:.0%}/{run['policy']}"] = {
-                "vs_adjacent_iobench_best_of_qd1_qd8": round(run["read_gbps"] / adjacent, 3),
-                "vs_same_qd": round(run["read_gbps"] / ref[qd], 3),
-                "vs_best_qd": round(run["read_gbps"] / disk["best"][run["io"]]["gbps"], 3),
-            }
-    lru_runs = [r for r in runs if r["policy"] == "lru" and r["read_gbps"]]
-    io_means = {
-        io: round(
-            sum(r["read_gbps"] for r in lru_runs if r["io"] == io)
-            / max(1, sum(r["io"] == io for r in lru_runs)),
-            3,
-        )
-        for io in ("direct", "buffered")
+    # The best queue depth of each mode: the highest median over all of this run's probes.
+    probes_by_mode: dict[str, dict[str, list[float]]] = {}
+    for summary, raw in runs:
+        for p in raw["probes"]:
+            for qd, gbps in p.items():
+                probes_by_mode.setdefault(summary["io"], {}).setdefault(qd, []).append(gbps)
+    iobench = {mode: {qd: spread(v) for qd, v in by_qd.items()} for mode, by_qd in probes_by_mode.items()}
+    best_qd = {
+        mode: max((qd for qd in by_qd if qd != PACED), key=lambda qd: by_qd[qd]["median"])
+        for mode, by_qd in iobench.items()
     }
+    threads = str(DEFAULT_IO_THREADS)
+    compared, pooled = {}, {}
+    for summary, raw in runs:
+        if summary["read_gbps"] is None:
+            continue
+        qds = {
+            "vs_qd1": "1",
+            f"vs_qd{threads}": threads,
+            "vs_best_qd": best_qd[summary["io"]],
+            "vs_qd1_paced": PACED,
+        }
+        per_round = {label: round_ratios(raw, qd) for label, qd in qds.items()}
+        compared[f"{summary['io']}@{summary['budget_fraction']:.0%}/{summary['policy']}"] = {
+            label: spread(values) for label, values in per_round.items()
+        }
+        for label, values in per_round.items():
+            pooled.setdefault(summary["io"], {}).setdefault(label, []).extend(values)
+    # The I/O mode that streamed faster at 25 % with the default policy becomes (or stays) the default.
+    at_quarter = {
+        s["io"]: s["read_gbps"]["median"]
+        for s, _ in runs
+        if s["budget_fraction"] == 0.25 and s["policy"] == DEFAULT_POLICY and s["read_gbps"]
+    }
+    faster_io = max(at_quarter, key=at_quarter.get)
+    headline = spread(pooled[DEFAULT_IO_MODE]["vs_best_qd"])
     result = {
         "bench": "stream",
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
         "model": f"random qwen3_moe, Qwen3-30B-A3B MoE shape, {len(manifest.layers)} MoE layers, 4-bit (group 64)",
         "expert_bytes": experts_total,
         "record_size": manifest.layers[0].record_size,
-        "tokens": args.tokens,
-        "iobench": {"gbps": disk["gbps"], "best": disk["best"]},
-        "decode": runs,
-        "streamed_vs_iobench": {"queue_depth_compared": int(qd), **ratios},
+        "rounds": args.rounds,
+        "tokens_per_round": args.tokens,
+        "worker_read_path": {
+            "io_threads": DEFAULT_IO_THREADS,
+            "min_segment_kb": DEFAULT_MIN_SEGMENT_BYTES >> 10,
+        },
+        "iobench_probes_gbps": iobench,
+        "iobench_best_queue_depth": {mode: int(qd) for mode, qd in best_qd.items()},
+        "decode": [summary for summary, _ in runs],
+        "streamed_vs_iobench": compared,
+        "streamed_vs_iobench_all_rounds": {
+            io: {label: spread(values) for label, values in by_label.items()}
+            for io, by_label in pooled.items()
+        },
+        "target": {
+            "ratio": TARGET,
+            "io": DEFAULT_IO_MODE,
+            "all_rounds_vs_best_qd": headline,
+            "met_by_median": headline["median"] >= TARGET,
+        },
+        "read_path_replay_25pct_direct": read_paths,
         "policy_replay_25pct": policies,
         "policy_replay_25pct_zipf_synthetic": policies_zipf,
         "policy_kept": better,
-        "io_mean_read_gbps": io_means,
-        "io_default_by_measurement": max(io_means, key=io_means.get),
+        "read_gbps_at_25pct_by_io": at_quarter,
+        "io_default_by_measurement": faster_io,
         "prefetch": {
             **prefetch,
-            "read_share_of_decode_25pct_direct": runs[0]["read_share_of_decode"],
+            "read_share_of_decode_25pct_direct": runs[0][0]["read_share_of_decode"],
         },
+        "queue_depths_probed": list(QUEUE_DEPTHS),
+        "paced_probe": f"queue depth 1, {PACED_GAP_S * 1000:.0f} ms idle before each read",
     }
     print(json.dumps(result))
 

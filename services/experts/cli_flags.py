@@ -56,7 +56,8 @@ def add_streaming_flags(parser: argparse.ArgumentParser) -> None:
         type=_non_negative_int,
         default=DEFAULT_MIN_SEGMENT_BYTES // 1024,
         help="cut each expert record into reads of at least this many KiB, read in parallel, so a "
-        "call that misses few experts still keeps --io-threads reads in flight (0: whole records)",
+        "call that misses few experts still keeps --io-threads reads in flight (default 0: whole "
+        "records; bench/stream.py measures whether your disk gains)",
     )
 
 

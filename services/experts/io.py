@@ -3,9 +3,10 @@
 `RecordReader` owns one file descriptor per layer file and a thread pool. `read_many`
 issues every read of a call at once (the GIL is released inside `os.preadv`, so the
 reads overlap in the kernel and on the device) and waits for all of them. A call that
-misses only one or two experts would leave the device's queue nearly empty, so each
-record is cut into page-aligned segments (at least `min_segment_bytes` each) until
-about `threads` reads are in flight; every segment lands directly in its destination.
+misses only one or two experts leaves the device's queue nearly empty; with
+`min_segment_bytes` > 0 each record is cut into page-aligned segments (at least that
+big) until about `threads` reads are in flight, every segment landing directly in its
+destination. Whether that helps depends on the disk (see DEFAULT_MIN_SEGMENT_BYTES).
 
 Two modes, chosen by flag because the faster one depends on the machine:
 - `buffered`: the page cache. `preadv` scatters each record straight into its
@@ -43,8 +44,11 @@ log = get_logger(__name__)
 
 IO_MODES = ("direct", "buffered")
 DEFAULT_IO_THREADS = 8
-# Records are cut into segments no smaller than this (bench/stream.py measured the choice).
-DEFAULT_MIN_SEGMENT_BYTES = 1 << 20
+# 0: whole records. On this project's Linux VM (a virtio disk that gives ~1 GB/s at every queue
+# depth) bench/stream.py measured no gain from segments of 128 KiB-1 MiB, and a loss from small
+# ones on the busy 2-core CPU; a disk whose throughput grows with queue depth may differ:
+# measure it with `--io-segment-kb` (the bench's read-path replay compares settings).
+DEFAULT_MIN_SEGMENT_BYTES = 0
 DIRECT_IO_ALIGNMENT = 4096
 
 

@@ -33,8 +33,22 @@ def record_files(path: Path, record_size: int | None) -> tuple[list[Path], int]:
     raise ValueError(f"{path}: neither a split folder (manifest.json) nor a file")
 
 
-def measure(files: list[Path], record_size: int, mode: str, queue_depth: int, seconds: float) -> dict:
-    """One (mode, queue depth) run: GB/s and per-read latency percentiles."""
+def measure(
+    files: list[Path],
+    record_size: int,
+    mode: str,
+    queue_depth: int,
+    seconds: float,
+    min_reads: int = 0,
+    seed: int | None = None,
+) -> dict:
+    """One (mode, queue depth) run: GB/s and per-read latency percentiles.
+
+    Runs for `seconds` and until `min_reads` reads were issued (default: 4 per thread, so a deep
+    queue is measured at full depth, not while its threads start and finish). Repeated runs
+    should pass different `seeds`, so they read different records in a different order.
+    """
+    min_reads = min_reads or 4 * queue_depth
     fds = [open_record_file(f, mode) for f in files]
     try:
         if mode == "buffered":
@@ -47,7 +61,7 @@ def measure(files: list[Path], record_size: int, mode: str, queue_depth: int, se
         ]
         if not slots:
             raise ValueError(f"files smaller than one record ({record_size} bytes)")
-        random.Random(queue_depth).shuffle(slots)
+        random.Random(queue_depth if seed is None else seed).shuffle(slots)
         cursor = iter(range(1 << 62))
         lock = threading.Lock()
         deadline = time.perf_counter() + seconds
@@ -56,9 +70,11 @@ def measure(files: list[Path], record_size: int, mode: str, queue_depth: int, se
 
         def reader(index: int) -> None:
             buffer = aligned_buffer(record_size)
-            while time.perf_counter() < deadline:
+            while True:
                 with lock:
                     turn = next(cursor)
+                    if turn >= min_reads and time.perf_counter() >= deadline:
+                        break
                     if mode == "buffered" and turn and turn % len(slots) == 0:
                         for f in files:  # every record read once: forget them before reading again
                             drop_page_cache(f)
@@ -85,6 +101,48 @@ def measure(files: list[Path], record_size: int, mode: str, queue_depth: int, se
         "reads": len(samples),
         "p50_us": pick(0.5),
         "p99_us": pick(0.99),
+    }
+
+
+def measure_paced(
+    files: list[Path], record_size: int, mode: str, reads: int, gap_s: float, seed: int = 0
+) -> dict:
+    """Queue depth 1 with an idle gap before every read, as a decoding worker reads.
+
+    A worker reads a record or two per layer call and then computes for milliseconds; on some
+    devices (this project's VM disk: ~25 % slower) a read after idle takes longer than one
+    issued back to back, which the continuous runs of `measure` never see. GB/s here is bytes
+    over the time spent inside the reads, the same definition as the worker's read GB/s.
+    """
+    fds = [open_record_file(f, mode) for f in files]
+    try:
+        if mode == "buffered":
+            for f in files:
+                drop_page_cache(f)
+        slots = [
+            (fd, i * record_size)
+            for fd, f in zip(fds, files, strict=True)
+            for i in range(os.path.getsize(f) // record_size)
+        ]
+        if not slots:
+            raise ValueError(f"files smaller than one record ({record_size} bytes)")
+        rng = random.Random(seed)
+        buffer = aligned_buffer(record_size)
+        total, latencies = 0, []
+        for _ in range(reads):
+            time.sleep(gap_s)
+            fd, offset = rng.choice(slots)
+            start = time.perf_counter()
+            total += os.preadv(fd, [buffer], offset)
+            latencies.append(time.perf_counter() - start)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    latencies.sort()
+    return {
+        "gbps": round(total / sum(latencies) / 1e9, 3) if latencies else 0.0,
+        "reads": len(latencies),
+        "p50_us": round(latencies[len(latencies) // 2] * 1e6) if latencies else 0,
     }
 
 
