@@ -1,11 +1,11 @@
 """Attention over a TurboQuant cache, computed in the rotated domain (the pure-MLX twin
 of the Metal kernels), and the hook that lets mlx-lm's unchanged attention code use it.
 
-Scores of the compressed run come straight from the codes (`TurboQuantCodec.key_scores`);
-exact runs (sinks, recent window) are scored normally; one softmax covers all runs in
-position order; compressed values are summed as centroids in the rotated domain and
-the sum is rotated back once. The cache stays compressed: only the centroid values of
-the run being scored exist transiently during the step.
+Scores of the compressed run come from the codes (decoded by table lookup inside the
+call); exact runs (sinks, recent window) are scored normally; one softmax covers all
+runs; compressed values are summed as centroids in the rotated domain and the sum is
+rotated back once. The cache stays compressed: decoded values of the compressed run
+exist only transiently, inside one attention call.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import mlx.core as mx
 from mlx_lm.models import base as mlx_base
 
 from services.core.kv.cache import TurboQuantKVCache
+from services.core.kv.decode_attention import decode_attention
 from services.core.kv.metal_attention import kernel_attention, kernels_ready
 
 _HOOK_MARK = "_moe_mesh_turboquant"
@@ -30,23 +31,24 @@ def turboquant_attention(
     (default: the last L positions of the cache). Queries past the cache's end see
     every key (their rows are padding in a batch and are never read).
 
-    Everything runs in the rotated domain: the query is rotated once and augmented with
-    its QJL projection, compressed keys become [|k| c, |k| |r| scale sign(Sr)] so a
-    single dot product is the unbiased estimate, compressed values are |v| c; exact
-    runs (sinks, recent window) are rotated too (a handful of tokens). One fused
-    mx.fast.scaled_dot_product_attention call (GQA, softmax and the value sum) then
-    works on these transient per-layer arrays, and its output is rotated back once."""
+    Decode steps (L <= 8, the queries at the end) take `decode_attention`: one compiled
+    graph that scores straight from the codes. Longer query runs (prefill) run in the
+    rotated domain through one fused mx.fast.scaled_dot_product_attention call: the
+    query is rotated once, compressed keys are decoded for this call into the
+    estimated key |k| (c + qjl_scale |r| S^T sign(S r)) (one dot product with the
+    rotated query is the unbiased estimate), compressed values into |v| c, exact runs
+    are rotated (a few hundred tokens), and the output is rotated back once."""
     B, n_q_heads, L, D = queries.shape
     if cache.offset == 0:
         return mx.zeros_like(queries)
     start = cache.offset - L if query_start is None else query_start
     if L <= 8 and cache.compressed_keys is not None and kernels_ready():
         return kernel_attention(queries, cache, scale, start)  # Apple GPU: straight from the codes
-    if L <= 8 and start + L <= cache.offset:
-        return _decode_attention(queries, cache, scale)
+    if L <= 8 and start + L == cache.offset:
+        return decode_attention(queries, cache, scale)
     keys_codec, values_codec = cache.key_codec, cache.value_codec
     dtype = queries.dtype
-    q = keys_codec.augment_queries(keys_codec.rotate_queries(queries)).astype(dtype)
+    q = keys_codec.rotate_queries(queries).astype(dtype)
     keys, values = [], []
     for exact_k, exact_v, packed_k, packed_v in (
         (cache.sink_keys, cache.sink_values, None, None),
@@ -54,10 +56,10 @@ def turboquant_attention(
         (cache.recent_keys, cache.recent_values, None, None),
     ):
         if exact_k is not None and exact_k.shape[2]:
-            keys.append(keys_codec.rotate_exact_keys(exact_k).astype(dtype))
+            keys.append(keys_codec.rotation.forward(exact_k).astype(dtype))
             values.append(values_codec.rotation.forward(exact_v).astype(dtype))
         elif packed_k is not None:
-            keys.append(keys_codec.augmented_keys(packed_k, dtype))
+            keys.append(keys_codec.estimated_keys(packed_k, dtype))
             values.append(values_codec.decode_rotated(packed_v).astype(dtype))
     keys = mx.concatenate(keys, axis=2) if len(keys) > 1 else keys[0]
     values = mx.concatenate(values, axis=2) if len(values) > 1 else values[0]
@@ -69,48 +71,6 @@ def turboquant_attention(
         mask = mask | (query_pos[:, None] >= cache.offset)  # padding rows: see all
     out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
     return values_codec.unrotate(out.astype(mx.float32)).astype(queries.dtype)
-
-
-def _decode_attention(queries: mx.array, cache: TurboQuantKVCache, scale: float) -> mx.array:
-    """The same numbers for a few queries at the end of the cache (decode steps): scores
-    are taken straight from the codes (`key_scores`), so no augmented key copy is built,
-    and exact runs are used as stored, unrotated. Cheaper than the fused-SDPA form when
-    the queries are few and the compressed run is long."""
-    B, n_q_heads, L, D = queries.shape
-    runs = [
-        (cache.sink_keys, cache.sink_values, False),
-        (cache.compressed_keys, cache.compressed_values, True),
-        (cache.recent_keys, cache.recent_values, False),
-    ]
-    runs = [r for r in runs if r[0] is not None and (r[2] or r[0].shape[2])]
-    n_kv_heads = (runs[0][0].norm if runs[0][2] else runs[0][0]).shape[1]
-    rep = n_q_heads // n_kv_heads
-    q = (queries.astype(mx.float32) * scale).reshape(B, n_kv_heads, rep * L, D)
-    scores = []
-    for keys, _, packed in runs:
-        if packed:
-            scores.append(cache.key_codec.key_scores(cache.key_codec.rotate_queries(q), keys))
-        else:
-            scores.append(q @ keys.astype(mx.float32).swapaxes(-1, -2))
-    lengths = [s.shape[-1] for s in scores]
-    scores = mx.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
-    if L > 1:
-        query_pos = cache.offset - L + mx.arange(L)
-        visible = mx.tile(query_pos[:, None] >= mx.arange(cache.offset)[None, :], (rep, 1))
-        scores = mx.where(visible, scores, mx.finfo(mx.float32).min)
-    weights = mx.softmax(scores, axis=-1, precise=True)
-    out, begin = None, 0
-    for (_, values, packed), length in zip(runs, lengths, strict=True):
-        w = weights[..., begin : begin + length]
-        begin += length
-        if packed:
-            scaled = w * values.norm.astype(mx.float32)[..., None, :]
-            codec = cache.value_codec
-            term = codec.unrotate(scaled @ codec.centroid_values(values))
-        else:
-            term = w @ values.astype(mx.float32)
-        out = term if out is None else out + term
-    return out.reshape(B, n_q_heads, L, -1).astype(queries.dtype)
 
 
 def _attention_for(cache, queries: mx.array, scale: float) -> mx.array | None:

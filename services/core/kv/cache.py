@@ -19,6 +19,7 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 from services.core.kv.codec import TurboQuantCodec
 from services.core.kv.compressed import CompressedTokens
 from services.core.kv.settings import KVCacheSettings
+from services.core.kv.token_buffer import TokenBuffer
 
 
 @lru_cache(maxsize=512)
@@ -31,14 +32,10 @@ def _cat(a: mx.array | None, b: mx.array) -> mx.array:
     return b if a is None else mx.concatenate([a, b], axis=2)
 
 
-def _join(a: CompressedTokens | None, b: CompressedTokens) -> CompressedTokens:
-    return b if a is None else a.concat(b)
-
-
 def _length(a) -> int:
     if a is None:
         return 0
-    return a.length if isinstance(a, CompressedTokens) else a.shape[2]
+    return a.length if isinstance(a, TokenBuffer) else a.shape[2]
 
 
 def _encode(codec: TurboQuantCodec, x: mx.array) -> CompressedTokens:
@@ -58,17 +55,22 @@ class TurboQuantKVCache(_BaseCache):
     values and returns them unchanged — the attention hook reads the cache itself, so no
     decompressed copy is ever made. `offset` is the number of tokens stored; `trim(n)`
     drops the newest n (from whichever run holds them); `nbytes` counts the bytes held,
-    compressed runs at their packed size. Arrays are never modified in place, so a
-    copy (`copy.deepcopy`, `extract`, `merge`) may share them safely.
+    compressed runs at their packed size (buffers count with their spare room, as
+    mlx-lm's KVCache does). Arrays are never modified in place, so a copy
+    (`copy.deepcopy`, `extract`, `merge`) may share them safely.
+
+    The compressed run and the recent window live in `TokenBuffer`s (preallocated,
+    grown in steps): an append writes only the new tokens and compressing a block never
+    re-packs the run. `compressed_keys`, `recent_keys`, ... are views of the filled part.
     """
 
     def __init__(self, settings: KVCacheSettings, layer: int):
         self.settings = settings
         self.layer = layer
         self.sink_keys = self.sink_values = None
-        self.compressed_keys: CompressedTokens | None = None
-        self.compressed_values: CompressedTokens | None = None
-        self.recent_keys = self.recent_values = None
+        self.compressed_key_buffer: TokenBuffer | None = None  # CompressedTokens.arrays()
+        self.compressed_value_buffer: TokenBuffer | None = None
+        self.recent_buffer: TokenBuffer | None = None  # (keys, values), model dtype
         self.offset = 0
         self.key_codec: TurboQuantCodec | None = None
         self.value_codec: TurboQuantCodec | None = None
@@ -89,26 +91,62 @@ class TurboQuantKVCache(_BaseCache):
             self.sink_keys = _cat(self.sink_keys, keys[:, :, :to_sinks])
             self.sink_values = _cat(self.sink_values, values[:, :, :to_sinks])
         if to_sinks < n:
-            self.recent_keys = _cat(self.recent_keys, keys[:, :, to_sinks:])
-            self.recent_values = _cat(self.recent_values, values[:, :, to_sinks:])
+            self._append_recent(keys[:, :, to_sinks:], values[:, :, to_sinks:])
         self.offset += n
-        self._compress_aged()
         return keys, values
 
-    def _compress_aged(self) -> None:
-        s = self.settings
-        excess = _length(self.recent_keys) - s.recent_window
-        if excess < s.block_size:
+    def _append_recent(self, keys: mx.array, values: mx.array) -> None:
+        """New tokens enter the window; once it holds recent_window + block_size tokens,
+        the oldest whole blocks are compressed and appended to the compressed run."""
+        s, recent = self.settings, self.recent_buffer
+        held = _length(recent)
+        excess = held + keys.shape[2] - s.recent_window
+        aged = (excess // s.block_size) * s.block_size if excess >= s.block_size else 0
+        if aged == 0:
+            self.recent_buffer = (
+                recent.appended((keys, values)) if recent is not None else self._new_recent((keys, values))
+            )
             return
-        n = (excess // s.block_size) * s.block_size
-        self.compressed_keys = _join(
-            self.compressed_keys, _encode(self.key_codec, self.recent_keys[:, :, :n])
-        )
-        self.compressed_values = _join(
-            self.compressed_values, _encode(self.value_codec, self.recent_values[:, :, :n])
-        )
-        self.recent_keys = self.recent_keys[:, :, n:]
-        self.recent_values = self.recent_values[:, :, n:]
+        if aged <= held:  # decode steps: the aged tokens are all in the window already
+            old_k, old_v = (a[:, :, :aged] for a in recent.arrays)
+            self.recent_buffer = recent.without_first(aged).appended((keys, values))
+        else:
+            if recent is not None and held:
+                keys = mx.concatenate([recent.views()[0], keys], axis=2)
+                values = mx.concatenate([recent.views()[1], values], axis=2)
+            old_k, old_v = keys[:, :, :aged], values[:, :, :aged]
+            self.recent_buffer = self._new_recent((keys[:, :, aged:], values[:, :, aged:]))
+        self._append_compressed(_encode(self.key_codec, old_k), _encode(self.value_codec, old_v))
+
+    def _new_recent(self, arrays) -> TokenBuffer:
+        s = self.settings
+        return TokenBuffer.of(arrays, limit=s.recent_window + s.block_size)
+
+    def _append_compressed(self, keys: CompressedTokens, values: CompressedTokens) -> None:
+        if self.compressed_key_buffer is None:
+            self.compressed_key_buffer = TokenBuffer.of(keys.arrays())
+            self.compressed_value_buffer = TokenBuffer.of(values.arrays())
+        else:
+            self.compressed_key_buffer = self.compressed_key_buffer.appended(keys.arrays())
+            self.compressed_value_buffer = self.compressed_value_buffer.appended(values.arrays())
+
+    # ---- views ----------------------------------------------------------------------
+
+    @property
+    def compressed_keys(self) -> CompressedTokens | None:
+        return _tokens(self.compressed_key_buffer)
+
+    @property
+    def compressed_values(self) -> CompressedTokens | None:
+        return _tokens(self.compressed_value_buffer)
+
+    @property
+    def recent_keys(self) -> mx.array | None:
+        return None if self.recent_buffer is None else self.recent_buffer.views()[0]
+
+    @property
+    def recent_values(self) -> mx.array | None:
+        return None if self.recent_buffer is None else self.recent_buffer.views()[1]
 
     # ---- mlx-lm cache protocol ------------------------------------------------------
 
@@ -122,25 +160,24 @@ class TurboQuantKVCache(_BaseCache):
         return True
 
     def trim(self, n: int) -> int:
+        """Drops the newest n tokens: from the window first, then the compressed run, then
+        the sinks. Trimmed buffers are cut to size, so the memory is given back."""
         n = min(self.offset, n)
-        left = n
-        for run in ("recent", "compressed", "sink"):
-            k_name, v_name = f"{run}_keys", f"{run}_values"
-            keys, values = getattr(self, k_name), getattr(self, v_name)
-            length = _length(keys)
-            cut = min(left, length)
-            if cut == 0:
-                continue
-            keep = length - cut
-            if keep == 0:
-                keys = values = None
-            elif run == "compressed":
-                keys, values = keys.tokens(0, keep), values.tokens(0, keep)
-            else:
-                keys, values = keys[:, :, :keep], values[:, :, :keep]
-            setattr(self, k_name, keys)
-            setattr(self, v_name, values)
-            left -= cut
+        cut = min(n, _length(self.recent_buffer))
+        if cut:
+            self.recent_buffer = self.recent_buffer.truncated(self.recent_buffer.length - cut)
+        left = n - cut
+        cut = min(left, self.compressed_length)
+        if cut:
+            keep = self.compressed_length - cut
+            key_buffer, value_buffer = self.compressed_key_buffer, self.compressed_value_buffer
+            self.compressed_key_buffer = key_buffer.truncated(keep) if keep else None
+            self.compressed_value_buffer = value_buffer.truncated(keep) if keep else None
+        left -= cut
+        if left:
+            keep = _length(self.sink_keys) - left
+            self.sink_keys = self.sink_keys[:, :, :keep] if keep else None
+            self.sink_values = self.sink_values[:, :, :keep] if keep else None
         self.offset -= n
         return n
 
@@ -159,19 +196,10 @@ class TurboQuantKVCache(_BaseCache):
 
     @property
     def state(self) -> list[mx.array]:
-        arrays = []
-        for item in (
-            self.sink_keys,
-            self.sink_values,
-            self.compressed_keys,
-            self.compressed_values,
-            self.recent_keys,
-            self.recent_values,
-        ):
-            if isinstance(item, CompressedTokens):
-                arrays.extend(item.arrays())
-            elif item is not None:
-                arrays.append(item)
+        arrays = [a for a in (self.sink_keys, self.sink_values) if a is not None]
+        for buffer in (self.compressed_key_buffer, self.compressed_value_buffer, self.recent_buffer):
+            if buffer is not None:
+                arrays.extend(buffer.views())
         return arrays
 
     @state.setter
@@ -182,13 +210,24 @@ class TurboQuantKVCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.state)
+        exact = sum(a.nbytes for a in (self.sink_keys, self.sink_values) if a is not None)
+        buffers = (self.compressed_key_buffer, self.compressed_value_buffer, self.recent_buffer)
+        return exact + sum(b.nbytes for b in buffers if b is not None)
 
     @property
     def compressed_length(self) -> int:
-        return _length(self.compressed_keys)
+        return _length(self.compressed_key_buffer)
 
     def __deepcopy__(self, memo):
         # Arrays are immutable here and codecs are shared constants: a shallow copy is
         # a full, independent copy as far as any later update or trim is concerned.
         return copy.copy(self)
+
+
+def _tokens(buffer: TokenBuffer | None) -> CompressedTokens | None:
+    if buffer is None:
+        return None
+    arrays = buffer.views()
+    if len(arrays) == 2:
+        return CompressedTokens(*arrays)
+    return CompressedTokens(arrays[0], arrays[1], arrays[2], arrays[3])

@@ -20,7 +20,7 @@ import numpy as np
 
 from services.core.kv.codebook import codebook_for_dim
 from services.core.kv.compressed import CompressedTokens
-from services.core.kv.packing import pack_indices, pack_plane, unpack_indices, unpack_plane
+from services.core.kv.packing import lookup_decode, lookup_table, pack_indices, pack_plane
 from services.core.kv.rotation import RandomizedHadamard, qjl_scale, random_orthogonal
 
 _TINY = 1e-12
@@ -38,10 +38,22 @@ class TurboQuantCodec:
         centroids, boundaries = codebook_for_dim(bits, self.padded)
         self.centroids = mx.array(centroids)
         self.boundaries = mx.array(boundaries)
+        self.centroid_table = mx.array(lookup_table(bits, centroids))
         if qjl:
             s = random_orthogonal(self.padded, seed + 7919)
             self.qjl_matrix_t = mx.array(s.T.astype(np.float32))  # r @ S^T = (S r)^T
+            self.qjl_matrix = mx.array(s.astype(np.float32))
             self.qjl_scale = qjl_scale(self.padded)
+
+    @property
+    def qjl_scale(self) -> float:
+        return self._qjl_scale
+
+    @qjl_scale.setter
+    def qjl_scale(self, value: float) -> None:
+        # sign(S r) decodes to qjl_scale * +-1, so the constant costs nothing per step
+        self._qjl_scale = value
+        self.sign_table = mx.array(lookup_table(1, np.array([-1.0, 1.0]) * value))
 
     # ---- encode -------------------------------------------------------------------------
 
@@ -67,7 +79,11 @@ class TurboQuantCodec:
 
     def centroid_values(self, tokens: CompressedTokens) -> mx.array:
         """The MSE-stage unit vectors in the rotated domain, float32 [B, H, T, P]."""
-        return self.centroids[unpack_indices(tokens.codes, self.bits)]
+        return lookup_decode(tokens.codes, self.bits, self.centroid_table)
+
+    def scaled_signs(self, tokens: CompressedTokens) -> mx.array:
+        """qjl_scale * sign(S r) of QJL keys, float32 [B, H, T, P]."""
+        return lookup_decode(tokens.qjl_signs, 1, self.sign_table)
 
     def decode_rotated(self, tokens: CompressedTokens) -> mx.array:
         """|x| * centroids: the MSE reconstruction, still rotated, float32 [B, H, T, P]."""
@@ -97,9 +113,20 @@ class TurboQuantCodec:
         mse = self.centroid_values(tokens).astype(dtype) * norm
         if not self.qjl:
             return mse
-        signs = unpack_plane(tokens.qjl_signs, 1).astype(dtype) * 2 - 1
-        weight = tokens.residual_norm.astype(dtype)[..., None] * self.qjl_scale * norm
-        return mx.concatenate([mse, signs * weight], axis=-1)
+        weight = tokens.residual_norm.astype(dtype)[..., None] * norm
+        return mx.concatenate([mse, self.scaled_signs(tokens).astype(dtype) * weight], axis=-1)
+
+    def estimated_keys(self, tokens: CompressedTokens, dtype=mx.float32) -> mx.array:
+        """|k| (c + qjl_scale |r| S^T sign(S r)), [B, H, T, P]: the key whose plain dot
+        product with a rotated query Fq is the unbiased estimate, since
+        <S Fq, sign(S r)> = <Fq, S^T sign(S r)>. Folding the QJL term costs a T x P x P
+        matmul but halves the width of the score matmul, a win whenever many queries
+        score the same keys (prefill). Transient, one layer at a time."""
+        keys = self.centroid_values(tokens)
+        if self.qjl:
+            residual = self.scaled_signs(tokens) @ self.qjl_matrix  # rows: sign^T S
+            keys = keys + residual * tokens.residual_norm.astype(mx.float32)[..., None]
+        return (keys * tokens.norm.astype(mx.float32)[..., None]).astype(dtype)
 
     def rotate_exact_keys(self, keys: mx.array) -> mx.array:
         """Exact keys in the augmented rotated domain ([Fk, 0]): scored by the same query."""
@@ -113,7 +140,6 @@ class TurboQuantCodec:
         scores = rotated_queries @ self.centroid_values(tokens).swapaxes(-1, -2)
         if self.qjl:
             projected_q = rotated_queries @ self.qjl_matrix_t  # (S Fq)^T
-            signs = unpack_plane(tokens.qjl_signs, 1).astype(mx.float32) * 2 - 1
-            weight = tokens.residual_norm.astype(mx.float32) * self.qjl_scale
-            scores = scores + (projected_q @ signs.swapaxes(-1, -2)) * weight[..., None, :]
+            qjl = projected_q @ self.scaled_signs(tokens).swapaxes(-1, -2)
+            scores = scores + qjl * tokens.residual_norm.astype(mx.float32)[..., None, :]
         return scores * tokens.norm.astype(mx.float32)[..., None, :]

@@ -11,6 +11,7 @@ one shift and one mask.
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 PLANE_WIDTHS = {1: (1,), 2: (2,), 3: (2, 1), 4: (4,)}
 
@@ -58,3 +59,52 @@ def unpack_indices(codes: mx.array, bits: int) -> mx.array:
         low += width
         start = stop
     return out
+
+
+# ---- decoding by table lookup -----------------------------------------------------------
+#
+# Decoding coordinate by coordinate (shift, mask, combine planes, gather a centroid) costs
+# about ten array ops per coordinate. Instead, a fixed group of coordinates is decoded
+# with one gather from a small table that holds the decoded values of every bit pattern
+# the group can have: a byte of a 1-, 2- or 4-bit plane (8, 4 or 2 coordinates), or for
+# 3 bits the byte of the 2-bit plane plus the matching nibble of the 1-bit plane (4
+# coordinates, 4096 patterns). The values are the codebook's own floats, so the result
+# is identical to looking each index up separately.
+
+
+def group_size(bits: int) -> int:
+    """Coordinates decoded by one table row."""
+    return {1: 8, 2: 4, 3: 4, 4: 2}[bits]
+
+
+def lookup_table(bits: int, levels: np.ndarray) -> np.ndarray:
+    """[patterns, group_size(bits)] float32: row g holds levels[index] for each coordinate
+    of a group whose packed bits read g (see `group_patterns`)."""
+    size = group_size(bits)
+    patterns = np.arange(4096 if bits == 3 else 256)
+    if bits == 3:
+        low, high = patterns & 255, patterns >> 8
+        index = [((low >> (2 * t)) & 3) | (((high >> t) & 1) << 2) for t in range(size)]
+    else:
+        index = [(patterns >> (bits * t)) & ((1 << bits) - 1) for t in range(size)]
+    return np.asarray(levels, dtype=np.float32)[np.stack(index, axis=-1)]
+
+
+_NIBBLE_SHIFTS = (0, 4)
+
+
+def group_patterns(codes: mx.array, bits: int) -> mx.array:
+    """The table row of every group: uint8 [..., P / group_size] (uint16 for 3 bits)."""
+    if bits != 3:
+        return codes
+    quarter = codes.shape[-1] * 2 // 3  # P / 4 bytes of the 2-bit plane, then P / 8
+    low, high = codes[..., :quarter], codes[..., quarter:]
+    nibbles = (high[..., None] >> mx.array(_NIBBLE_SHIFTS, dtype=mx.uint8)) & 15
+    nibbles = nibbles.reshape(*high.shape[:-1], quarter).astype(mx.uint16)
+    return low.astype(mx.uint16) | (nibbles << 8)
+
+
+def lookup_decode(codes: mx.array, bits: int, table: mx.array) -> mx.array:
+    """table values of every coordinate: uint8 codes [..., bytes] -> [..., P]."""
+    groups = group_patterns(codes, bits)
+    return table[groups].reshape(*groups.shape[:-1], groups.shape[-1] * group_size(bits))
