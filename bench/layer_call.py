@@ -3,18 +3,26 @@
     python bench/layer_call.py [--model qwen3-30b-a3b-4layer|demo|PATH] [--dtype float32] [--calls 500]
 
 Prints one JSON object with p50/p99 microseconds of:
-  in_graph_compute  the layer's expert module on device-resident inputs (what monolithic pays)
-  host_round_trip   hidden to host bytes and [k, H] back into an MLX array (no network)
-  worker_run        ExpertCompute.run on a wire message: decode, validate, compute, encode
-  grpc_echo         an ExpertCall/ExpertResult round trip to a worker that does no math
-  dispatcher_call   the real thing: core's dispatcher -> worker process -> back
+  in_graph_compute         the layer's expert module on device-resident inputs (what monolithic pays)
+  host_round_trip          hidden to host bytes and [k, H] back into an MLX array (no network)
+  worker_run               ExpertCompute.run on a wire message: decode, validate, compute, encode
+  dispatcher_call          the real thing: core's dispatcher -> worker process -> back
+  dispatcher_worker_side   the worker's own decode + compute + encode within that call
+  dispatcher_transport     the rest: everything between core's proxy and the worker's compute
+  grpc_echo_idle           the floor: the same Forward round trip (same payload bytes, same client
+                           pattern, on the dispatcher's own I/O loop) to a process that does no math
+  grpc_echo_after_compute  that floor when the echo first stays busy for the worker's compute time
+                           (threads asleep meanwhile wake slower), busy time subtracted
+and transport_above_floor_p50_us = dispatcher_transport p50 - grpc_echo_after_compute p50: what
+moe-mesh's own code adds to what gRPC in Python costs on this machine. The dispatcher and the two
+echoes run in interleaved blocks, so a change in machine load hits all three alike.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -26,6 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode import checkpoint
+from bench.grpc_echo import EchoLink, start_echo_server
 from services.common import tensor_codec
 from services.common.manifest import Manifest
 from services.experts.compute import ExpertCompute
@@ -49,6 +58,22 @@ def timed(fn, calls: int, warmup: int = 20) -> dict:
         fn()
         samples.append((time.perf_counter() - start) * 1e6)
     return percentiles(samples)
+
+
+def interleaved(variants: dict, calls: int, block: int = 25, warmup: int = 20) -> dict[str, list[float]]:
+    """{name: (busy_s, fn)} -> {name: microseconds per call, busy_s subtracted}, run in turns of
+    `block` calls each until every variant made `calls`."""
+    for _, fn in variants.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    while len(samples[next(iter(variants))]) < calls:
+        for name, (busy_s, fn) in variants.items():
+            for _ in range(min(block, calls - len(samples[name]))):
+                start = time.perf_counter()
+                fn()
+                samples[name].append((time.perf_counter() - start - busy_s) * 1e6)
+    return samples
 
 
 def main() -> None:
@@ -100,21 +125,43 @@ def main() -> None:
     report["worker_run"] = timed(lambda: compute.run(call), args.calls)
 
     workdir = Path(tempfile.mkdtemp(prefix="mm-lc-", dir="/tmp"))
-    with linked_dispatcher(split, workdir, [f"0-{layer.num_experts - 1}"]) as (_, dispatcher, _):
-        report["dispatcher_call"] = timed(lambda: dispatcher.call(layer.layer, hidden, ids), args.calls)
-        calls = dispatcher.timings.snapshot()[-args.calls :]
-        report["dispatcher_worker_side"] = percentiles(list(calls[:, 1]))
-        report["dispatcher_transport"] = percentiles(list(calls[:, 0] - calls[:, 1]))
-        bad = expert_pb2.ExpertCall(call_id=2, layer=10**6)  # rejected before any math: a pure round trip
-
-        async def echo():
-            stream = dispatcher.links[0].open_stream()
-            await stream.write(bad)
-            await stream.read()
-
-        report["grpc_echo"] = timed(
-            lambda: asyncio.run_coroutine_threadsafe(echo(), dispatcher.loop).result(), args.calls
-        )
+    compute_s = report["worker_run"]["p50_us"] / 1e6
+    echo_servers = {
+        "grpc_echo_idle": (0.0, f"unix:{workdir / 'echo-idle.sock'}"),
+        "grpc_echo_after_compute": (compute_s, f"unix:{workdir / 'echo-busy.sock'}"),
+    }
+    servers = [
+        start_echo_server(address, busy_s, dict(os.environ)) for busy_s, address in echo_servers.values()
+    ]
+    try:
+        with linked_dispatcher(split, workdir, [f"0-{layer.num_experts - 1}"]) as (_, dispatcher, _):
+            echoes = {
+                name: (busy_s, EchoLink(address, manifest.hidden_size, k, loop=dispatcher.loop))
+                for name, (busy_s, address) in echo_servers.items()
+            }
+            samples = interleaved(
+                {
+                    "dispatcher_call": (0.0, lambda: dispatcher.call(layer.layer, hidden, ids)),
+                    **{name: (busy_s, echo.round_trip) for name, (busy_s, echo) in echoes.items()},
+                },
+                args.calls,
+            )
+            calls = dispatcher.timings.snapshot()[-args.calls :]
+            for echo in echoes.values():
+                echo[1].close()
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait()
+    report["dispatcher_call"] = percentiles(samples["dispatcher_call"])
+    report["dispatcher_worker_side"] = percentiles(list(calls[:, 1]))
+    report["dispatcher_transport"] = percentiles(list(calls[:, 0] - calls[:, 1]))
+    for name in echo_servers:
+        report[name] = percentiles(samples[name])
+    report["echo_busy_us"] = round(compute_s * 1e6, 1)
+    report["transport_above_floor_p50_us"] = round(
+        report["dispatcher_transport"]["p50_us"] - report["grpc_echo_after_compute"]["p50_us"], 1
+    )
     print(json.dumps(report, indent=1))
 
 
