@@ -260,8 +260,9 @@ class Engine:
         try:
             if cache is None:
                 cache = self._new_cache(sequence.kind)
-            (sequence.uid,) = self._generator(sequence.kind).insert(
-                [request.prompt[cached:]],
+            cuts = [cached, *(at for at in request.snapshot_at if at > cached), len(request.prompt)]
+            (sequence.uid,) = self._generator(sequence.kind).insert_segments(
+                [[request.prompt[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]],
                 max_tokens=[request.max_tokens],
                 caches=[cache],
                 all_tokens=[request.prompt[:cached]],

@@ -44,6 +44,10 @@ class PreparedRequest:
     top_logprobs: int
     deadline: float | None = None  # time.monotonic() deadline
     kv_cache: str = ""  # KV cache kind; "" = the launch default (validated by the servicer)
+    # Prompt positions where the prefix cache keeps a snapshot as prefill passes them (the end of
+    # a chat's system prompt): caches that cannot be trimmed back (Gated DeltaNet state, sliding
+    # windows) are reusable only from such exact points.
+    snapshot_at: tuple[int, ...] = ()
     output: OutputSpec = field(default_factory=OutputSpec)  # how the output stream is routed
     created: float = field(default_factory=time.time)
 
@@ -60,7 +64,7 @@ class RequestPreparer:
         """Tokens of a GenerateRequest's or CountTokensRequest's input."""
         kind = request.WhichOneof("input")
         if kind == "chat":
-            return self._chat_tokens(request.chat)
+            return self._render(*self._chat_inputs(request.chat), generation_prompt=True)
         if kind == "prompt":
             if not request.prompt:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
@@ -78,7 +82,27 @@ class RequestPreparer:
             grpc.StatusCode.INVALID_ARGUMENT, "input: one of chat, prompt or token_ids is required"
         )
 
-    def _chat_tokens(self, chat: core_pb2.ChatInput) -> list[int]:
+    def snapshot_points(self, request, prompt: list[int]) -> tuple[int, ...]:
+        """Where the system prompt of a chat ends in `prompt` (as mlx-lm's server finds it: the
+        template rendered for the system messages and an empty user turn, compared token by
+        token), or () when there is none to find."""
+        if request.WhichOneof("input") != "chat":
+            return ()
+        messages, tools, kwargs = self._chat_inputs(request.chat)
+        system = 0
+        while system < len(messages) and messages[system]["role"] == "system":
+            system += 1
+        if system == 0 or messages[-1]["role"] != "user":
+            return ()
+        try:
+            head = self._render(messages[:system] + [{"role": "user", "content": ""}], tools, kwargs, False)
+        except RequestError:
+            return ()
+        end = next((i for i, (a, b) in enumerate(zip(head, prompt, strict=False)) if a != b), 0)
+        return (end,) if 0 < end < len(prompt) - 1 else ()
+
+    def _chat_inputs(self, chat: core_pb2.ChatInput) -> tuple[list[dict], list | None, dict]:
+        """The chat's messages, tools and template arguments as the chat template takes them."""
         if not chat.messages:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, "chat.messages: at least one message is required"
@@ -118,9 +142,14 @@ class RequestPreparer:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"chat.template_kwargs_json: {error}"
             ) from None
+        return messages, tools or None, kwargs
+
+    def _render(
+        self, messages: list[dict], tools: list | None, kwargs: dict, generation_prompt: bool
+    ) -> list[int]:
         try:
             tokens = self.tokenizer.apply_chat_template(
-                messages, tools=tools or None, add_generation_prompt=True, tokenize=True, **kwargs
+                messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=True, **kwargs
             )
         except Exception as error:  # noqa: BLE001 - jinja raises anything for conversations the template refuses
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"chat template: {error}") from None
@@ -194,6 +223,7 @@ class RequestPreparer:
             logprobs=request.logprobs or request.top_logprobs > 0,
             top_logprobs=request.top_logprobs,
             deadline=None if time_remaining is None else time.monotonic() + time_remaining,
+            snapshot_at=self.snapshot_points(request, prompt),
         )
 
 
