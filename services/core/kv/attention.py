@@ -64,8 +64,11 @@ def turboquant_attention(
     keys = mx.concatenate(keys, axis=2) if len(keys) > 1 else keys[0]
     values = mx.concatenate(values, axis=2) if len(values) > 1 else values[0]
 
-    mask = None
-    if L > 1 or start + L > cache.offset:
+    if start + L == cache.offset:
+        # the queries are the newest tokens: bottom-right causal, which lets MLX use its
+        # fused kernel instead of materialising [L, offset] scores against an array mask
+        mask = "causal" if L > 1 else None
+    else:
         query_pos = start + mx.arange(L)
         mask = query_pos[:, None] >= mx.arange(cache.offset)[None, :]
         mask = mask | (query_pos[:, None] >= cache.offset)  # padding rows: see all

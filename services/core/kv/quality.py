@@ -50,12 +50,31 @@ def ensure_dense_demo_model(cache_dir=None):
     return out
 
 
-def load_bench_model(path: str | None = None, dtype: str | None = None):
-    """(model, tokenizer, path) for the KV benches: `path`, or the demo model's dense twin, in `dtype`."""
+def load_bench_model(path: str | None = None, dtype: str | None = None, random_weights: bool = False):
+    """(model, tokenizer, path) for the KV benches: `path`, or the demo model's dense twin, in `dtype`.
+
+    random_weights: build the architecture from `path`'s config.json (quantized as it
+    says) with mlx-lm's random initialisation instead of reading the weights. Speed does
+    not depend on weight values, so a machine without the checkpoint (the GPU host takes
+    64 MiB per transfer) can time the same shapes from config and tokenizer files alone."""
+    from pathlib import Path
+
+    import mlx.nn as nn
     import mlx_lm
+    from mlx_lm.utils import _get_classes, load_config, load_tokenizer
 
     path = path or str(ensure_dense_demo_model())
-    model, tokenizer = mlx_lm.load(path)
+    if random_weights:
+        config = load_config(Path(path))
+        model_class, args_class = _get_classes(config)
+        model = model_class(args_class.from_dict(config))
+        quantization = config.get("quantization")
+        if quantization:
+            nn.quantize(model, group_size=quantization["group_size"], bits=quantization["bits"])
+        mx.eval(model.parameters())
+        tokenizer = load_tokenizer(Path(path))
+    else:
+        model, tokenizer = mlx_lm.load(path)
     if dtype:
         model.set_dtype(getattr(mx, dtype))
     return model, tokenizer, path
