@@ -99,6 +99,12 @@ def _compiled_step(scale: float, key_bits: int, value_bits: int, qjl: bool, runs
     return mx.compile(step)
 
 
+@lru_cache(maxsize=4096)
+def _lengths(sink_length: int, compressed_length: int, recent_length: int) -> mx.array:
+    # every layer of a step has the same lengths: one small array per step, not per layer
+    return mx.array([sink_length, compressed_length, recent_length], mx.int32)
+
+
 def decode_attention(queries: mx.array, cache, scale: float) -> mx.array:
     """softmax(q k^T * scale) v for the last L queries of `cache` (a TurboQuantKVCache),
     causal among themselves; the twin's numbers, from the compressed codes."""
@@ -120,13 +126,10 @@ def decode_attention(queries: mx.array, cache, scale: float) -> mx.array:
             value_codec.centroid_table,
             value_codec.rotation.matrix_t,
         )
-    lengths = mx.array(
-        [
-            len(sinks) and sinks[0].shape[2],
-            cache.compressed_length,
-            len(recent) and cache.recent_buffer.length,
-        ],
-        mx.int32,
+    lengths = _lengths(
+        sinks[0].shape[2] if sinks else 0,
+        cache.compressed_length,
+        cache.recent_buffer.length if recent else 0,
     )
     step = _compiled_step(
         float(scale),

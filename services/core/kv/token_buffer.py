@@ -11,8 +11,16 @@ or sliced views (`views`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import mlx.core as mx
+
+
+@lru_cache(maxsize=4096)
+def token_index(n: int) -> mx.array:
+    """mx.array([n]) (int32), made once: every layer of a step appends at the same index,
+    and on a GPU each new small array is a host-to-device copy."""
+    return mx.array([n], mx.int32)
 
 
 def _round_up(n: int, step: int) -> int:
@@ -63,7 +71,7 @@ class TokenBuffer:
         n = new[0].shape[2]
         end = self.length + n
         if end <= self.capacity:
-            start = mx.array([self.length], mx.int32)
+            start = token_index(self.length)
             arrays = tuple(
                 mx.slice_update(a, u.astype(a.dtype), start, (2,))
                 for a, u in zip(self.arrays, new, strict=True)
