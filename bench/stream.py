@@ -127,9 +127,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--layers", type=int, default=6, help="MoE layers (6: 2.3 GB of experts)")
-    parser.add_argument("--rounds", type=int, default=6, help="decode rounds per configuration")
+    parser.add_argument("--rounds", type=int, default=7, help="decode rounds per configuration")
     parser.add_argument("--tokens", type=int, default=8, help="tokens per decode round")
-    parser.add_argument("--probe-seconds", type=float, default=0.2, help="per queue depth per probe")
+    parser.add_argument("--probe-seconds", type=float, default=0.25, help="per queue depth per probe")
     parser.add_argument("--keep-model", action="store_true", help="keep the bench split for the next run")
     parser.add_argument("--build-only", action="store_true", help="build the bench split and stop")
     args = parser.parse_args()
