@@ -11,8 +11,9 @@ Prints one JSON object with p50/p99 microseconds of:
   dispatcher_transport     the rest: everything between core's proxy and the worker's compute
   grpc_echo_idle           the floor: the same Forward round trip (same payload bytes, same client
                            pattern, on the dispatcher's own I/O loop) to a process that does no math
-  grpc_echo_after_compute  that floor when the echo first stays busy for the worker's compute time
-                           (threads asleep meanwhile wake slower), busy time subtracted
+  grpc_echo_after_compute  that floor when the echo first stays busy (on the CPU, GIL released) as
+                           long as the worker's side of a real call takes (median of 100 warm-up
+                           calls; threads asleep meanwhile wake slower), busy time subtracted
 and transport_above_floor_p50_us = dispatcher_transport p50 - grpc_echo_after_compute p50: what
 moe-mesh's own code adds to what gRPC in Python costs on this machine. The dispatcher and the two
 echoes run in interleaved blocks, so a change in machine load hits all three alike.
@@ -125,30 +126,29 @@ def main() -> None:
     report["worker_run"] = timed(lambda: compute.run(call), args.calls)
 
     workdir = Path(tempfile.mkdtemp(prefix="mm-lc-", dir="/tmp"))
-    compute_s = report["worker_run"]["p50_us"] / 1e6
-    echo_servers = {
-        "grpc_echo_idle": (0.0, f"unix:{workdir / 'echo-idle.sock'}"),
-        "grpc_echo_after_compute": (compute_s, f"unix:{workdir / 'echo-busy.sock'}"),
-    }
-    servers = [
-        start_echo_server(address, busy_s, dict(os.environ)) for busy_s, address in echo_servers.values()
-    ]
+    servers = []
     try:
         with linked_dispatcher(split, workdir, [f"0-{layer.num_experts - 1}"]) as (_, dispatcher, _):
-            echoes = {
-                name: (busy_s, EchoLink(address, manifest.hidden_size, k, loop=dispatcher.loop))
-                for name, (busy_s, address) in echo_servers.items()
-            }
+            # The echo stays busy as long as the worker's side of a real call takes, measured here.
+            for _ in range(100):
+                dispatcher.call(layer.layer, hidden, ids)
+            compute_s = float(np.median(dispatcher.timings.snapshot()[:, 1])) / 1e6
+            echo_busy = {"grpc_echo_idle": 0.0, "grpc_echo_after_compute": compute_s}
+            echoes = {}
+            for name, busy_s in echo_busy.items():
+                address = f"unix:{workdir / name}.sock"
+                servers.append(start_echo_server(address, busy_s, dict(os.environ)))
+                echoes[name] = EchoLink(address, manifest.hidden_size, k, loop=dispatcher.loop)
             samples = interleaved(
                 {
                     "dispatcher_call": (0.0, lambda: dispatcher.call(layer.layer, hidden, ids)),
-                    **{name: (busy_s, echo.round_trip) for name, (busy_s, echo) in echoes.items()},
+                    **{name: (echo_busy[name], echo.round_trip) for name, echo in echoes.items()},
                 },
                 args.calls,
             )
             calls = dispatcher.timings.snapshot()[-args.calls :]
             for echo in echoes.values():
-                echo[1].close()
+                echo.close()
     finally:
         for server in servers:
             server.kill()
@@ -156,7 +156,7 @@ def main() -> None:
     report["dispatcher_call"] = percentiles(samples["dispatcher_call"])
     report["dispatcher_worker_side"] = percentiles(list(calls[:, 1]))
     report["dispatcher_transport"] = percentiles(list(calls[:, 0] - calls[:, 1]))
-    for name in echo_servers:
+    for name in echo_busy:
         report[name] = percentiles(samples[name])
     report["echo_busy_us"] = round(compute_s * 1e6, 1)
     report["transport_above_floor_p50_us"] = round(

@@ -319,9 +319,12 @@ class ExpertDispatcher:
                 raise
             plan = _plan(owners, host_hidden, ids)
         # The coroutine object is made here; the loop only has to start it.
-        self.loop.call_soon_threadsafe(
-            self.loop.create_task, self._roundtrip(layer, plan, host_hidden, ids, BATCH_REQUEST_IDS.get())
-        )
+        roundtrip = self._roundtrip(layer, plan, host_hidden, ids, BATCH_REQUEST_IDS.get())
+        try:
+            self.loop.call_soon_threadsafe(self.loop.create_task, roundtrip)
+        except RuntimeError:  # the loop is closed: the dispatcher was closed
+            roundtrip.close()
+            raise
         ok, results = self._replies.get()
         if not ok:
             expert_metrics.LAYER_CALL_FAILURES.labels(results.code.name).inc()

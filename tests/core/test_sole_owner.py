@@ -1,0 +1,51 @@
+"""The dispatcher's shortcut for a layer that one worker holds whole (no sockets)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from services.common.manifest import Manifest
+from services.core.expert_client import ExpertDispatcher
+from services.proto.moemesh.v1 import expert_pb2
+
+
+def _link(layers: list[int], experts: list[int], up: bool = True):
+    describe = expert_pb2.DescribeResponse()
+    for layer in layers:
+        describe.layers.add(layer=layer, experts=experts)
+    return SimpleNamespace(up=up, describe=describe, reconnecting=None)
+
+
+@pytest.fixture
+def dispatcher(tiny_models):
+    manifest = Manifest.load(tiny_models.split("qwen3_moe", None))
+    dispatcher = ExpertDispatcher(manifest, ["unix:/nonexistent.sock"])
+    yield dispatcher
+    dispatcher.links = []
+    dispatcher.close()
+
+
+def test_only_a_layer_held_whole_by_one_live_worker_skips_routing(dispatcher):
+    first, *rest = dispatcher.manifest.layer_indices
+    everything = list(range(dispatcher.manifest.num_experts))
+    dispatcher.links = [_link([first], everything), _link(rest, everything[:4]), _link(rest, everything[4:])]
+    dispatcher._rebuild_routes()
+    assert dispatcher._sole_owner == {first: 0}  # the other layers are split over two workers
+
+    dispatcher.links.append(_link([first], everything))  # a replica: calls must spread again
+    dispatcher._rebuild_routes()
+    assert first not in dispatcher._sole_owner
+
+    dispatcher.links[0].up = False  # the replica is now the only live holder
+    dispatcher._rebuild_routes()
+    assert dispatcher._sole_owner == {first: 3}
+
+    dispatcher.links[3].up = False  # nobody: no shortcut, and the gap is named
+    dispatcher._rebuild_routes()
+    assert dispatcher._sole_owner == {}
+    assert (
+        f"layer {first} experts 0-{len(everything) - 1} have no reachable worker"
+        in dispatcher.coverage_gaps()
+    )
