@@ -12,8 +12,8 @@ Prints one JSON object with p50/p99 microseconds of:
   grpc_echo_idle           the floor: the same Forward round trip (same payload bytes, same client
                            pattern, on the dispatcher's own I/O loop) to a process that does no math
   grpc_echo_after_compute  that floor when the echo first stays busy (on the CPU, GIL released) as
-                           long as the worker's side of a real call takes (median of 100 warm-up
-                           calls; threads asleep meanwhile wake slower), busy time subtracted
+                           long as the worker's side of a real call takes (median of the last 100
+                           of 150 warm-up calls; threads asleep meanwhile wake slower), busy time subtracted
 and transport_above_floor_p50_us = dispatcher_transport p50 - grpc_echo_after_compute p50: what
 moe-mesh's own code adds to what gRPC in Python costs on this machine. The dispatcher and the two
 echoes run in interleaved blocks, so a change in machine load hits all three alike.
@@ -130,9 +130,9 @@ def main() -> None:
     try:
         with linked_dispatcher(split, workdir, [f"0-{layer.num_experts - 1}"]) as (_, dispatcher, _):
             # The echo stays busy as long as the worker's side of a real call takes, measured here.
-            for _ in range(100):
+            for _ in range(150):
                 dispatcher.call(layer.layer, hidden, ids)
-            compute_s = float(np.median(dispatcher.timings.snapshot()[:, 1])) / 1e6
+            compute_s = float(np.median(dispatcher.timings.snapshot()[-100:, 1])) / 1e6
             echo_busy = {"grpc_echo_idle": 0.0, "grpc_echo_after_compute": compute_s}
             echoes = {}
             for name, busy_s in echo_busy.items():
