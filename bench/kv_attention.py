@@ -2,23 +2,30 @@
 
     python bench/kv_attention.py                       # 1K/4K/16K, head_dim 64 and 128
     python bench/kv_attention.py --contexts 4096 --head-dims 128
+    python bench/kv_attention.py --prefill-chunk 256    # also: store + attend a prompt chunk
 
 Isolates what the KV cache costs per decode step (the whole-model bench/kv.py needs a
 16K-token prefill, which takes hours on a small CPU). Cache: random keys/values
 stored through TurboQuantKVCache's own update path (default settings); fp16: mlx-lm's
 fused scaled_dot_product_attention over the same keys in float16 (float32 on CPUs,
 where MLX has no fast float16 path). Best of `--repeats`; prints one JSON object.
+
+With `--prefill-chunk N`, each row also times one prefill chunk of N new tokens at that
+context: stored (fp16: mlx-lm's KVCache, in place; TurboQuant: its own update, which
+compresses what ages) and attended causally.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -36,6 +43,40 @@ def best_ms(fn, repeats: int, inner: int = 10) -> float:
     return best * 1e3
 
 
+def prefill_row(cache, keys, values, args, dtype, scale) -> dict:
+    chunk = args.prefill_chunk
+    dim = keys.shape[-1]
+    new_k, new_v, queries = (
+        mx.random.normal((1, h, chunk, dim)).astype(dtype)
+        for h in (args.kv_heads, args.kv_heads, args.q_heads)
+    )
+    plain = KVCache()
+    plain.update_and_fetch(keys, values)
+    mx.eval(plain.state)
+
+    def fp16_chunk():
+        k, v = plain.update_and_fetch(new_k, new_v)
+        mx.eval(mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask="causal"))
+        plain.trim(chunk)
+
+    def turboquant_chunk():
+        twin = copy.copy(cache)  # shares the stored arrays; the update builds new ones
+        twin.update_and_fetch(new_k, new_v)
+        mx.eval(turboquant_attention(queries, twin, scale), twin.state)
+
+    times = {}
+    for _ in range(max(1, args.repeats // 2)):
+        for name, fn in (("fp16", fp16_chunk), ("turboquant", turboquant_chunk)):
+            start = time.perf_counter()
+            fn()
+            times[name] = min(times.get(name, float("inf")), time.perf_counter() - start)
+    return {
+        "prefill_fp16_ms": round(times["fp16"] * 1e3, 2),
+        "prefill_turboquant_ms": round(times["turboquant"] * 1e3, 2),
+        "prefill_speed_ratio": round(times["fp16"] / times["turboquant"], 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -43,6 +84,7 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--q-heads", type=int, default=9)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--prefill-chunk", type=int, default=0, help="also time a prefill chunk (0: no)")
     args = parser.parse_args()
     dtype = mx.float32 if mx.default_device() == mx.cpu else mx.float16
     settings = KVCacheSettings()
@@ -72,6 +114,8 @@ def main() -> None:
                 "speed_ratio": round(fp16 / tq, 3),
                 "bytes_ratio_vs_fp16": round(2 * keys.size * 2 / cache.nbytes, 2),  # K and V, 2 bytes each
             }
+            if args.prefill_chunk:
+                rows[f"d{dim}/{n}"].update(prefill_row(cache, keys, values, args, dtype, scale))
             print(json.dumps({"progress": f"d{dim}/{n}", **rows[f"d{dim}/{n}"]}), file=sys.stderr, flush=True)
     result["rows"] = rows
     print(json.dumps(result))

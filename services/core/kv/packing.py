@@ -94,14 +94,14 @@ _NIBBLE_SHIFTS = (0, 4)
 
 
 def group_patterns(codes: mx.array, bits: int) -> mx.array:
-    """The table row of every group: uint8 [..., P / group_size] (uint16 for 3 bits)."""
+    """The table row of every group: uint8 [..., P / group_size] (int32 for 3 bits)."""
     if bits != 3:
         return codes
     quarter = codes.shape[-1] * 2 // 3  # P / 4 bytes of the 2-bit plane, then P / 8
     low, high = codes[..., :quarter], codes[..., quarter:]
     nibbles = (high[..., None] >> mx.array(_NIBBLE_SHIFTS, dtype=mx.uint8)) & 15
-    nibbles = nibbles.reshape(*high.shape[:-1], quarter).astype(mx.uint16)
-    return low.astype(mx.uint16) | (nibbles << 8)
+    nibbles = nibbles.reshape(*high.shape[:-1], quarter).astype(mx.int32)
+    return low.astype(mx.int32) | (nibbles << 8)
 
 
 def lookup_decode(codes: mx.array, bits: int, table: mx.array) -> mx.array:
