@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -114,6 +115,8 @@ def main() -> None:
     report["call_p50_saved_us"] = round(
         report["base"]["call"]["p50_us"] - report["current"]["call"]["p50_us"], 1
     )
+    # This box is shared: the load says how much the numbers can be trusted.
+    report["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps(report, indent=1))
 
 
