@@ -16,9 +16,11 @@ from services.proto.moemesh.v1 import expert_pb2
 
 log = get_logger(__name__)
 
-# Chosen by bench/stream.py (README, "Expert streaming"): direct I/O read 0.98 GB/s on average vs
-# 0.85 through the page cache, and leaves no second copy of streamed experts in the page cache;
-# lfu-decay tied LRU on the bench model's routing and beat it on Zipf-skewed routing (0.60 vs 0.56).
+# Chosen by bench/stream.py (README, "Expert streaming"; bench/results/stream-cpu-x86-2core-v2.json):
+# at a 25 % budget direct I/O streamed 1.01 GB/s (median of 7 rounds) vs 0.71 through the page cache
+# kept cold (direct was faster in each of 4 runs), and it leaves no second copy of streamed experts in
+# the page cache; lfu-decay tied LRU on the bench model's routing (0.8905 vs 0.8888 hit rate) and beat
+# it on Zipf-skewed routing (0.60 vs 0.56).
 DEFAULT_IO_MODE = "direct"
 DEFAULT_POLICY = "lfu-decay"
 TRACE_ENV = "MOE_MESH_EXPERT_TRACE"  # a file: one line per call, "layer expert expert ..." (benchmarks)
