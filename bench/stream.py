@@ -145,6 +145,7 @@ def main() -> None:
     experts_total = per_expert * manifest.num_experts * len(manifest.layers)
     log(f"{split}: {experts_total / 1e9:.2f} GB of experts, record {manifest.layers[0].record_size} bytes")
 
+    load_before = os.getloadavg()[0]  # this box is shared: say how busy it was
     workdir = Path(tempfile.mkdtemp(prefix="mm-stream-", dir="/tmp"))
     runs: list[tuple[dict, dict]] = []  # (summary, raw rounds and probes)
 
@@ -233,6 +234,7 @@ def main() -> None:
     result = {
         "bench": "stream",
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
+        "load_average_1min": {"start": round(load_before, 2), "end": round(os.getloadavg()[0], 2)},
         "model": f"random qwen3_moe, Qwen3-30B-A3B MoE shape, {len(manifest.layers)} MoE layers, 4-bit (group 64)",
         "expert_bytes": experts_total,
         "record_size": manifest.layers[0].record_size,
