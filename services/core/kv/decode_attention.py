@@ -47,9 +47,7 @@ def _compiled_step(scale: float, key_bits: int, value_bits: int, qjl: bool, runs
         sink_len, compressed_len, recent_len = lengths[0], lengths[1], lengths[2]
         offset = sink_len + compressed_len + recent_len
         query_pos = mx.tile(offset - L + mx.arange(L), (rep,))[:, None]
-        scores = []
-        if has_sinks:
-            scores.append(q @ sinks[0].astype(mx.float32).swapaxes(-1, -2))
+        scores, exact_values, packed_values = [], None, None
         if has_compressed:
             rotation, qjl_t, key_table, sign_table, value_table, unrotation = constants
             norm, codes = compressed[0], compressed[1]
@@ -67,32 +65,32 @@ def _compiled_step(scale: float, key_bits: int, value_bits: int, qjl: bool, runs
             slot = mx.arange(norm.shape[-1])
             visible = (slot < compressed_len) & (sink_len + slot <= query_pos)
             scores.append(mx.where(visible, s, _MASKED))
-        if has_recent:
-            s = q @ recent[0].astype(mx.float32).swapaxes(-1, -2)
-            slot = mx.arange(recent[0].shape[2])
-            visible = (slot < recent_len) & (sink_len + compressed_len + slot <= query_pos)
+            packed_values = compressed[-2:]
+        if exact:
+            # sinks and window scored as one run (softmax does not care about order):
+            # slot i < sinks is position i; the window's slot j is sinks + compressed + j
+            keys = mx.concatenate([sinks[0], recent[0]], axis=2) if has_sinks and has_recent else exact[0]
+            exact_values = (
+                mx.concatenate([sinks[1], recent[1]], axis=2) if has_sinks and has_recent else exact[1]
+            )
+            s = q @ keys.astype(mx.float32).swapaxes(-1, -2)
+            slot = mx.arange(keys.shape[2])
+            in_window = slot >= sink_len
+            position = mx.where(in_window, slot + compressed_len, slot)
+            visible = (position <= query_pos) & (slot < sink_len + recent_len)
             scores.append(mx.where(visible, s, _MASKED))
         weights = mx.softmax(
             mx.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0], axis=-1, precise=True
         )
-        out, begin = None, 0
-        for present, values, kind in (
-            (has_sinks, sinks, "exact"),
-            (has_compressed, compressed, "packed"),
-            (has_recent, recent, "exact"),
-        ):
-            if not present:
-                continue
-            if kind == "exact":
-                length = values[1].shape[2]
-                term = weights[..., begin : begin + length] @ values[1].astype(mx.float32)
-            else:
-                value_norm, value_codes = values[-2], values[-1]
-                length = value_norm.shape[-1]
-                w = weights[..., begin : begin + length] * value_norm.astype(mx.float32)[..., None, :]
-                term = (w @ lookup_decode(value_codes, value_bits, value_table)) @ unrotation
-                term = term[..., :D]
-            begin += length
+        out = None
+        if packed_values is not None:
+            value_norm, value_codes = packed_values
+            length = value_norm.shape[-1]
+            w = weights[..., :length] * value_norm.astype(mx.float32)[..., None, :]
+            out = ((w @ lookup_decode(value_codes, value_bits, value_table)) @ unrotation)[..., :D]
+            weights = weights[..., length:]
+        if exact_values is not None:
+            term = weights @ exact_values.astype(mx.float32)
             out = term if out is None else out + term
         return out.reshape(B, n_q_heads, L, D).astype(queries.dtype)
 
