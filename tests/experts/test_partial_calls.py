@@ -1,0 +1,60 @@
+"""Calls that ask only some (token, expert) pairs (-1 elsewhere), as core sends when a layer's
+experts are spread over workers: the worker returns exactly mlx-lm's rows for the asked pairs."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+
+from services.common import tensor_codec
+from services.common.manifest import Manifest
+from services.common.model_build import expert_modules
+from services.experts.compute import ExpertCompute
+from services.experts.store import ResidentExpertStore
+from services.proto.moemesh.v1 import expert_pb2
+
+LAYER = 1
+
+CASES = {
+    # every token asks two pairs: the worker keeps them as each token's experts
+    "same count per token": [[0, -1, 3, -1], [-1, 5, -1, 1], [7, 2, -1, -1]],
+    "decode step, one token": [[-1, 4, -1, 6]],
+    # uneven: one row per pair
+    "different counts per token": [[0, 1, 3, -1], [-1, -1, -1, 1], [7, -1, -1, -1]],
+    "a token asks nothing": [[0, 1, -1, -1], [-1, -1, -1, -1], [2, 3, -1, -1]],
+}
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_models):
+    split = tiny_models.split("qwen3_moe", None)
+    manifest = Manifest.load(split)
+    owned = {layer.layer: list(range(layer.num_experts)) for layer in manifest.layers}
+    compute = ExpertCompute(ResidentExpertStore(split, manifest, owned))
+    model, _ = mlx_lm.load(str(tiny_models.checkpoint("qwen3_moe", None)))
+    switch = dict(expert_modules(model))[f"model.layers.{LAYER}.mlp.switch_mlp"]
+    return compute, switch, manifest.hidden_size
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_asked_pairs_equal_mlx_lm_rows_in_order(setup, name):
+    compute, switch, hidden_size = setup
+    ids = np.array(CASES[name], dtype=np.int32)
+    hidden = mx.random.normal((ids.shape[0], hidden_size), key=mx.random.key(len(name)))
+    call = expert_pb2.ExpertCall(
+        call_id=1,
+        layer=LAYER,
+        hidden=tensor_codec.encode(hidden),
+        expert_ids=tensor_codec.encode(mx.array(ids)),
+    )
+    result = compute.run(call)
+    asked = ids >= 0
+    got = np.array(tensor_codec.decode(result.output, "output", 1 << 30))
+    # mlx-lm's module on every pair (unasked ones pointed at expert 0), then the asked rows in
+    # row-major order, which is the order the reply promises.
+    want = np.array(switch(hidden, mx.array(np.where(asked, ids, 0))))[asked]
+    assert got.shape == (int(asked.sum()), hidden_size)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert result.stats.pairs == int(asked.sum())
