@@ -99,23 +99,6 @@ class TurboQuantCodec:
     def unrotate(self, rotated: mx.array) -> mx.array:
         return self.rotation.inverse(rotated)
 
-    def augment_queries(self, rotated_queries: mx.array) -> mx.array:
-        """[Fq, S Fq]: with `augmented_keys`, one dot product gives the full QJL estimate."""
-        if not self.qjl:
-            return rotated_queries
-        return mx.concatenate([rotated_queries, rotated_queries @ self.qjl_matrix_t], axis=-1)
-
-    def augmented_keys(self, tokens: CompressedTokens, dtype=mx.float32) -> mx.array:
-        """[|k| c, |k| |r| qjl_scale sign(S r)], [B, H, T, P or 2P], such that
-        <augment_queries(Fq), augmented_keys> == key_scores(Fq). Lets a fused attention
-        kernel score compressed keys; transient, one layer at a time."""
-        norm = tokens.norm.astype(dtype)[..., None]
-        mse = self.centroid_values(tokens).astype(dtype) * norm
-        if not self.qjl:
-            return mse
-        weight = tokens.residual_norm.astype(dtype)[..., None] * norm
-        return mx.concatenate([mse, self.scaled_signs(tokens).astype(dtype) * weight], axis=-1)
-
     def estimated_keys(self, tokens: CompressedTokens, dtype=mx.float32) -> mx.array:
         """|k| (c + qjl_scale |r| S^T sign(S r)), [B, H, T, P]: the key whose plain dot
         product with a rotated query Fq is the unbiased estimate, since
@@ -127,13 +110,6 @@ class TurboQuantCodec:
             residual = self.scaled_signs(tokens) @ self.qjl_matrix  # rows: sign^T S
             keys = keys + residual * tokens.residual_norm.astype(mx.float32)[..., None]
         return (keys * tokens.norm.astype(mx.float32)[..., None]).astype(dtype)
-
-    def rotate_exact_keys(self, keys: mx.array) -> mx.array:
-        """Exact keys in the augmented rotated domain ([Fk, 0]): scored by the same query."""
-        rotated = self.rotation.forward(keys)
-        if not self.qjl:
-            return rotated
-        return mx.concatenate([rotated, mx.zeros_like(rotated)], axis=-1)
 
     def key_scores(self, rotated_queries: mx.array, tokens: CompressedTokens) -> mx.array:
         """<q, k> estimates, [B, H, L, T], for rotated queries [B, H, L, P]."""
