@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import platform
 import statistics
@@ -215,9 +216,11 @@ def main() -> None:
         "models": {},
     }
     for name in args.models.split(","):
-        result["models"][name] = bench_model(
-            name, args.tokens, args.rounds, args.max_num_batched_tokens, extras=name == "demo"
-        )
+        # Model building prints (mlx-lm's quantizer): keep stdout for the JSON alone.
+        with contextlib.redirect_stdout(sys.stderr):
+            result["models"][name] = bench_model(
+                name, args.tokens, args.rounds, args.max_num_batched_tokens, extras=name == "demo"
+            )
     print(json.dumps(result, indent=2))
 
 
