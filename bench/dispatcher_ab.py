@@ -74,10 +74,7 @@ def main() -> None:
     split = resolve_split(str(checkpoint(args.model, args.dtype)))
     manifest = Manifest.load(split)
     layer = manifest.layers[0]
-    k = (
-        manifest.config.get("num_experts_per_tok")
-        or (manifest.config.get("text_config") or {})["num_experts_per_tok"]
-    )
+    k = manifest.experts_per_token
     hidden = mx.random.normal((1, manifest.hidden_size)).astype(mx.float32)
     rng = np.random.default_rng(0)
     ids = mx.array(rng.choice(layer.num_experts, size=(1, k), replace=False).astype(np.int32))

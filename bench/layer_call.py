@@ -90,10 +90,7 @@ def main() -> None:
     split = resolve_split(str(checkpoint(args.model, args.dtype)))
     manifest = Manifest.load(split)
     layer = manifest.layers[0]
-    k = (
-        manifest.config.get("num_experts_per_tok")
-        or (manifest.config.get("text_config") or {})["num_experts_per_tok"]
-    )
+    k = manifest.experts_per_token
     dtype = tensor_codec.MLX_DTYPE_BY_NAME[manifest.dtype]
     compute = ExpertCompute(
         ResidentExpertStore(split, manifest, {layer.layer: list(range(layer.num_experts))})

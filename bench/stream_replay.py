@@ -26,12 +26,12 @@ def load_trace(trace: Path) -> list[tuple[int, list[int]]]:
     ]
 
 
-def misses_per_call(calls: list[tuple[int, list[int]]], slots: int, policy_name: str) -> list[list]:
-    """Each call's missed (layer, expert) keys under `policy_name` with `slots` slots."""
-    policy, cached, out = make_policy(policy_name, slots), set(), []
+def simulate(calls: list[tuple[int, list[int]]], slots: int, policy_name: str):
+    """Replay `calls` through a `policy_name` cache of `slots` slots; per call yields (layer,
+    experts, the keys resident before it, the keys it missed)."""
+    policy, cached = make_policy(policy_name, slots), set()
     for layer, experts in calls:
-        pinned = {(layer, e) for e in experts}
-        missed = []
+        before, pinned, missed = set(cached), {(layer, e) for e in experts}, []
         for key in sorted(pinned, key=lambda k: k not in cached):  # hits first, as plan() orders
             if key not in cached:
                 missed.append(key)
@@ -41,8 +41,12 @@ def misses_per_call(calls: list[tuple[int, list[int]]], slots: int, policy_name:
                     policy.forget(victim)
                 cached.add(key)
             policy.touch(key)
-        out.append(missed)
-    return out
+        yield layer, experts, before, missed
+
+
+def misses_per_call(calls: list[tuple[int, list[int]]], slots: int, policy_name: str) -> list[list]:
+    """Each call's missed (layer, expert) keys under `policy_name` with `slots` slots."""
+    return [missed for *_, missed in simulate(calls, slots, policy_name)]
 
 
 def replay_policies(trace: Path, slots: int) -> dict:
@@ -76,21 +80,11 @@ def prefetch_bound(trace: Path, slots: int) -> dict:
     """Would "this layer's experts of the previous token" have prefetched the misses?"""
     previous: dict[int, set[int]] = {}
     predicted_misses = misses = predicted = 0
-    policy, cached = make_policy("lru", slots), set()
-    for layer, experts in load_trace(trace):
+    for layer, experts, cached, missed in simulate(load_trace(trace), slots, "lru"):
         guess = previous.get(layer, set())
-        pinned = {(layer, e) for e in experts}
         predicted += len([e for e in guess if (layer, e) not in cached])  # what a prefetch would read
-        for key in pinned:
-            if key not in cached:
-                misses += 1
-                predicted_misses += key[1] in guess
-                if len(cached) >= slots:
-                    victim = policy.victim(pinned)
-                    cached.discard(victim)
-                    policy.forget(victim)
-                cached.add(key)
-            policy.touch(key)
+        misses += len(missed)
+        predicted_misses += sum(expert in guess for _, expert in missed)
         previous[layer] = set(experts)
     return {
         "misses": misses,

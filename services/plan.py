@@ -13,19 +13,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from services.common.manifest import Manifest
+from services.common.manifest import Manifest, experts_per_token
 
 
 def _text_config(config: dict) -> dict:
     return {**config, **(config.get("text_config") or {})}
-
-
-def _top_k(config: dict) -> int:
-    text = _text_config(config)
-    for key in ("num_experts_per_tok", "moe_topk", "top_k", "experts_per_token"):
-        if key in text:
-            return int(text[key])
-    return 1
 
 
 def kv_bytes_per_token(config: dict, element_bytes: float) -> tuple[float, str]:
@@ -107,7 +99,7 @@ def memory_plan(
     if not 1 <= workers <= experts_per_layer:
         raise ValueError(f"--workers must be between 1 and {experts_per_layer}")
     budget = int(memory_gb * 1e9)
-    top_k = _top_k(config)
+    top_k = experts_per_token(config)
     bounds = [round(i * experts_per_layer / workers) for i in range(workers + 1)]
     plan_workers = []
     ssd_bytes_per_token = 0.0

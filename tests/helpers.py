@@ -10,13 +10,23 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.grpc_util import normalize_address
+from services.proto.moemesh.v1 import expert_pb2
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def fake_link(layers: list[int], experts: list[int], up: bool = True) -> SimpleNamespace:
+    """What ExpertDispatcher keeps of a worker link, for routing tests without sockets."""
+    describe = expert_pb2.DescribeResponse()
+    for layer in layers:
+        describe.layers.add(layer=layer, experts=experts)
+    return SimpleNamespace(up=up, describe=describe, reconnecting=None)
 
 
 def free_port() -> int:

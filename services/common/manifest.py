@@ -82,6 +82,10 @@ class Manifest:
     def layer_indices(self) -> list[int]:
         return [layer.layer for layer in self.layers]
 
+    @property
+    def experts_per_token(self) -> int:
+        return experts_per_token(self.config)
+
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1))
 
@@ -106,6 +110,15 @@ class Manifest:
             MoeLayer(**{**l, "tensors": [ExpertTensor(**t) for t in l["tensors"]]}) for l in raw.pop("layers")
         ]
         return cls(layers=layers, **raw)
+
+
+def experts_per_token(config: dict) -> int:
+    """The router's top-k, whatever the architecture's config calls it (1 if it names none)."""
+    text = {**config, **(config.get("text_config") or {})}
+    for key in ("num_experts_per_tok", "moe_topk", "top_k", "experts_per_token"):
+        if key in text:
+            return int(text[key])
+    return 1
 
 
 def record_layout(tensors: list[tuple[str, str, list[int], int]]) -> tuple[list[ExpertTensor], int]:

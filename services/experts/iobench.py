@@ -33,6 +33,27 @@ def record_files(path: Path, record_size: int | None) -> tuple[list[Path], int]:
     raise ValueError(f"{path}: neither a split folder (manifest.json) nor a file")
 
 
+def _open_cold(files: list[Path], record_size: int, mode: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """Open `files` for `mode` with nothing of them in the page cache; every record's (fd, offset)."""
+    fds = [open_record_file(f, mode) for f in files]
+    try:
+        if mode == "buffered":
+            for f in files:
+                drop_page_cache(f)
+        slots = [
+            (fd, i * record_size)
+            for fd, f in zip(fds, files, strict=True)
+            for i in range(os.path.getsize(f) // record_size)
+        ]
+        if not slots:
+            raise ValueError(f"files smaller than one record ({record_size} bytes)")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds, slots
+
+
 def measure(
     files: list[Path],
     record_size: int,
@@ -49,18 +70,8 @@ def measure(
     should pass different `seeds`, so they read different records in a different order.
     """
     min_reads = min_reads or 4 * queue_depth
-    fds = [open_record_file(f, mode) for f in files]
+    fds, slots = _open_cold(files, record_size, mode)
     try:
-        if mode == "buffered":
-            for f in files:
-                drop_page_cache(f)
-        slots = [
-            (fd, i * record_size)
-            for fd, f in zip(fds, files, strict=True)
-            for i in range(os.path.getsize(f) // record_size)
-        ]
-        if not slots:
-            raise ValueError(f"files smaller than one record ({record_size} bytes)")
         random.Random(queue_depth if seed is None else seed).shuffle(slots)
         cursor = iter(range(1 << 62))
         lock = threading.Lock()
@@ -114,18 +125,8 @@ def measure_paced(
     issued back to back, which the continuous runs of `measure` never see. GB/s here is bytes
     over the time spent inside the reads, the same definition as the worker's read GB/s.
     """
-    fds = [open_record_file(f, mode) for f in files]
+    fds, slots = _open_cold(files, record_size, mode)
     try:
-        if mode == "buffered":
-            for f in files:
-                drop_page_cache(f)
-        slots = [
-            (fd, i * record_size)
-            for fd, f in zip(fds, files, strict=True)
-            for i in range(os.path.getsize(f) // record_size)
-        ]
-        if not slots:
-            raise ValueError(f"files smaller than one record ({record_size} bytes)")
         rng = random.Random(seed)
         buffer = aligned_buffer(record_size)
         total, latencies = 0, []

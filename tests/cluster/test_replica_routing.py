@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import grpc
 import numpy as np
 import pytest
 
 from services.common.manifest import Manifest
 from services.core.expert_client import ExpertCallError, ExpertDispatcher, _plan
-from services.proto.moemesh.v1 import expert_pb2
-
-
-def _link(layers: list[int], experts: list[int], up: bool = True):
-    describe = expert_pb2.DescribeResponse()
-    for layer in layers:
-        describe.layers.add(layer=layer, experts=experts)
-    return SimpleNamespace(up=up, describe=describe, reconnecting=None)
+from tests.helpers import fake_link
 
 
 @pytest.fixture
@@ -26,9 +17,9 @@ def dispatcher(tiny_models):
     dispatcher = ExpertDispatcher(manifest, ["unix:/nonexistent.sock"])
     layers = manifest.layer_indices
     dispatcher.links = [
-        _link(layers, [0, 1, 2, 3]),
-        _link(layers, [4, 5, 6, 7]),
-        _link(layers, list(range(8))),
+        fake_link(layers, [0, 1, 2, 3]),
+        fake_link(layers, [4, 5, 6, 7]),
+        fake_link(layers, list(range(8))),
     ]
     dispatcher._rebuild_routes()
     yield dispatcher

@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from services.common.manifest import Manifest
 from services.core.expert_client import ExpertDispatcher
-from services.proto.moemesh.v1 import expert_pb2
-
-
-def _link(layers: list[int], experts: list[int], up: bool = True):
-    describe = expert_pb2.DescribeResponse()
-    for layer in layers:
-        describe.layers.add(layer=layer, experts=experts)
-    return SimpleNamespace(up=up, describe=describe, reconnecting=None)
+from tests.helpers import fake_link
 
 
 @pytest.fixture
@@ -30,11 +21,15 @@ def dispatcher(tiny_models):
 def test_only_a_layer_held_whole_by_one_live_worker_skips_routing(dispatcher):
     first, *rest = dispatcher.manifest.layer_indices
     everything = list(range(dispatcher.manifest.num_experts))
-    dispatcher.links = [_link([first], everything), _link(rest, everything[:4]), _link(rest, everything[4:])]
+    dispatcher.links = [
+        fake_link([first], everything),
+        fake_link(rest, everything[:4]),
+        fake_link(rest, everything[4:]),
+    ]
     dispatcher._rebuild_routes()
     assert dispatcher._sole_owner == {first: 0}  # the other layers are split over two workers
 
-    dispatcher.links.append(_link([first], everything))  # a replica: calls must spread again
+    dispatcher.links.append(fake_link([first], everything))  # a replica: calls must spread again
     dispatcher._rebuild_routes()
     assert first not in dispatcher._sole_owner
 
