@@ -82,13 +82,13 @@ class RequestPreparer:
             grpc.StatusCode.INVALID_ARGUMENT, "input: one of chat, prompt or token_ids is required"
         )
 
-    def snapshot_points(self, request, prompt: list[int]) -> tuple[int, ...]:
-        """Where the system prompt of a chat ends in `prompt` (as mlx-lm's server finds it: the
-        template rendered for the system messages and an empty user turn, compared token by
-        token), or () when there is none to find."""
-        if request.WhichOneof("input") != "chat":
-            return ()
-        messages, tools, kwargs = self._chat_inputs(request.chat)
+    def _snapshot_points(
+        self, chat: tuple[list[dict], list | None, dict], prompt: list[int]
+    ) -> tuple[int, ...]:
+        """Where the system prompt of a chat (`_chat_inputs`) ends in `prompt` (as mlx-lm's server
+        finds it: the template rendered for the system messages and an empty user turn, compared
+        token by token), or () when there is none to find."""
+        messages, tools, kwargs = chat
         system = 0
         while system < len(messages) and messages[system]["role"] == "system":
             system += 1
@@ -163,7 +163,8 @@ class RequestPreparer:
                 grpc.StatusCode.NOT_FOUND,
                 f"model {request.model!r} is not served here (serving {self.model_id!r})",
             )
-        prompt = self.prompt_tokens(request)
+        chat = self._chat_inputs(request.chat) if request.WhichOneof("input") == "chat" else None
+        prompt = self._render(*chat, generation_prompt=True) if chat else self.prompt_tokens(request)
         if not prompt:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, "input: the prompt is empty after tokenization"
@@ -223,7 +224,7 @@ class RequestPreparer:
             logprobs=request.logprobs or request.top_logprobs > 0,
             top_logprobs=request.top_logprobs,
             deadline=None if time_remaining is None else time.monotonic() + time_remaining,
-            snapshot_at=self.snapshot_points(request, prompt),
+            snapshot_at=self._snapshot_points(chat, prompt) if chat else (),
         )
 
 

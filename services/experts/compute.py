@@ -111,7 +111,7 @@ class ExpertCompute:
         groups = self.store.plan(call.layer, np.unique(ids[asked]).tolist())
         if len(groups) <= 1:
             slot = self.store.load(call.layer, groups[0] if groups else [])[ids]
-            per_token = asked.sum(axis=1)
+            per_token = None if everything_asked else asked.sum(axis=1)
             if everything_asked:
                 out = module(hidden, mx.array(slot)).reshape(-1, hidden_size)
             elif per_token[0] > 0 and (per_token == per_token[0]).all():
