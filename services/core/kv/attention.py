@@ -43,7 +43,7 @@ def turboquant_attention(
         return mx.zeros_like(queries)
     start = cache.offset - L if query_start is None else query_start
     if L <= 8 and cache.compressed_keys is not None and kernels_ready():
-        return kernel_attention(queries, cache, scale, start)  # Apple GPU: straight from the codes
+        return kernel_attention(queries, cache, scale, start)  # fused kernels: straight from the codes
     if L <= 8 and start + L == cache.offset:
         return decode_attention(queries, cache, scale)
     keys_codec, values_codec = cache.key_codec, cache.value_codec

@@ -39,12 +39,11 @@ def _length(a) -> int:
 
 
 def _encode(codec: TurboQuantCodec, x: mx.array) -> CompressedTokens:
-    from services.core.kv.metal_attention import kernels_ready
+    from services.core.kv.metal_attention import kernel_backend
 
-    if kernels_ready():  # Apple GPU: norm, rotate, quantize and pack in one kernel
-        from metal.kernels import pack
-
-        return CompressedTokens(*pack(codec, x))
+    kernels = kernel_backend()
+    if kernels is not None and hasattr(kernels, "pack"):  # norm, rotate, quantize, pack in one kernel
+        return CompressedTokens(*kernels.pack(codec, x))
     return codec.encode(x)
 
 

@@ -1,33 +1,49 @@
-"""Decode-time attention over a TurboQuant cache with the Metal kernels (Apple GPUs only).
+"""Decode-time attention over a TurboQuant cache with fused kernels, when this device has
+a backend that passed its self-check against the twin.
 
 Same numbers as `turboquant_attention` (the twin): scores of compressed keys come from
-the packed codes (kernel `scores`), one softmax covers all runs, compressed values are
-summed from their codes in the rotated domain (kernel `values`) and rotated back once.
-No decompressed copy of the cache exists at any point. Used only when
-`metal.kernels.kernels_available()` (an Apple GPU whose kernels passed the self-check).
+the packed codes (the backend's `key_scores`), one softmax covers all runs, compressed
+values are summed from their codes in the rotated domain (`weighted_values`) and rotated
+back once. No decompressed copy of the cache exists at any point.
+
+A backend is a module with `key_scores(codec, rotated_queries, tokens)`,
+`weighted_values(codec, weights, tokens)` (the contracts of metal/kernels.py), optionally
+`pack(codec, x)` (encode), and `kernels_available()`. `kernel_backend()` picks the first
+available one in `BACKENDS` order.
 """
 
 from __future__ import annotations
 
+import importlib
 from functools import cache
 
 import mlx.core as mx
 
 from services.core.kv.cache import TurboQuantKVCache
 
+# modules tried in order; the first whose kernels_available() is True serves
+BACKENDS = ("metal.kernels",)
+
 
 @cache
+def kernel_backend():
+    """The fused-kernel module for this device, or None (the pure-MLX twin serves)."""
+    for name in BACKENDS:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # metal/ not installed with the package, or not built
+            continue
+        if module.kernels_available():
+            return module
+    return None
+
+
 def kernels_ready() -> bool:
-    try:
-        from metal.kernels import kernels_available
-    except ImportError:  # metal/ not installed with the package: the twin serves
-        return False
-    return kernels_available()
+    return kernel_backend() is not None
 
 
 def kernel_attention(queries: mx.array, cache: TurboQuantKVCache, scale: float, start: int) -> mx.array:
-    from metal import kernels
-
+    kernels = kernel_backend()
     B, n_q_heads, L, D = queries.shape
     exact = cache.sink_keys if cache.sink_keys is not None else cache.recent_keys
     n_kv_heads = exact.shape[1] if exact is not None else cache.compressed_keys.norm.shape[1]
