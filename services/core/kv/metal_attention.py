@@ -22,7 +22,7 @@ import mlx.core as mx
 from services.core.kv.cache import TurboQuantKVCache
 
 # modules tried in order; the first whose kernels_available() is True serves
-BACKENDS = ("metal.kernels",)
+BACKENDS = ("metal.kernels", "metal.cpu_kernels")
 
 
 @cache

@@ -1,0 +1,170 @@
+/* TurboQuant decode-attention kernels for CPUs: the scores and weighted-value kernels of
+ * metal/turboquant.metal, for machines without a GPU backend (loaded by
+ * metal/cpu_kernels.py through ctypes; built by setup.py as metal._turboquant_cpu).
+ *
+ * Why: MLX has no custom-kernel API on the CPU, so the pure-MLX twin must decode the
+ * compressed run into float32 arrays and read them back through matmuls: five passes over
+ * 4-byte floats per coordinate. Here each token's packed bytes are decoded once, into a
+ * buffer that stays in L1, and consumed at once: the cache is read at its packed size.
+ *
+ * Bit layout (services/core/kv/packing.py): a vector's indices are one byte row of planes
+ * whose widths divide 8. Decoding uses the twin's own lookup tables (packing.lookup_table):
+ * a table row holds the decoded floats of one group of coordinates for one bit pattern
+ *   1 bit: a byte (8 coords)   2 bits: a byte (4)   4 bits: a byte (2)
+ *   3 bits: the 2-bit plane's byte plus the matching nibble of the 1-bit plane (4 coords)
+ * so the numbers are the codebook's own floats, as in the twin.
+ *
+ * Strides are in elements along the flattened batch x kv-head axis ("g"); within a head,
+ * tokens are rows of `row_bytes` (codes, signs) or consecutive halfs (norms), which is how
+ * the cache's token buffers lie in memory (they may have spare capacity past T).
+ */
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+#define TQ_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define TQ_CLONES
+#endif
+
+#define TQ_MAX_P 1024
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t mant = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400u)) {
+                mant <<= 1;
+                exp--;
+            }
+            bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline int group_size(int bits) {
+    switch (bits) {
+    case 1: return 8;
+    case 4: return 2;
+    default: return 4;
+    }
+}
+
+/* out[0..P) = table values of one packed row (see the layout above) */
+static inline void decode_row(const uint8_t* row, int P, int bits, const float* table, float* out) {
+    int gs = group_size(bits);
+    int groups = P / gs;
+    if (bits == 3) {
+        const uint8_t* high = row + P / 4;
+        for (int i = 0; i < groups; ++i) {
+            int pattern = row[i] | (((high[i >> 1] >> ((i & 1) * 4)) & 15) << 8);
+            memcpy(out + 4 * i, table + 4 * pattern, 4 * sizeof(float));
+        }
+    } else {
+        for (int i = 0; i < groups; ++i) memcpy(out + gs * i, table + gs * row[i], gs * sizeof(float));
+    }
+}
+
+/* 8 float lanes: GCC and clang lower this to AVX (or two SSE / NEON registers) */
+typedef float lanes8 __attribute__((vector_size(32)));
+
+static inline lanes8 load8(const float* p) {
+    lanes8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float sum8(lanes8 v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+/* a . b over n floats, n a multiple of 8 (padded head dims are powers of two >= 8) */
+static inline float dot(const float* a, const float* b, int n) {
+    lanes8 acc0 = {0}, acc1 = {0};
+    int j = 0;
+    for (; j + 16 <= n; j += 16) {
+        acc0 += load8(a + j) * load8(b + j);
+        acc1 += load8(a + j + 8) * load8(b + j + 8);
+    }
+    if (j < n) acc0 += load8(a + j) * load8(b + j);
+    return sum8(acc0 + acc1);
+}
+
+/* scores[g, l, t] = norm[g,t] * (q[g,l] . c(codes[g,t]) + rnorm[g,t] * (sq[g,l] . s(signs[g,t])))
+ * q, sq: float [G, L, P] (sq = q S^T; unused when signs is NULL); the sign table already
+ * holds +-qjl_scale. scores: float [G, L, T], contiguous. Returns 0, or -1 unless P is a multiple of 8 up to TQ_MAX_P. */
+TQ_CLONES int tq_cpu_scores(int G, int L, int T, int P, int bits, const float* q, const float* sq,
+                            const uint8_t* codes, long codes_stride, int code_bytes, const uint16_t* norm,
+                            long norm_stride, const uint16_t* rnorm, long rnorm_stride, const uint8_t* signs,
+                            long signs_stride, const float* centroid_table, const float* sign_table,
+                            float* scores) {
+    if (P > TQ_MAX_P || P % 8) return -1;
+    float c[TQ_MAX_P], s[TQ_MAX_P];
+    for (int g = 0; g < G; ++g) {
+        const float* qg = q + (long)g * L * P;
+        const float* sqg = signs ? sq + (long)g * L * P : NULL;
+        float* out = scores + (long)g * L * T;
+        for (int t = 0; t < T; ++t) {
+            decode_row(codes + g * codes_stride + (long)t * code_bytes, P, bits, centroid_table, c);
+            float n = half_to_float(norm[g * norm_stride + t]);
+            if (signs) {
+                decode_row(signs + g * signs_stride + (long)t * (P / 8), P, 1, sign_table, s);
+                float r = half_to_float(rnorm[g * rnorm_stride + t]);
+                for (int l = 0; l < L; ++l)
+                    out[(long)l * T + t] = n * (dot(qg + l * P, c, P) + r * dot(sqg + l * P, s, P));
+            } else {
+                for (int l = 0; l < L; ++l) out[(long)l * T + t] = n * dot(qg + l * P, c, P);
+            }
+        }
+    }
+    return 0;
+}
+
+/* out[g, l, :] = sum_t weights[g,l,t] * norm[g,t] * c(codes[g,t]), in the rotated domain.
+ * weights: float [G, L, T] contiguous; out: float [G, L, P] contiguous (overwritten). */
+TQ_CLONES int tq_cpu_values(int G, int L, int T, int P, int bits, const float* weights, const uint8_t* codes,
+                            long codes_stride, int code_bytes, const uint16_t* norm, long norm_stride,
+                            const float* centroid_table, float* out) {
+    if (P > TQ_MAX_P || P % 8) return -1;
+    float c[TQ_MAX_P];
+    memset(out, 0, sizeof(float) * (size_t)G * L * P);
+    for (int g = 0; g < G; ++g) {
+        const float* wg = weights + (long)g * L * T;
+        float* og = out + (long)g * L * P;
+        for (int t = 0; t < T; ++t) {
+            decode_row(codes + g * codes_stride + (long)t * code_bytes, P, bits, centroid_table, c);
+            float n = half_to_float(norm[g * norm_stride + t]);
+            for (int l = 0; l < L; ++l) {
+                float w = wg[(long)l * T + t] * n;
+                if (w == 0.0f) continue; /* masked slots (softmax gives exact zeros) */
+                float* o = og + l * P;
+                for (int j = 0; j < P; j += 8) {
+                    lanes8 acc = load8(o + j) + w * load8(c + j);
+                    memcpy(o + j, &acc, sizeof acc);
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* An importable module, so that setuptools builds and installs it like any extension; the
+ * functions above are called through ctypes (plain C ABI, no Python objects involved). */
+static struct PyModuleDef tq_module = {PyModuleDef_HEAD_INIT, "_turboquant_cpu",
+                                       "TurboQuant CPU kernels (called through ctypes).", -1, NULL};
+
+PyMODINIT_FUNC PyInit__turboquant_cpu(void) { return PyModule_Create(&tq_module); }
