@@ -62,14 +62,23 @@ def _contiguous(a: mx.array) -> np.ndarray:
     return np.ascontiguousarray(_view(a), dtype=np.float32)
 
 
+_MAX_PADDED_DIM = 1024  # TQ_MAX_P in the C source
+
+
+def _supported(p: int) -> bool:
+    return p % 8 == 0 and p <= _MAX_PADDED_DIM
+
+
 def _check(status: int, p: int) -> None:
-    if status != 0:
-        raise ValueError(f"TurboQuant CPU kernels support padded head dims up to 1024, not {p}")
+    if status != 0:  # unreachable after _supported(); a C-side guard, surfaced loudly
+        raise RuntimeError(f"TurboQuant CPU kernel refused padded head dim {p}")
 
 
 def key_scores(codec, rotated_queries: mx.array, tokens) -> mx.array:
     """Same contract as TurboQuantCodec.key_scores: [B, H, L, P] x tokens -> [B, H, L, T]."""
     B, H, L, p = rotated_queries.shape
+    if not _supported(p):
+        return codec.key_scores(rotated_queries, tokens)
     T = tokens.length
     q = rotated_queries.astype(mx.float32)
     projected = q @ codec.qjl_matrix_t if codec.qjl else None
@@ -102,6 +111,8 @@ def weighted_values(codec, weights: mx.array, tokens) -> mx.array:
     """sum_t weights[..., t] * |v_t| * centroids(v_t), rotated: [B, H, L, T] -> [B, H, L, P]."""
     B, H, L, T = weights.shape
     p = codec.padded
+    if not _supported(p):
+        return (weights * tokens.norm.astype(mx.float32)[..., None, :]) @ codec.centroid_values(tokens)
     w = weights.astype(mx.float32)
     mx.eval(w, tokens.codes, tokens.norm)
     code_bytes = tokens.codes.shape[-1]

@@ -29,7 +29,7 @@ def decoded(cache: TurboQuantKVCache):
 
 
 @pytest.mark.parametrize("queries_len", [1, 7, 12])  # decode form (<= 8 queries) and fused-SDPA form
-def test_twin_equals_attention_over_the_decoded_cache(queries_len):
+def test_twin_equals_attention_over_the_decoded_cache(queries_len, attention_path):
     # dim 48 is padded to 64 for the transform; 6 query heads over 2 KV heads (GQA)
     settings = KVCacheSettings(key_qjl=False, sink_tokens=4, recent_window=8, block_size=8)
     cache = filled_cache(settings, [30, 13, queries_len])
@@ -44,7 +44,7 @@ def test_twin_equals_attention_over_the_decoded_cache(queries_len):
 
 
 @pytest.mark.parametrize("queries_len", [1, 5, 12])
-def test_twin_with_qjl_equals_softmax_over_the_estimated_scores(queries_len):
+def test_twin_with_qjl_equals_softmax_over_the_estimated_scores(queries_len, attention_path):
     settings = KVCacheSettings(key_qjl=True, sink_tokens=4, recent_window=8, block_size=8)
     cache = filled_cache(settings, [40, queries_len])
     codec = cache.key_codec

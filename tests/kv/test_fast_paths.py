@@ -69,7 +69,7 @@ def reference_attention(queries, cache, scale):
     ("sinks", "window", "n_queries"),
     [(4, 8, 1), (4, 8, 8), (0, 8, 3), (4, 0, 1), (4, 0, 6), (2, 3, 5)],
 )
-def test_decode_step_equals_softmax_over_the_estimates(sinks, window, n_queries):
+def test_decode_step_equals_softmax_over_the_estimates(sinks, window, n_queries, attention_path):
     """Window 0: the newest queries are already compressed, so the causal mask must reach
     into the compressed run; block 8 with step-256 buffers leaves slack slots to mask."""
     settings = KVCacheSettings(key_qjl=True, sink_tokens=sinks, recent_window=window, block_size=8)
@@ -85,7 +85,7 @@ def test_decode_step_equals_softmax_over_the_estimates(sinks, window, n_queries)
     assert mx.allclose(got, reference_attention(queries, cache, 0.3), atol=1e-4).item()
 
 
-def test_decode_steps_across_blocks_and_a_trim_stay_exact():
+def test_decode_steps_across_blocks_and_a_trim_stay_exact(attention_path):
     settings = KVCacheSettings(key_qjl=True, sink_tokens=4, recent_window=8, block_size=8)
     mx.random.seed(3)
     cache = TurboQuantKVCache(settings, layer=2)

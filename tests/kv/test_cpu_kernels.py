@@ -1,0 +1,69 @@
+"""The CPU kernels (metal/turboquant_cpu.c) against the pure-MLX twin. They run wherever
+MLX computes on the CPU and setup.py could compile the extension, which is every machine
+with a C compiler, CI included."""
+
+from __future__ import annotations
+
+import shutil
+
+import mlx.core as mx
+import pytest
+
+from metal import cpu_kernels
+from services.core.kv import KVCacheSettings, TurboQuantKVCache, metal_attention, turboquant_attention
+from services.core.kv.codec import TurboQuantCodec
+
+on_cpu = mx.default_device() == mx.cpu
+needs_kernels = pytest.mark.skipif(
+    not (on_cpu and cpu_kernels._library() is not None), reason="CPU extension not built or not on a CPU"
+)
+
+
+@pytest.mark.skipif(not on_cpu or shutil.which("cc") is None, reason="needs a CPU device and a C compiler")
+def test_install_builds_the_extension_and_cpus_use_it():
+    assert cpu_kernels._library() is not None, "setup.py did not build metal._turboquant_cpu"
+    assert cpu_kernels.kernels_available()
+    assert metal_attention.kernel_backend() is cpu_kernels
+
+
+@needs_kernels
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kernels_match_the_twin(seed):
+    assert cpu_kernels.kernels_match_twin(seed)
+
+
+@needs_kernels
+def test_head_dims_the_kernels_do_not_take_fall_back_to_the_twin():
+    codec = TurboQuantCodec(1100, 3, True, seed=0)  # padded to 2048: past the kernels' 1024
+    tokens = codec.encode(mx.random.normal((1, 2, 9, 1100)))
+    q = codec.rotate_queries(mx.random.normal((1, 2, 3, 1100)))
+    assert mx.array_equal(cpu_kernels.key_scores(codec, q, tokens), codec.key_scores(q, tokens)).item()
+    w = mx.softmax(mx.random.normal((1, 2, 3, 9)), axis=-1)
+    expected = (w * tokens.norm.astype(mx.float32)[..., None, :]) @ codec.centroid_values(tokens)
+    assert mx.array_equal(cpu_kernels.weighted_values(codec, w, tokens), expected).item()
+
+
+@needs_kernels
+def test_kernel_attention_equals_the_twin_through_a_long_decode(monkeypatch):
+    """Default settings (K3+QJL/V3), blocks aging out of the window on the way, a trim into
+    the compressed run, and a batch of two rows: the served path equals the twin."""
+    settings = KVCacheSettings(sink_tokens=4, recent_window=16, block_size=8)
+    mx.random.seed(5)
+    cache = TurboQuantKVCache(settings, layer=4)
+    keys, values = mx.random.normal((2, 2, 120, 64)) * 2, mx.random.normal((2, 2, 120, 64))
+    cache.update_and_fetch(keys[:, :, :90], values[:, :, :90])
+
+    def both(queries):
+        kernels = turboquant_attention(queries, cache, 0.125)
+        with monkeypatch.context() as patch:
+            patch.setattr(metal_attention, "kernel_backend", lambda: None)
+            twin = turboquant_attention(queries, cache, 0.125)
+        return kernels, twin
+
+    for t in range(90, 120):
+        cache.update_and_fetch(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+        kernels, twin = both(mx.random.normal((2, 6, 1, 64)))
+        assert mx.allclose(kernels, twin, atol=1e-5).item()
+    cache.trim(30)
+    kernels, twin = both(mx.random.normal((2, 6, 4, 64)))
+    assert mx.allclose(kernels, twin, atol=1e-5).item()
