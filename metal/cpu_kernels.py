@@ -20,6 +20,7 @@ import numpy as np
 _F32 = ctypes.POINTER(ctypes.c_float)
 _U8 = ctypes.POINTER(ctypes.c_uint8)
 _U16 = ctypes.POINTER(ctypes.c_uint16)
+_I32 = ctypes.POINTER(ctypes.c_int)
 _I, _L = ctypes.c_int, ctypes.c_long
 
 
@@ -32,7 +33,12 @@ def _library():
     lib.tq_cpu_scores.argtypes = [_I, _I, _I, _I, _I, _F32, _F32, _U8, _L, _I, _U16, _L, _U16, _L, _U8, _L]
     lib.tq_cpu_scores.argtypes += [_F32, _F32, _F32]
     lib.tq_cpu_values.argtypes = [_I, _I, _I, _I, _I, _F32, _U8, _L, _I, _U16, _L, _F32, _F32]
-    lib.tq_cpu_scores.restype = lib.tq_cpu_values.restype = ctypes.c_int
+    lib.tq_cpu_attention.argtypes = [_I, _I, _I, _I, _F32, _F32, _F32, _I32]  # G, L, D, P, q, qr, sq, pos
+    lib.tq_cpu_attention.argtypes += [_I, _F32, _F32, _L]  # sinks
+    lib.tq_cpu_attention.argtypes += [_I, _I, _U8, _L, _I, _U16, _L, _U16, _L, _U8, _L, _F32, _F32]  # keys
+    lib.tq_cpu_attention.argtypes += [_I, _U8, _L, _I, _U16, _L, _F32]  # compressed values
+    lib.tq_cpu_attention.argtypes += [_I, _F32, _F32, _L, _F32, _F32, _F32]  # window, scratch, outputs
+    lib.tq_cpu_scores.restype = lib.tq_cpu_values.restype = lib.tq_cpu_attention.restype = ctypes.c_int
     return lib
 
 
@@ -133,6 +139,91 @@ def weighted_values(codec, weights: mx.array, tokens) -> mx.array:
     return mx.array(out).reshape(B, H, L, p)
 
 
+def _exact_run(keys: mx.array | None, values: mx.array | None, dim: int):
+    """(length, keys view, values view, head stride) of an exact run, float32."""
+    if keys is None or keys.shape[2] == 0:
+        return 0, None, None, 0
+    if keys.dtype != mx.float32:
+        keys, values = keys.astype(mx.float32), values.astype(mx.float32)
+        mx.eval(keys, values)
+    k, stride = _per_head(keys, dim)
+    v, v_stride = _per_head(values, dim)
+    if v_stride != stride:
+        k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
+        stride = k.strides[1] // k.itemsize
+    return keys.shape[2], k, v, stride
+
+
+def decode_attention(queries: mx.array, cache, scale: float, start: int) -> mx.array | None:
+    """softmax(q k^T * scale + causal) v over everything `cache` holds, in one kernel call:
+    queries [B, Hq, L, D] after RoPE at positions start.. (rows past the cache's end see
+    every key). None when the head dim does not fit the kernel (the caller falls back)."""
+    key_codec, value_codec = cache.key_codec, cache.value_codec
+    p = key_codec.padded
+    if not _supported(p) or value_codec.padded != p:
+        return None
+    B, n_q_heads, L, D = queries.shape
+    keys, values = cache.compressed_keys, cache.compressed_values
+    n_kv_heads = keys.norm.shape[1]
+    rows = n_q_heads // n_kv_heads * L
+    q = (queries.astype(mx.float32) * scale).reshape(B, n_kv_heads, rows, D)
+    rotated = key_codec.rotate_queries(q)
+    projected = rotated @ key_codec.qjl_matrix_t if key_codec.qjl else None
+    mx.eval(q, rotated, *(a for a in (projected, *keys.arrays(), *values.arrays()) if a is not None))
+    S, sink_k, sink_v, sink_stride = _exact_run(cache.sink_keys, cache.sink_values, D)
+    R, recent_k, recent_v, recent_stride = _exact_run(cache.recent_keys, cache.recent_values, D)
+    C = keys.length
+    key_bytes, value_bytes = keys.codes.shape[-1], values.codes.shape[-1]
+    key_codes, key_codes_stride = _per_head(keys.codes, key_bytes)
+    key_norm, key_norm_stride = _per_head(keys.norm, 1)
+    residual, residual_stride = _per_head(keys.residual_norm if key_codec.qjl else None, 1)
+    signs, signs_stride = _per_head(keys.qjl_signs if key_codec.qjl else None, p // 8)
+    value_codes, value_codes_stride = _per_head(values.codes, value_bytes)
+    value_norm, value_norm_stride = _per_head(values.norm, 1)
+    # row r * L + i of a head is query i of its r-th query head
+    positions = np.tile(np.arange(start, start + L, dtype=np.int32), rows // L)
+    positions = np.where(positions >= cache.offset, np.int32(2**31 - 1), positions).astype(np.int32)
+    G = B * n_kv_heads
+    q_np, rotated_np = _contiguous(q), _contiguous(rotated)
+    projected_np = None if projected is None else _contiguous(projected)
+    scratch = np.empty(rows * (S + C + R), np.float32)
+    out_exact = np.empty((G, rows, D), np.float32)
+    out_rotated = np.empty((G, rows, p), np.float32)
+    u16 = lambda a: None if a is None else a.view(np.uint16)  # noqa: E731
+    _check(
+        _library().tq_cpu_attention(
+            G, rows, D, p, _pointer(q_np, _F32), _pointer(rotated_np, _F32), _pointer(projected_np, _F32),
+            _pointer(positions, _I32),
+            S, _pointer(sink_k, _F32), _pointer(sink_v, _F32), sink_stride,
+            C, key_codec.bits, _pointer(key_codes, _U8), key_codes_stride, key_bytes,
+            _pointer(u16(key_norm), _U16), key_norm_stride, _pointer(u16(residual), _U16), residual_stride,
+            _pointer(signs, _U8), signs_stride,
+            _pointer(_table(key_codec.centroid_table), _F32),
+            _pointer(_table(key_codec.sign_table) if key_codec.qjl else None, _F32),
+            value_codec.bits, _pointer(value_codes, _U8), value_codes_stride, value_bytes,
+            _pointer(u16(value_norm), _U16), value_norm_stride, _pointer(_table(value_codec.centroid_table), _F32),
+            R, _pointer(recent_k, _F32), _pointer(recent_v, _F32), recent_stride,
+            _pointer(scratch, _F32), _pointer(out_exact, _F32), _pointer(out_rotated, _F32),
+        ),
+        p,
+    )  # fmt: skip
+    compressed = value_codec.unrotate(mx.array(out_rotated))
+    out = mx.array(out_exact) + compressed
+    return out.reshape(B, n_q_heads, L, D).astype(queries.dtype)
+
+
+_TABLES: dict[int, tuple[mx.array, np.ndarray]] = {}
+
+
+def _table(table: mx.array) -> np.ndarray:
+    """A codec's lookup table as float32 NumPy, made once per table (codecs are shared
+    and few; the entry keeps its array alive so the id cannot be reused)."""
+    entry = _TABLES.get(id(table))
+    if entry is None:
+        entry = _TABLES[id(table)] = (table, _contiguous(table))
+    return entry[1]
+
+
 def kernels_match_twin(seed: int = 0) -> bool:
     """Both kernels against the pure-MLX twin on random data, for the bit widths the cache
     offers, a padded head dim, and token views with spare buffer room (strided heads)."""
@@ -148,6 +239,23 @@ def kernels_match_twin(seed: int = 0) -> bool:
         w = mx.softmax(mx.random.normal((2, 3, 4, 37)), axis=-1)
         expected = (w * tokens.norm.astype(mx.float32)[..., None, :]) @ codec.centroid_values(tokens)
         if not mx.allclose(weighted_values(codec, w, tokens), expected, rtol=1e-4, atol=1e-5):
+            return False
+    return _fused_step_matches_twin()
+
+
+def _fused_step_matches_twin() -> bool:
+    """decode_attention against the twin's compiled decode step: sinks, a compressed run
+    and a window, GQA, one and several queries, and a head dim that is padded."""
+    from services.core.kv import KVCacheSettings, TurboQuantKVCache
+    from services.core.kv.decode_attention import decode_attention as twin_step
+
+    for dim, n_queries in ((64, 1), (48, 3)):
+        cache = TurboQuantKVCache(KVCacheSettings(sink_tokens=4, recent_window=8, block_size=8), layer=0)
+        keys, values = mx.random.normal((2, 2, 60, dim)) * 2, mx.random.normal((2, 2, 60, dim))
+        cache.update_and_fetch(keys, values)
+        queries = mx.random.normal((2, 6, n_queries, dim))
+        got = decode_attention(queries, cache, 0.2, cache.offset - n_queries)
+        if not mx.allclose(got, twin_step(queries, cache, 0.2), rtol=1e-4, atol=1e-5):
             return False
     return True
 

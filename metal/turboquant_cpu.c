@@ -19,6 +19,7 @@
  * the cache's token buffers lie in memory (they may have spare capacity past T).
  */
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -156,6 +157,128 @@ TQ_CLONES int tq_cpu_values(int G, int L, int T, int P, int bits, const float* w
                     lanes8 acc = load8(o + j) + w * load8(c + j);
                     memcpy(o + j, &acc, sizeof acc);
                 }
+            }
+        }
+    }
+    return 0;
+}
+
+/* a . b and o += w a over any n (head dims of the exact runs need not be multiples of 8) */
+static inline float dot_any(const float* a, const float* b, int n) {
+    int head = n & ~7;
+    float s = head ? dot(a, b, head) : 0.0f;
+    for (int j = head; j < n; ++j) s += a[j] * b[j];
+    return s;
+}
+
+static inline void axpy_any(float* o, float w, const float* a, int n) {
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        lanes8 acc = load8(o + j) + w * load8(a + j);
+        memcpy(o + j, &acc, sizeof acc);
+    }
+    for (; j < n; ++j) o[j] += w * a[j];
+}
+
+/* One decode step of attention for every head, in one call: softmax over the scores of
+ * the sinks (exact), the compressed run (from its codes) and the recent window (exact),
+ * then the weighted sum of values. The exact runs' sum comes out in the original domain
+ * (out_exact [G, L, D]); the compressed run's in the rotated one (out_rotated [G, L, P]),
+ * for the caller to rotate back once. q: scaled queries [G, L, D]; qr = q rotated and
+ * padded [G, L, P]; sq = qr S^T (NULL without QJL); query_pos [L]: the position of each
+ * row, a key at position k is visible to it when k <= query_pos. Sinks sit at positions
+ * [0, S), the compressed run at [S, S + C), the window at [S + C, S + C + R). Exact keys
+ * and values are float32 rows of D with head strides; scratch holds L * (S + C + R) floats.
+ * Returns 0, or -1 unless P is a multiple of 8 up to TQ_MAX_P. */
+TQ_CLONES int tq_cpu_attention(int G, int L, int D, int P, const float* q, const float* qr, const float* sq,
+                               const int* query_pos, int S, const float* sink_k, const float* sink_v,
+                               long sink_stride, int C, int key_bits, const uint8_t* key_codes,
+                               long key_codes_stride, int key_code_bytes, const uint16_t* key_norm,
+                               long key_norm_stride, const uint16_t* rnorm, long rnorm_stride,
+                               const uint8_t* signs, long signs_stride, const float* key_table,
+                               const float* sign_table, int value_bits, const uint8_t* value_codes,
+                               long value_codes_stride, int value_code_bytes, const uint16_t* value_norm,
+                               long value_norm_stride, const float* value_table, int R, const float* recent_k,
+                               const float* recent_v, long recent_stride, float* scratch, float* out_exact,
+                               float* out_rotated) {
+    if (P > TQ_MAX_P || P % 8) return -1;
+    const float masked = -3.402823466e38f;
+    const int total = S + C + R;
+    float c[TQ_MAX_P], s[TQ_MAX_P];
+    memset(out_exact, 0, sizeof(float) * (size_t)G * L * D);
+    memset(out_rotated, 0, sizeof(float) * (size_t)G * L * P);
+    for (int g = 0; g < G; ++g) {
+        const float* qg = q + (long)g * L * D;
+        const float* qrg = qr + (long)g * L * P;
+        const float* sqg = signs ? sq + (long)g * L * P : NULL;
+        /* scores, row-major [L, total], masked where not visible */
+        for (int t = 0; t < S; ++t) {
+            const float* k = sink_k + g * sink_stride + (long)t * D;
+            for (int l = 0; l < L; ++l)
+                scratch[(long)l * total + t] = t <= query_pos[l] ? dot_any(qg + l * D, k, D) : masked;
+        }
+        for (int t = 0; t < C; ++t) {
+            decode_row(key_codes + g * key_codes_stride + (long)t * key_code_bytes, P, key_bits, key_table, c);
+            float n = half_to_float(key_norm[g * key_norm_stride + t]);
+            float r = 0.0f;
+            if (signs) {
+                decode_row(signs + g * signs_stride + (long)t * (P / 8), P, 1, sign_table, s);
+                r = half_to_float(rnorm[g * rnorm_stride + t]);
+            }
+            for (int l = 0; l < L; ++l) {
+                float v = masked;
+                if (S + t <= query_pos[l]) {
+                    float e = dot(qrg + l * P, c, P);
+                    if (signs) e += r * dot(sqg + l * P, s, P);
+                    v = n * e;
+                }
+                scratch[(long)l * total + S + t] = v;
+            }
+        }
+        for (int t = 0; t < R; ++t) {
+            const float* k = recent_k + g * recent_stride + (long)t * D;
+            for (int l = 0; l < L; ++l)
+                scratch[(long)l * total + S + C + t] =
+                    S + C + t <= query_pos[l] ? dot_any(qg + l * D, k, D) : masked;
+        }
+        /* softmax per row (max-subtracted, float32, like mx.softmax(precise=True)) */
+        for (int l = 0; l < L; ++l) {
+            float* row = scratch + (long)l * total;
+            float top = masked;
+            for (int t = 0; t < total; ++t) top = row[t] > top ? row[t] : top;
+            float sum = 0.0f;
+            for (int t = 0; t < total; ++t) {
+                float e = row[t] == masked ? 0.0f : expf(row[t] - top);
+                row[t] = e;
+                sum += e;
+            }
+            float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            for (int t = 0; t < total; ++t) row[t] *= inv;
+        }
+        /* weighted values */
+        float* oe = out_exact + (long)g * L * D;
+        float* orot = out_rotated + (long)g * L * P;
+        for (int t = 0; t < S; ++t) {
+            const float* v = sink_v + g * sink_stride + (long)t * D;
+            for (int l = 0; l < L; ++l) {
+                float w = scratch[(long)l * total + t];
+                if (w != 0.0f) axpy_any(oe + l * D, w, v, D);
+            }
+        }
+        for (int t = 0; t < C; ++t) {
+            decode_row(value_codes + g * value_codes_stride + (long)t * value_code_bytes, P, value_bits,
+                       value_table, c);
+            float n = half_to_float(value_norm[g * value_norm_stride + t]);
+            for (int l = 0; l < L; ++l) {
+                float w = scratch[(long)l * total + S + t] * n;
+                if (w != 0.0f) axpy_any(orot + l * P, w, c, P);
+            }
+        }
+        for (int t = 0; t < R; ++t) {
+            const float* v = recent_v + g * recent_stride + (long)t * D;
+            for (int l = 0; l < L; ++l) {
+                float w = scratch[(long)l * total + S + C + t];
+                if (w != 0.0f) axpy_any(oe + l * D, w, v, D);
             }
         }
     }
