@@ -67,3 +67,20 @@ def test_kernel_attention_equals_the_twin_through_a_long_decode(monkeypatch):
     cache.trim(30)
     kernels, twin = both(mx.random.normal((2, 6, 4, 64)))
     assert mx.allclose(kernels, twin, atol=1e-5).item()
+
+
+@needs_kernels
+@pytest.mark.parametrize(("dim", "n_queries"), [(36, 1), (36, 5), (128, 2)])
+def test_fused_step_equals_the_twin_for_head_dims_with_a_tail(dim, n_queries):
+    """Exact runs are scored over D (36: a tail past the 8-lane loop); compressed ones over
+    the padded P; several queries need the causal mask inside the compressed run."""
+    from services.core.kv.decode_attention import decode_attention as twin_step
+
+    settings = KVCacheSettings(sink_tokens=4, recent_window=4, block_size=4)
+    mx.random.seed(dim + n_queries)
+    cache = TurboQuantKVCache(settings, layer=1)
+    keys, values = mx.random.normal((1, 2, 50, dim)) * 2, mx.random.normal((1, 2, 50, dim))
+    cache.update_and_fetch(keys, values)
+    queries = mx.random.normal((1, 4, n_queries, dim))
+    got = cpu_kernels.decode_attention(queries, cache, 0.3, cache.offset - n_queries)
+    assert mx.allclose(got, twin_step(queries, cache, 0.3), rtol=1e-4, atol=1e-5).item()
