@@ -97,6 +97,14 @@ def random_fill(model, cache: list, n: int, chunk: int) -> None:
             mx.eval(c.state)
 
 
+def kernel_backend_name() -> str:
+    """Which TurboQuant attention served: a fused-kernel backend (metal/) or the twin."""
+    from services.core.kv.metal_attention import kernel_backend
+
+    backend = kernel_backend()
+    return backend.__name__ if backend is not None else "twin (pure MLX)"
+
+
 def run_once(
     model, kind: str, settings: KVCacheSettings, tokens: list[int], decode: int, chunk: int, fill: bool
 ) -> dict:
@@ -181,6 +189,7 @@ def main() -> None:
         "weights": ("random, " if args.random_weights else "")
         + ("float32 (dequantized)" if args.dequantize else "as stored"),
         "twin_max_abs_error": round(twin_error(), 7),
+        "kernels": kernel_backend_name(),
         "rounds": args.rounds,
         "filled_with": "random keys/values (decode only)" if args.random_fill else "the prompt's prefill",
         "decode_tokens": args.decode_tokens,

@@ -29,6 +29,7 @@ from mlx_lm.models.cache import KVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.kv import kernel_backend_name
 from services.core.kv import KVCacheSettings, TurboQuantKVCache, turboquant_attention
 
 
@@ -88,7 +89,12 @@ def main() -> None:
     args = parser.parse_args()
     dtype = mx.float32 if mx.default_device() == mx.cpu else mx.float16
     settings = KVCacheSettings()
-    result = {"bench": "kv_attention", "device": str(mx.default_device()), "settings": settings.describe()}
+    result = {
+        "bench": "kv_attention",
+        "device": str(mx.default_device()),
+        "settings": settings.describe(),
+        "kernels": kernel_backend_name(),
+    }
     rows = {}
     for dim in args.head_dims:
         for n in args.contexts:

@@ -42,7 +42,7 @@ def turboquant_attention(
     if cache.offset == 0:
         return mx.zeros_like(queries)
     start = cache.offset - L if query_start is None else query_start
-    if L <= 8 and cache.compressed_keys is not None and kernels_ready():
+    if L <= 8 and cache.compressed_length and kernels_ready():  # (no views built per step)
         return kernel_attention(queries, cache, scale, start)  # fused kernels: straight from the codes
     if L <= 8 and start + L == cache.offset:
         return decode_attention(queries, cache, scale)

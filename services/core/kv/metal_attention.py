@@ -7,8 +7,9 @@ values are summed from their codes in the rotated domain (`weighted_values`) and
 back once. No decompressed copy of the cache exists at any point.
 
 A backend is a module with `key_scores(codec, rotated_queries, tokens)`,
-`weighted_values(codec, weights, tokens)` (the contracts of metal/kernels.py), optionally
-`pack(codec, x)` (encode), and `kernels_available()`. `kernel_backend()` picks the first
+`weighted_values(codec, weights, tokens)` (the contracts of metal/backend.py), optionally
+`pack(codec, x)` (encode) and `decode_attention(queries, cache, scale, start)` (the whole
+decode step fused; None where it does not fit), and `kernels_available()`. `kernel_backend()` picks the first
 available one in `BACKENDS` order.
 """
 
@@ -22,7 +23,7 @@ import mlx.core as mx
 from services.core.kv.cache import TurboQuantKVCache
 
 # modules tried in order; the first whose kernels_available() is True serves
-BACKENDS = ("metal.kernels", "metal.cpu_kernels")
+BACKENDS = ("metal.kernels", "metal.cuda_kernels", "metal.cpu_kernels")
 
 
 @cache
@@ -44,6 +45,11 @@ def kernels_ready() -> bool:
 
 def kernel_attention(queries: mx.array, cache: TurboQuantKVCache, scale: float, start: int) -> mx.array:
     kernels = kernel_backend()
+    fused = getattr(kernels, "decode_attention", None)
+    if fused is not None:  # the whole step in two kernels, where the backend has them
+        out = fused(queries, cache, scale, start)
+        if out is not None:
+            return out
     B, n_q_heads, L, D = queries.shape
     exact = cache.sink_keys if cache.sink_keys is not None else cache.recent_keys
     n_kv_heads = exact.shape[1] if exact is not None else cache.compressed_keys.norm.shape[1]
