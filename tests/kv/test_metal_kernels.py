@@ -3,10 +3,13 @@ cannot run at all, so the comparison is skipped (the twin itself is tested every
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import mlx.core as mx
 import pytest
 
-from metal import kernels
+from metal import backend, kernels
 
 needs_metal = pytest.mark.skipif(not mx.metal.is_available(), reason="Metal kernels need an Apple GPU")
 
@@ -89,3 +92,64 @@ def test_the_self_check_accepts_the_twin_and_names_what_a_wrong_kernel_breaks():
         failures = []
         assert not check(broken, 0, failures)
         assert failures and all(f.startswith(what) for f in failures), (type(broken).__name__, failures)
+
+
+# ---- the Metal source at least parses (no Metal compiler here): C++ with Metal's names mocked ----
+
+_METAL_AS_CPP = """#include <cmath>
+#include <cstdint>
+#include <algorithm>
+#define device
+#define threadgroup
+#define constant const
+using uint = unsigned; using ulong = unsigned long; using half = float;
+struct uint3 { uint x, y, z; };
+enum class mem_flags { mem_threadgroup };
+inline void threadgroup_barrier(mem_flags) {}
+inline float simd_max(float v) { return v; }
+inline float simd_sum(float v) { return v; }
+namespace metal { using std::exp; }
+using std::max; using std::min;
+"""
+# input type letters as in test_cuda_kernels (f float, h half, b uint8, i int32)
+_METAL_TYPES = {"f": "float", "h": "half", "b": "uint8_t", "i": "int32_t"}
+_ATTRIBUTES = ("thread_position_in_grid", "thread_position_in_threadgroup", "threadgroup_position_in_grid")
+
+
+def metal_as_cpp(sections: dict[str, str]) -> str:
+    from tests.kv.test_cuda_kernels import _CALLS
+
+    out = [_METAL_AS_CPP, sections["header"]]
+    for name, (inputs, outputs, _) in backend.KERNELS.items():
+        in_types, out_types, template = _CALLS[name]
+        body, params = sections[name], []
+        for input_name, kind in zip(inputs, in_types, strict=True):
+            params.append(f"const {_METAL_TYPES[kind]}* {input_name}")
+            if input_name + "_shape" in body:
+                params.append(f"const int* {input_name}_shape")
+            if input_name + "_strides" in body:
+                params.append(f"const int64_t* {input_name}_strides")
+        params += [f"{_METAL_TYPES[kind]}* {n}" for n, kind in zip(outputs, out_types, strict=True)]
+        params += [f"uint3 {a}" for a in (*_ATTRIBUTES, "threadgroups_per_grid") if a in body]
+        constants = [
+            f"using {k} = {'half' if v == '__half' else v};"
+            if isinstance(v, str)
+            else f"constexpr int {k} = {v};"
+            for k, v in template.items()
+        ]
+        out.append(f"void turboquant_{name}({', '.join(params)}) {{")
+        out += constants + [body, "}"]
+    return "\n".join(out)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_every_metal_kernel_parses_with_metal_names_mocked(tmp_path):
+    source = tmp_path / "turboquant_metal.cpp"
+    source.write_text(metal_as_cpp(kernels._sections()))
+    result = subprocess.run(
+        ["g++", "-std=c++17", "-fsyntax-only", "-Wno-unused", str(source)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
