@@ -39,7 +39,8 @@ def codec_kernels_match(backend, seed: int, failures: list[str]) -> bool:
     float32 through TF32), so a coordinate within rounding of a codebook boundary may land
     on the other side: a few codes in a thousand may differ, each by one level, and each
     such vector's residual, hence a share of its QJL sign bits, with it. Norms must agree;
-    a wrong bit layout disagrees on most bytes."""
+    a wrong bit layout agrees on about 1 byte in 256 (the H200 measured 99.8-99.9 % of the
+    code bytes)."""
     from services.core.kv.codec import TurboQuantCodec
 
     mx.random.seed(seed)
@@ -50,9 +51,9 @@ def codec_kernels_match(backend, seed: int, failures: list[str]) -> bool:
         twin = codec.encode(x)
         norm, codes, residual_norm, signs = backend.pack(codec, x)
         # (kernel's, twin's, max error or None, share of bytes that must agree)
-        packed = [(norm, twin.norm, 1e-3, 0), (codes, twin.codes, None, 0.99)]
+        packed = [(norm, twin.norm, 1e-3, 0), (codes, twin.codes, None, 0.98)]
         if qjl:
-            packed += [(residual_norm, twin.residual_norm, 2e-2, 0), (signs, twin.qjl_signs, None, 0.9)]
+            packed += [(residual_norm, twin.residual_norm, 2e-2, 0), (signs, twin.qjl_signs, None, 0.8)]
         for got, want, tolerance, agree in packed:
             if got.shape != want.shape or got.dtype != want.dtype:
                 failures.append(f"pack {case}: {got.shape} {got.dtype} != {want.shape} {want.dtype}")
