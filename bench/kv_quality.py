@@ -62,15 +62,26 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--context-chars", type=int, default=3000, help="license text before each question")
     parser.add_argument("--answer-tokens", type=int, default=24)
+    parser.add_argument(
+        "--answers-only", action="store_true", help="greedy answers only (no perplexity table)"
+    )
+    parser.add_argument("--dequantize", action="store_true", help="float32 weights (fast on a CPU)")
     args = parser.parse_args()
     model, tokenizer, args.model = load_bench_model(args.model, args.dtype)
+    if args.dequantize:
+        from mlx_lm.utils import dequantize_model
+
+        model = dequantize_model(model)
+        model.set_dtype(mx.float32)
 
     ids = tokenizer.encode(TEXT.read_text())[: args.tokens + 1]
     if len(ids) < args.tokens + 1:
         raise SystemExit(f"the text has only {len(ids)} tokens")
-    table = {"fp16": round(perplexity(model, ids, make_kv_cache(model, "fp16")), 4)}
-    print(json.dumps({"progress": "fp16", "ppl": table["fp16"]}), file=sys.stderr, flush=True)
-    for name, settings in SETTINGS.items():
+    table = {}
+    if not args.answers_only:
+        table["fp16"] = round(perplexity(model, ids, make_kv_cache(model, "fp16")), 4)
+        print(json.dumps({"progress": "fp16", "ppl": table["fp16"]}), file=sys.stderr, flush=True)
+    for name, settings in {} if args.answers_only else SETTINGS.items():
         ppl = perplexity(model, ids, make_kv_cache(model, "turboquant", settings))
         table[name] = {"ppl": round(ppl, 4), "increase_pct": round(100 * (ppl / table["fp16"] - 1), 2)}
         print(json.dumps({"progress": name, **table[name]}), file=sys.stderr, flush=True)
@@ -84,6 +95,7 @@ def main() -> None:
         tq = greedy(model, tokenizer, prompt, "turboquant", KVCacheSettings(), args.answer_tokens)
         same += fp == tq
         answers.append({"question": question, "prompt_tokens": len(prompt), "fp16": fp, "turboquant": tq})
+        print(json.dumps({"progress": question, "same": fp == tq}), file=sys.stderr, flush=True)
     print(
         json.dumps(
             {
