@@ -244,20 +244,40 @@ def kernels_match_twin(seed: int = 0) -> bool:
 
 
 def _fused_step_matches_twin() -> bool:
-    """decode_attention against the twin's compiled decode step: sinks, a compressed run
-    and a window, GQA, one and several queries, and a head dim that is padded."""
+    """decode_attention against softmax over the twin's own scores and decoded values
+    (plain MLX ops: the twin's compiled step would cost a C++ compile here): sinks, a
+    compressed run and a window, GQA, one and several queries, a padded head dim."""
     from services.core.kv import KVCacheSettings, TurboQuantKVCache
-    from services.core.kv.decode_attention import decode_attention as twin_step
 
     for dim, n_queries in ((64, 1), (48, 3)):
         cache = TurboQuantKVCache(KVCacheSettings(sink_tokens=4, recent_window=8, block_size=8), layer=0)
-        keys, values = mx.random.normal((2, 2, 60, dim)) * 2, mx.random.normal((2, 2, 60, dim))
+        keys, values = mx.random.normal((1, 2, 60, dim)) * 2, mx.random.normal((1, 2, 60, dim))
         cache.update_and_fetch(keys, values)
-        queries = mx.random.normal((2, 6, n_queries, dim))
+        queries = mx.random.normal((1, 6, n_queries, dim))
         got = decode_attention(queries, cache, 0.2, cache.offset - n_queries)
-        if not mx.allclose(got, twin_step(queries, cache, 0.2), rtol=1e-4, atol=1e-5):
+        if not mx.allclose(got, _reference_step(queries, cache, 0.2), rtol=1e-4, atol=1e-5):
             return False
     return True
+
+
+def _reference_step(queries: mx.array, cache, scale: float) -> mx.array:
+    key_codec, value_codec = cache.key_codec, cache.value_codec
+    B, n_q_heads, L, D = queries.shape
+    rep = n_q_heads // cache.sink_keys.shape[1]
+    q = (queries * scale).reshape(B, -1, rep * L, D)
+    scores = mx.concatenate(
+        [
+            q @ cache.sink_keys.swapaxes(-1, -2),
+            key_codec.key_scores(key_codec.rotate_queries(q), cache.compressed_keys),
+            q @ cache.recent_keys.swapaxes(-1, -2),
+        ],
+        axis=-1,
+    )
+    position = mx.tile(cache.offset - L + mx.arange(L), (rep,))[:, None]
+    scores = mx.where(mx.arange(cache.offset)[None] <= position, scores, -mx.inf)
+    values = [cache.sink_values, value_codec.decode(cache.compressed_values), cache.recent_values]
+    out = mx.softmax(scores, axis=-1, precise=True) @ mx.concatenate(values, axis=2)
+    return out.reshape(B, n_q_heads, L, D)
 
 
 @cache

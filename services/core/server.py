@@ -17,6 +17,7 @@ from services.common.manifest import Manifest
 from services.common.tls import TlsFiles
 from services.core.engine import Engine, EngineConfig
 from services.core.expert_client import ExpertDispatcher
+from services.core.kv.metal_attention import kernel_backend
 from services.core.model_loader import load_core_model, load_core_tokenizer
 from services.core.request_prep import RequestPreparer
 from services.core.servicer import CoreServicer
@@ -62,6 +63,15 @@ def build_engine(
             log.info("grammar_vocabulary_ready", seconds=round(time.monotonic() - started, 2))
         except GrammarError as error:
             log.warning("constrained_decoding_unavailable", error=str(error))
+        # TurboQuant's fused kernels pass a self-check against the twin before first use
+        # (seconds on a CPU, NVRTC compiles on CUDA): also before SERVING.
+        started = time.monotonic()
+        backend = kernel_backend()
+        log.info(
+            "turboquant_kernels_ready",
+            backend=getattr(backend, "__name__", "pure-MLX twin"),
+            seconds=round(time.monotonic() - started, 2),
+        )
         return model, dispatcher.discover, dispatcher.timings
 
     engine = Engine(tokenizer, engine_config, loader)

@@ -16,6 +16,7 @@ available one in `BACKENDS` order.
 from __future__ import annotations
 
 import importlib
+import threading
 from functools import cache
 
 import mlx.core as mx
@@ -26,17 +27,34 @@ from services.core.kv.cache import TurboQuantKVCache
 BACKENDS = ("metal.kernels", "metal.cuda_kernels", "metal.cpu_kernels")
 
 
-@cache
+_selecting = threading.local()
+
+
 def kernel_backend():
-    """The fused-kernel module for this device, or None (the pure-MLX twin serves)."""
-    for name in BACKENDS:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:  # metal/ not installed with the package, or not built
-            continue
-        if module.kernels_available():
-            return module
-    return None
+    """The fused-kernel module for this device, or None (the pure-MLX twin serves).
+
+    Chosen once per process. While a backend's self-check runs, the caches it builds see
+    None (the twin), so the check compares kernels with the twin and never recurses into
+    another self-check."""
+    if getattr(_selecting, "active", False):
+        return None
+    return _select_backend()
+
+
+@cache
+def _select_backend():
+    _selecting.active = True
+    try:
+        for name in BACKENDS:
+            try:
+                module = importlib.import_module(name)
+            except ImportError:  # metal/ not installed with the package, or not built
+                continue
+            if module.kernels_available():
+                return module
+        return None
+    finally:
+        _selecting.active = False
 
 
 def kernels_ready() -> bool:
