@@ -84,3 +84,21 @@ def test_fused_step_equals_the_twin_for_head_dims_with_a_tail(dim, n_queries):
     queries = mx.random.normal((1, 4, n_queries, dim))
     got = cpu_kernels.decode_attention(queries, cache, 0.3, cache.offset - n_queries)
     assert mx.allclose(got, twin_step(queries, cache, 0.3), rtol=1e-4, atol=1e-5).item()
+
+
+@needs_kernels
+def test_the_backend_is_checked_once_and_its_check_never_recurses(monkeypatch):
+    """The self-check builds TurboQuant caches, whose encoder asks for the backend: that
+    nested question must get the twin, not start another self-check."""
+    calls = []
+    check = cpu_kernels.kernels_match_twin
+    monkeypatch.setattr(cpu_kernels, "kernels_match_twin", lambda *a: calls.append(1) or check(*a))
+    metal_attention._select_backend.cache_clear()
+    cpu_kernels.kernels_available.cache_clear()
+    try:
+        assert metal_attention.kernel_backend() is cpu_kernels
+        assert metal_attention.kernel_backend() is cpu_kernels
+        assert calls == [1]
+    finally:
+        metal_attention._select_backend.cache_clear()
+        cpu_kernels.kernels_available.cache_clear()
