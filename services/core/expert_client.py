@@ -41,6 +41,7 @@ import mlx.core as mx
 import numpy as np
 
 from services.common import tensor_codec
+from services.common.frames import FrameError
 from services.common.grpc_util import aio_channel, normalize_address
 from services.common.logging import REQUEST_ID_METADATA_KEY, get_logger
 from services.common.manifest import Manifest
@@ -48,6 +49,7 @@ from services.common.ranges import format_ranges
 from services.common.tls import TlsFiles
 from services.core import expert_metrics
 from services.core.attempt_deadlines import AttemptDeadlines
+from services.core.frame_link import FrameLink
 from services.proto.moemesh.v1 import expert_pb2, expert_pb2_grpc, tensor_pb2
 
 log = get_logger(__name__)
@@ -105,6 +107,7 @@ class WorkerLink:
         self.stub = expert_pb2_grpc.ExpertWorkerStub(self.channel)
         self.stream: grpc.aio.StreamStreamCall | None = None
         self.describe: expert_pb2.DescribeResponse | None = None
+        self.frames: FrameLink | None = None  # the same-host data path, when the worker offers one
         self.up = False
         self.reconnecting: asyncio.Task | None = None
         self.calls_metric = expert_metrics.WORKER_CALLS.labels(self.address)
@@ -154,12 +157,16 @@ class ExpertDispatcher:
         call_timeout_s: float = 60.0,
         max_message_bytes: int = 512 * 1024 * 1024,
         tls: TlsFiles | None = None,
+        frames: bool = True,
     ):
+        """`frames`: send calls to workers on this host through their frame sockets
+        (services/core/frame_link.py) rather than their gRPC streams, where they offer one."""
         if not worker_addresses:
             raise ValueError("at least one expert worker address is needed")
         self.manifest = manifest
         self.call_timeout_s = call_timeout_s
         self.tls = tls
+        self.use_frames = frames
         # The I/O loop and its thread. Channels are created inside the loop (see _discover)
         # so they bind to it and to no other loop.
         self.loop = _new_event_loop()
@@ -226,6 +233,9 @@ class ExpertDispatcher:
         """Runs on the I/O loop. A link going down gets a background reconnect with backoff."""
         was_up = link.up
         link.describe = describe
+        if describe is not None and describe.frames_path and self.use_frames:
+            if link.frames is None or link.frames.path != describe.frames_path:
+                link.frames = FrameLink(describe.frames_path, self._max_message_bytes)
         link.set_up(describe is not None)
         if was_up and not link.up:
             link.reset()
@@ -318,17 +328,20 @@ class ExpertDispatcher:
                 expert_metrics.LAYER_CALL_FAILURES.labels(error.code.name).inc()
                 raise
             plan = _plan(owners, host_hidden, ids)
-        # The coroutine object is made here; the loop only has to start it.
-        roundtrip = self._roundtrip(layer, plan, host_hidden, ids, BATCH_REQUEST_IDS.get())
-        try:
-            self.loop.call_soon_threadsafe(self.loop.create_task, roundtrip)
-        except RuntimeError:  # the loop is closed: the dispatcher was closed
-            roundtrip.close()
-            raise
-        ok, results = self._replies.get()
-        if not ok:
-            expert_metrics.LAYER_CALL_FAILURES.labels(results.code.name).inc()
-            raise results
+        request_ids = BATCH_REQUEST_IDS.get()
+        results = self._frames_roundtrip(layer, plan, request_ids)
+        if results is None:  # no frame path for this plan, or it broke: the gRPC streams
+            # The coroutine object is made here; the loop only has to start it.
+            roundtrip = self._roundtrip(layer, plan, host_hidden, ids, request_ids)
+            try:
+                self.loop.call_soon_threadsafe(self.loop.create_task, roundtrip)
+            except RuntimeError:  # the loop is closed: the dispatcher was closed
+                roundtrip.close()
+                raise
+            ok, results = self._replies.get()
+            if not ok:
+                expert_metrics.LAYER_CALL_FAILURES.labels(results.code.name).inc()
+                raise results
 
         hidden_size = hidden.shape[-1]
         if len(results) == 1 and results[0][0] is None:
@@ -348,6 +361,70 @@ class ExpertDispatcher:
         self.timings.record(elapsed * 1e6, worker_us, compute_us)
         self._layer_seconds[layer].observe(elapsed)
         return array
+
+    def _frames_roundtrip(self, layer: int, plan: list[_Part], request_ids) -> list[tuple] | None:
+        """The call over the workers' frame sockets, on this (the engine) thread: every part
+        sent, then every answer read. None when the plan cannot go that way (a replicated
+        layer, whose failover lives in the gRPC path; a worker without a frame socket) or when
+        a connection broke or a worker answered with an error other than INVALID_ARGUMENT:
+        the caller then makes the same call through the gRPC streams, which retries, fails
+        over or names what is missing exactly as before. A worker that does not answer in
+        time fails the call here (UNAVAILABLE), within the call's deadline."""
+        if not self.use_frames or self.routes[layer][0].shape[1] > 1:
+            return None
+        links = [self.links[part.link] for part in plan]
+        frames = [link.frames for link in links]
+        if not all(link.up for link in links) or any(f is None for f in frames):
+            return None
+        deadline = time.monotonic() + self.call_timeout_s
+        calls, current = [], links[0]
+        try:
+            for part, link, frame_link in zip(plan, links, frames, strict=True):
+                current = link
+                link.calls_metric.inc()
+                calls.append(self._expert_call(layer, part.hidden, part.ids, request_ids))
+                frame_link.send(calls[-1], deadline)
+            replies = []
+            for link, frame_link in zip(links, frames, strict=True):
+                current = link
+                replies.append(frame_link.receive(deadline))
+        except FrameError as error:
+            for frame_link in frames:
+                frame_link.close()  # answers still in flight would be read as the next call's
+            if not error.timed_out:
+                log.info("frames_fallback", worker=current.address, layer=layer, error=str(error))
+                return None
+            expert_metrics.WORKER_ERRORS.labels(current.address, "UNAVAILABLE").inc()
+            self.loop.call_soon_threadsafe(self._link_failed, current)
+            expert_metrics.LAYER_CALL_FAILURES.labels("UNAVAILABLE").inc()
+            raise ExpertCallError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"expert worker {current.address} did not answer layer {layer} within {self.call_timeout_s:g} s",
+            ) from None
+        results = []
+        for part, link, call, result in zip(plan, links, calls, replies, strict=True):
+            if result.call_id != call.call_id:
+                for frame_link in frames:
+                    frame_link.close()
+                return None
+            if result.HasField("error"):
+                code = _status_code(result.error.code)
+                if code != grpc.StatusCode.INVALID_ARGUMENT:
+                    return None  # the gRPC path retries it on a replica or names the failure
+                expert_metrics.WORKER_ERRORS.labels(link.address, code.name).inc()
+                expert_metrics.LAYER_CALL_FAILURES.labels(code.name).inc()
+                raise ExpertCallError(code, f"expert worker {link.address}: {result.error.message}")
+            rows = tensor_codec.decode_numpy(result.output, "output", 1 << 40, ndim=2)
+            results.append((part.mask, rows, result.stats))
+        return results
+
+    def _expert_call(
+        self, layer: int, hidden: np.ndarray, ids: np.ndarray, request_ids
+    ) -> expert_pb2.ExpertCall:
+        call = expert_pb2.ExpertCall(call_id=next(self._call_ids), layer=layer, request_ids=request_ids)
+        tensor_codec.encode_numpy(hidden, tensor_codec.wire_dtype_of(self.hidden_dtype), call.hidden)
+        tensor_codec.encode_numpy(ids, tensor_pb2.DType.INT32, call.expert_ids)
+        return call
 
     async def _roundtrip(self, layer: int, plan: list[_Part], hidden, ids, request_ids) -> None:
         """Runs on the I/O loop; always answers through self._replies, never raises.
@@ -448,9 +525,7 @@ class ExpertDispatcher:
         raise error
 
     async def _one(self, link: WorkerLink, layer: int, hidden: np.ndarray, ids: np.ndarray, request_ids):
-        call = expert_pb2.ExpertCall(call_id=next(self._call_ids), layer=layer, request_ids=request_ids)
-        tensor_codec.encode_numpy(hidden, tensor_codec.wire_dtype_of(self.hidden_dtype), call.hidden)
-        tensor_codec.encode_numpy(ids, tensor_pb2.DType.INT32, call.expert_ids)
+        call = self._expert_call(layer, hidden, ids, request_ids)
         try:
             stream = link.open_stream()
             await stream.write(call)
@@ -470,8 +545,7 @@ class ExpertDispatcher:
             )
         if result.HasField("error"):
             raise ExpertCallError(
-                grpc.StatusCode(next(c for c in grpc.StatusCode if c.value[0] == result.error.code)),
-                f"expert worker {link.address}: {result.error.message}",
+                _status_code(result.error.code), f"expert worker {link.address}: {result.error.message}"
             )
         if result.call_id != call.call_id:
             link.reset()
@@ -508,6 +582,8 @@ class ExpertDispatcher:
                     link.reconnecting.cancel()
                 link.reset()
                 await link.channel.close()
+                if link.frames is not None:
+                    link.frames.close()
 
         asyncio.run_coroutine_threadsafe(_close(), self.loop).result(timeout=10)
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -528,6 +604,10 @@ def _plan(owners: np.ndarray, hidden: np.ndarray, ids: np.ndarray) -> list[_Part
         rows = np.flatnonzero(mask.any(axis=1))
         parts.append(_Part(link, mask, hidden[rows], np.where(mask, ids, -1)[rows]))
     return parts
+
+
+def _status_code(value: int) -> grpc.StatusCode:
+    return next(c for c in grpc.StatusCode if c.value[0] == value)
 
 
 def _new_event_loop() -> asyncio.AbstractEventLoop:

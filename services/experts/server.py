@@ -7,12 +7,14 @@ import os
 import socket
 from pathlib import Path
 
-from services.common.grpc_util import install_uvloop, start_metrics_server, start_server
+from services.common.frames import frames_path_for
+from services.common.grpc_util import install_uvloop, start_metrics_server, start_server, unix_socket_path
 from services.common.logging import get_logger
 from services.common.manifest import Manifest
 from services.common.ranges import format_ranges, parse_ranges
 from services.common.tls import TlsFiles
 from services.experts.compute import DEFAULT_MAX_CALL_BYTES, ExpertCompute
+from services.experts.frame_server import start_frame_server, stop_frame_server
 from services.experts.io import DEFAULT_MIN_SEGMENT_BYTES
 from services.experts.servicer import ExpertWorkerServicer
 from services.experts.store_setup import DEFAULT_IO_MODE, DEFAULT_POLICY, open_store
@@ -79,6 +81,12 @@ async def serve_expert_worker(
         max_message_bytes=max_call_bytes + (1 << 20),
         tls=tls,
     )
+    # Same host: calls may also come as frames on a Unix socket beside the gRPC one.
+    grpc_socket = unix_socket_path(running.address)
+    frames = None
+    if grpc_socket is not None:
+        servicer.frames_path = frames_path_for(str(grpc_socket))
+        frames = await start_frame_server(servicer.frames_path, servicer, max_call_bytes + (1 << 20))
     start_metrics_server(metrics)
     log.info(
         "worker_serving",
@@ -88,6 +96,8 @@ async def serve_expert_worker(
     )
 
     async def on_stop() -> None:
+        if frames is not None:
+            await stop_frame_server(frames, servicer.frames_path)
         stats = store.stats()
         log.info(
             "worker_stopping",

@@ -25,6 +25,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         self.worker_id = worker_id
         self.memory_budget_bytes = memory_budget_bytes
         self.calls = 0
+        self.frames_path = ""  # set when the frame socket serves (services/experts/frame_server.py)
         self.rejected = 0
         # Request ids seen recently: each is logged once when it first reaches this worker,
         # not once per layer call (that would be layers x tokens lines per request).
@@ -37,6 +38,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             memory_budget_bytes=self.memory_budget_bytes,
             resident_bytes=store.stats().resident_bytes,
             worker_id=self.worker_id,
+            frames_path=self.frames_path,
             num_experts=self.compute.manifest.num_experts,
             hidden_dtype=self.compute.manifest.dtype,
         )
@@ -52,26 +54,31 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         structlog.contextvars.bind_contextvars(link_id=metadata.get(REQUEST_ID_METADATA_KEY, ""))
         log.info("forward_stream_open", peer=context.peer())
         async for call in request_iterator:
-            self.calls += 1
-            if call.request_ids:
-                self._log_new_requests(call)
-            try:
-                yield self.compute.run(call)
-            except CallRejected as error:
-                self.rejected += 1
-                log.warning(
-                    "call_rejected",
-                    call_id=call.call_id,
-                    request_ids=list(call.request_ids),
-                    layer=call.layer,
-                    field=error.field,
-                    error=str(error),
-                )
-                yield _error(call.call_id, grpc.StatusCode.INVALID_ARGUMENT, str(error))
-            except ExpertFileError as error:
-                log.error("expert_read_failed", call_id=call.call_id, layer=call.layer, error=str(error))
-                yield _error(call.call_id, grpc.StatusCode.INTERNAL, str(error))
+            yield self.answer(call)
         log.info("forward_stream_closed", peer=context.peer())
+
+    def answer(self, call: expert_pb2.ExpertCall) -> expert_pb2.ExpertResult:
+        """The result of one call, for Forward and the frame socket alike: a malformed call or
+        a failed read is answered in-band, never raised."""
+        self.calls += 1
+        if call.request_ids:
+            self._log_new_requests(call)
+        try:
+            return self.compute.run(call)
+        except CallRejected as error:
+            self.rejected += 1
+            log.warning(
+                "call_rejected",
+                call_id=call.call_id,
+                request_ids=list(call.request_ids),
+                layer=call.layer,
+                field=error.field,
+                error=str(error),
+            )
+            return _error(call.call_id, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except ExpertFileError as error:
+            log.error("expert_read_failed", call_id=call.call_id, layer=call.layer, error=str(error))
+            return _error(call.call_id, grpc.StatusCode.INTERNAL, str(error))
 
     def _log_new_requests(self, call) -> None:
         for request_id in call.request_ids:

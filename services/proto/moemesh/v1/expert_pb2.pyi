@@ -23,7 +23,7 @@ class LayerExperts(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., experts: _Optional[_Iterable[int]] = ..., resident: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model_fingerprint", "layers", "memory_budget_bytes", "resident_bytes", "worker_id", "num_experts", "hidden_dtype", "cache_hits", "cache_misses", "cache_evictions", "bytes_read", "read_seconds", "read_gbps", "read_failures", "cache_slots", "io_mode", "cache_policy")
+    __slots__ = ("model_fingerprint", "layers", "memory_budget_bytes", "resident_bytes", "worker_id", "num_experts", "hidden_dtype", "frames_path", "cache_hits", "cache_misses", "cache_evictions", "bytes_read", "read_seconds", "read_gbps", "read_failures", "cache_slots", "io_mode", "cache_policy")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class DescribeResponse(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_PATH_FIELD_NUMBER: _ClassVar[int]
     CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
     CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +49,7 @@ class DescribeResponse(_message.Message):
     worker_id: str
     num_experts: int
     hidden_dtype: str
+    frames_path: str
     cache_hits: int
     cache_misses: int
     cache_evictions: int
@@ -58,7 +60,7 @@ class DescribeResponse(_message.Message):
     cache_slots: int
     io_mode: str
     cache_policy: str
-    def __init__(self, model_fingerprint: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerExperts, _Mapping]]] = ..., memory_budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ..., num_experts: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., cache_evictions: _Optional[int] = ..., bytes_read: _Optional[int] = ..., read_seconds: _Optional[float] = ..., read_gbps: _Optional[float] = ..., read_failures: _Optional[int] = ..., cache_slots: _Optional[int] = ..., io_mode: _Optional[str] = ..., cache_policy: _Optional[str] = ...) -> None: ...
+    def __init__(self, model_fingerprint: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerExperts, _Mapping]]] = ..., memory_budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ..., num_experts: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., frames_path: _Optional[str] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., cache_evictions: _Optional[int] = ..., bytes_read: _Optional[int] = ..., read_seconds: _Optional[float] = ..., read_gbps: _Optional[float] = ..., read_failures: _Optional[int] = ..., cache_slots: _Optional[int] = ..., io_mode: _Optional[str] = ..., cache_policy: _Optional[str] = ...) -> None: ...
 
 class ExpertCall(_message.Message):
     __slots__ = ("call_id", "layer", "hidden", "expert_ids", "request_ids")

@@ -1,0 +1,107 @@
+"""The same-host frame path between core and workers (services/common/frames.py): real
+worker processes on Unix sockets, core's ExpertDispatcher, and raw frames from a test client."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import grpc
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from services.common.frames import HEADER, frame
+from services.core.expert_client import ExpertCallError, ExpertDispatcher
+from tests.helpers import Workers, linked_dispatcher
+
+
+def _inputs(manifest, tokens=3, seed=0):
+    k = manifest.experts_per_token
+    rng = np.random.default_rng(seed)
+    hidden = mx.array(rng.standard_normal((tokens, manifest.hidden_size)).astype(np.float32))
+    ids = mx.array(
+        np.stack([rng.choice(manifest.num_experts, k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    )
+    mx.eval(hidden, ids)
+    return hidden, ids
+
+
+@pytest.fixture(scope="module")
+def split(tiny_models):
+    return tiny_models.split("qwen3_moe", None)
+
+
+def test_calls_take_the_frame_path_and_equal_the_grpc_path(split, tmp_path):
+    with linked_dispatcher(split, tmp_path, ["0-3", "4-7"]) as (workers, frames, manifest):
+        assert all(link.frames is not None for link in frames.links)
+        grpc_only = ExpertDispatcher(manifest, workers.addresses, frames=False)
+        try:
+            assert grpc_only.discover() == []
+            layer = manifest.layer_indices[0]
+            for seed in range(3):  # split over both workers: two frames per call
+                hidden, ids = _inputs(manifest, seed=seed)
+                got = frames.call(layer, hidden, ids)
+                assert frames.links[0].frames._socket is not None  # it went over the frame socket
+                assert mx.allclose(got, grpc_only.call(layer, hidden, ids), atol=0, rtol=0).item()
+        finally:
+            grpc_only.close()
+
+
+def test_a_bad_call_is_invalid_argument_and_the_next_one_works(split, tmp_path):
+    with linked_dispatcher(split, tmp_path, ["0-7"]) as (_, dispatcher, manifest):
+        layer = manifest.layer_indices[0]
+        hidden, ids = _inputs(manifest)
+        bad = mx.array(np.full(ids.shape, manifest.num_experts + 5, dtype=np.int32))
+        with pytest.raises(ExpertCallError) as error:
+            dispatcher.call(layer, hidden, bad)
+        assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert dispatcher.call(layer, hidden, ids).shape == (*ids.shape, manifest.hidden_size)
+
+
+def test_garbage_on_the_frame_socket_closes_that_connection_only(split, tmp_path):
+    workers = Workers(split, tmp_path, ["0-7"]).start()
+    try:
+        path = workers.addresses[0][len("unix:") :] + ".frames"
+        for junk in (HEADER.pack(1 << 31), frame(b"\xff\xfe not a protobuf")):
+            with socket.socket(socket.AF_UNIX) as sock:
+                sock.settimeout(10)
+                sock.connect(path)
+                sock.sendall(junk)
+                assert sock.recv(1) == b""  # closed by the worker
+        from services.common.manifest import Manifest
+
+        manifest = Manifest.load(split)
+        dispatcher = ExpertDispatcher(manifest, workers.addresses)
+        try:
+            assert dispatcher.discover() == []
+            hidden, ids = _inputs(manifest)
+            assert dispatcher.call(manifest.layer_indices[0], hidden, ids).shape[0] == 3
+        finally:
+            dispatcher.close()
+    finally:
+        workers.stop()
+
+
+def test_a_killed_worker_fails_the_call_naming_it_then_a_restart_serves_again(split, tmp_path):
+    with linked_dispatcher(split, tmp_path, ["0-7"]) as (workers, dispatcher, manifest):
+        layer = manifest.layer_indices[0]
+        hidden, ids = _inputs(manifest)
+        dispatcher.call(layer, hidden, ids)
+        workers.kill(0)
+        started = time.monotonic()
+        with pytest.raises(ExpertCallError) as error:
+            dispatcher.call(layer, hidden, ids)
+        assert error.value.code == grpc.StatusCode.UNAVAILABLE
+        assert workers.addresses[0].removeprefix("unix:") in str(error.value)
+        assert time.monotonic() - started < dispatcher.call_timeout_s
+        workers.start(0)
+        deadline = time.monotonic() + 30
+        while True:  # core reconnects in the background
+            try:
+                assert dispatcher.call(layer, hidden, ids).shape[0] == 3
+                break
+            except ExpertCallError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
