@@ -8,7 +8,9 @@ modules in-process but synchronised once per layer the way moe-mesh must: monoli
 synced_local is the price of the per-layer sync, synced_local vs moe-mesh the price of the wire. For moe-mesh the core and workers are real processes linked
 by Unix sockets and the tokens are read from Core.Generate over gRPC; per-layer
 expert call percentiles come from core's own timings (Core.GetStats), taken over
-the decode steps only (one token per step).
+the decode steps only (one token per step). Core sends layer calls through the workers'
+frame sockets (the same-host data path); `workers_1_grpc` is the 1-worker run with
+`--no-expert-frames` (gRPC streams only), in the same rounds.
 """
 
 from __future__ import annotations
@@ -110,14 +112,17 @@ def timed_decode(core_address: str, prompt: list[int], tokens: int) -> tuple[lis
         return out, stamps, stub.GetStats(core_pb2.GetStatsRequest()).layer_calls
 
 
-def split_run(split: Path, workdir: Path, workers: int, prompt: list[int], tokens: int) -> dict:
+def split_run(
+    split: Path, workdir: Path, workers: int, prompt: list[int], tokens: int, frames: bool = True
+) -> dict:
     manifest = Manifest.load(split)
     ranges = expert_ranges(manifest.num_experts, workers)
     pool = Workers(split, workdir, ranges, tag=f"w{workers}-").start()
     core_address = f"unix:{workdir / f'core{workers}.sock'}"
     core_log = workdir / f"core{workers}.log"
     core = spawn(
-        ["core", "--split", str(split), "--listen", core_address, "--worker", ",".join(pool.addresses)],
+        ["core", "--split", str(split), "--listen", core_address, "--worker", ",".join(pool.addresses)]
+        + ([] if frames else ["--no-expert-frames"]),
         core_log,
     )
     try:
@@ -152,7 +157,13 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str) -> dict:
     else:  # random weights: the prompt's meaning is irrelevant, its length is what counts
         prompt = list(range(1000, 1000 + 24))
     workdir = Path(tempfile.mkdtemp(prefix="mm-bench-", dir="/tmp"))
-    results: dict = {"monolithic": [], "synced_local": [], "workers_1": [], "workers_2": []}
+    results: dict = {
+        "monolithic": [],
+        "synced_local": [],
+        "workers_1": [],
+        "workers_2": [],
+        "workers_1_grpc": [],
+    }
     reference = None
     for round_index in range(rounds):  # interleaved, so drift in machine speed hits every variant alike
         log(f"{name}: round {round_index + 1}/{rounds} monolithic")
@@ -165,6 +176,10 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str) -> dict:
             run = split_run(split, workdir, workers, prompt, tokens)
             run["tokens_match_monolithic"] = run.pop("tokens") == reference
             results[f"workers_{workers}"].append(run)
+        log(f"{name}: round {round_index + 1}/{rounds} moe-mesh with 1 worker, gRPC streams only")
+        run = split_run(split, workdir, 1, prompt, tokens, frames=False)
+        run["tokens_match_monolithic"] = run.pop("tokens") == reference
+        results["workers_1_grpc"].append(run)
     mono = max(results["monolithic"])
     synced = max(results["synced_local"])
     report = {
@@ -174,7 +189,7 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str) -> dict:
         "synced_local_tok_s": round(synced, 3),
         "synced_local_ratio_vs_monolithic": round(synced / mono, 3),
     }
-    for key in ("workers_1", "workers_2"):
+    for key in ("workers_1", "workers_2", "workers_1_grpc"):
         best = max(results[key], key=lambda r: r["tok_s"])
         report[key] = {
             "tok_s": round(best["tok_s"], 3),

@@ -34,6 +34,7 @@ def _core(args) -> None:
     cluster_kwargs = core_kwargs(args)  # fills options left at their defaults from --config
     run_core(
         **cluster_kwargs,
+        expert_frames=not args.no_expert_frames,
         engine_config=EngineConfig(
             max_num_seqs=args.max_num_seqs,
             max_queue=args.max_queue,
@@ -146,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_kv_cache_flags(p)
     p.add_argument("--expert-timeout", type=float, default=60.0, help="seconds a layer call may take")
+    p.add_argument(
+        "--no-expert-frames",
+        action="store_true",
+        help="send layer calls to same-host workers over their gRPC streams, not their frame sockets",
+    )
     add_cluster_flags(p)
     p.set_defaults(func=_core, parser=p)
 

@@ -38,6 +38,7 @@ def build_engine(
     engine_config: EngineConfig,
     expert_timeout_s: float = 60.0,
     tls: TlsFiles | None = None,
+    expert_frames: bool = True,
 ) -> tuple[Engine, RequestPreparer, core_pb2.ModelInfo]:
     manifest = Manifest.load(split_dir)
     tokenizer = load_core_tokenizer(split_dir, manifest)
@@ -47,7 +48,9 @@ def build_engine(
     preparer = RequestPreparer(tokenizer, model_id, context_length, int(text_config["vocab_size"]))
 
     def loader():
-        dispatcher = ExpertDispatcher(manifest, workers, call_timeout_s=expert_timeout_s, tls=tls)
+        dispatcher = ExpertDispatcher(
+            manifest, workers, call_timeout_s=expert_timeout_s, tls=tls, frames=expert_frames
+        )
         engine.closers.append(dispatcher.close)
         started = time.monotonic()
         model = load_core_model(split_dir, manifest, dispatcher)
@@ -93,11 +96,12 @@ async def serve_core(
     expert_timeout_s: float = 60.0,
     tls: TlsFiles | None = None,
     metrics: str | None = None,
+    expert_frames: bool = True,
 ) -> None:
     """`tls`: mTLS for the Core server and the links to workers; `metrics`: host:port of the
-    Prometheus endpoint (None = none)."""
+    Prometheus endpoint (None = none); `expert_frames`: use same-host workers' frame sockets."""
     engine, preparer, info = build_engine(
-        split_dir, workers, engine_config or EngineConfig(), expert_timeout_s, tls
+        split_dir, workers, engine_config or EngineConfig(), expert_timeout_s, tls, expert_frames
     )
     running = await start_server(
         lambda server: core_pb2_grpc.add_CoreServicer_to_server(CoreServicer(engine, preparer, info), server),
