@@ -13,7 +13,7 @@ import pytest
 
 from services.common.frames import HEADER, frame
 from services.core.expert_client import ExpertCallError, ExpertDispatcher
-from tests.helpers import Workers, linked_dispatcher
+from tests.helpers import linked_dispatcher
 
 
 def _inputs(manifest, tokens=3, seed=0):
@@ -60,27 +60,17 @@ def test_a_bad_call_is_invalid_argument_and_the_next_one_works(split, tmp_path):
 
 
 def test_garbage_on_the_frame_socket_closes_that_connection_only(split, tmp_path):
-    workers = Workers(split, tmp_path, ["0-7"]).start()
-    try:
-        path = workers.addresses[0][len("unix:") :] + ".frames"
+    with linked_dispatcher(split, tmp_path, ["0-7"]) as (_, dispatcher, manifest):
+        path = dispatcher.links[0].describe.frames_path
         for junk in (HEADER.pack(1 << 31), frame(b"\xff\xfe not a protobuf")):
             with socket.socket(socket.AF_UNIX) as sock:
                 sock.settimeout(10)
                 sock.connect(path)
                 sock.sendall(junk)
                 assert sock.recv(1) == b""  # closed by the worker
-        from services.common.manifest import Manifest
-
-        manifest = Manifest.load(split)
-        dispatcher = ExpertDispatcher(manifest, workers.addresses)
-        try:
-            assert dispatcher.discover() == []
-            hidden, ids = _inputs(manifest)
-            assert dispatcher.call(manifest.layer_indices[0], hidden, ids).shape[0] == 3
-        finally:
-            dispatcher.close()
-    finally:
-        workers.stop()
+        hidden, ids = _inputs(manifest)
+        assert dispatcher.call(manifest.layer_indices[0], hidden, ids).shape[0] == 3
+        assert dispatcher.links[0].frames._socket is not None  # still over frames
 
 
 def test_a_killed_worker_fails_the_call_naming_it_then_a_restart_serves_again(split, tmp_path):
