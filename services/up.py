@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from services.cluster import local_cluster_toml
+from services.common.frames import frames_path_for
 from services.common.logging import get_logger
 
 log = get_logger(__name__)
@@ -208,6 +209,8 @@ def run_up(
         cluster.stop()
         for address in [*worker_sockets, core_socket]:
             Path(address.removeprefix("unix:")).unlink(missing_ok=True)
+        for address in worker_sockets:  # a worker that died left its frame socket behind
+            Path(frames_path_for(address.removeprefix("unix:"))).unlink(missing_ok=True)
         if own_workdir and clean:  # a failed start keeps its logs for reading
             shutil.rmtree(work, ignore_errors=True)
 

@@ -89,10 +89,11 @@ def test_sigterm_stops_everything_and_removes_sockets(up):
     children = children_of(proc.pid)
     assert len(children) == 4  # 2 workers, core, gateway
     assert list(workdir.glob("*.sock"))
+    assert len(list(workdir.glob("*.sock.frames"))) == 2  # the workers' same-host data path
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     deadline = time.monotonic() + 5
     while any(alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in children if alive(pid)], "orphan processes left behind"
-    assert not list(workdir.glob("*.sock"))
+    assert not list(workdir.glob("*.sock*"))
