@@ -374,7 +374,7 @@ class ExpertDispatcher:
             return None
         links = [self.links[part.link] for part in plan]
         frames = [link.frames for link in links]
-        if not all(link.up for link in links) or any(f is None for f in frames):
+        if not all(link.up for link in links) or any(f is None or not f.usable for f in frames):
             return None
         deadline = time.monotonic() + self.call_timeout_s
         calls, current = [], links[0]

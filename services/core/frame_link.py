@@ -16,12 +16,21 @@ from google.protobuf.message import DecodeError
 from services.common.frames import HEADER, FrameError, frame, frame_length
 from services.proto.moemesh.v1 import expert_pb2
 
+MAX_FAILED_CONNECTS = 3  # then the link is left to gRPC until the worker is described again
+
 
 class FrameLink:
     def __init__(self, path: str, max_frame_bytes: int):
         self.path = path
         self.max_frame_bytes = max_frame_bytes
         self._socket: socket.socket | None = None
+        self.failed_connects = 0
+
+    @property
+    def usable(self) -> bool:
+        """False once connecting failed again and again (a socket path core cannot reach, e.g.
+        another container's): calls then go straight to gRPC instead of failing over each time."""
+        return self.failed_connects < MAX_FAILED_CONNECTS
 
     def send(self, call: expert_pb2.ExpertCall, deadline: float) -> None:
         try:
@@ -60,7 +69,9 @@ class FrameLink:
                 sock.connect(self.path)
             except OSError:
                 sock.close()
+                self.failed_connects += 1
                 raise
+            self.failed_connects = 0
             self._socket = sock
         return self._socket
 

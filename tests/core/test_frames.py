@@ -13,6 +13,7 @@ import pytest
 
 from services.common.frames import HEADER, frame
 from services.core.expert_client import ExpertCallError, ExpertDispatcher
+from services.proto.moemesh.v1 import expert_pb2
 from tests.helpers import linked_dispatcher
 
 
@@ -95,3 +96,16 @@ def test_a_killed_worker_fails_the_call_naming_it_then_a_restart_serves_again(sp
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
+
+
+def test_a_frame_socket_core_cannot_reach_is_left_to_grpc(tmp_path):
+    from services.common.frames import FrameError
+    from services.core.frame_link import MAX_FAILED_CONNECTS, FrameLink
+
+    link = FrameLink(str(tmp_path / "missing.sock.frames"), 1 << 20)
+    for _ in range(MAX_FAILED_CONNECTS):
+        assert link.usable
+        with pytest.raises(FrameError) as error:
+            link.send(expert_pb2.ExpertCall(call_id=1), time.monotonic() + 5)
+        assert not error.value.timed_out
+    assert not link.usable
