@@ -329,10 +329,12 @@ class ExpertDispatcher:
                 raise
             plan = _plan(owners, host_hidden, ids)
         request_ids = BATCH_REQUEST_IDS.get()
-        results = self._frames_roundtrip(layer, plan, request_ids)
+        deadline = time.monotonic() + self.call_timeout_s  # one deadline, whichever path serves
+        results = self._frames_roundtrip(layer, plan, request_ids, deadline)
         if results is None:  # no frame path for this plan, or it broke: the gRPC streams
             # The coroutine object is made here; the loop only has to start it.
-            roundtrip = self._roundtrip(layer, plan, host_hidden, ids, request_ids)
+            budget = deadline - time.monotonic()
+            roundtrip = self._roundtrip(layer, plan, host_hidden, ids, request_ids, budget)
             try:
                 self.loop.call_soon_threadsafe(self.loop.create_task, roundtrip)
             except RuntimeError:  # the loop is closed: the dispatcher was closed
@@ -362,7 +364,9 @@ class ExpertDispatcher:
         self._layer_seconds[layer].observe(elapsed)
         return array
 
-    def _frames_roundtrip(self, layer: int, plan: list[_Part], request_ids) -> list[tuple] | None:
+    def _frames_roundtrip(
+        self, layer: int, plan: list[_Part], request_ids, deadline: float
+    ) -> list[tuple] | None:
         """The call over the workers' frame sockets, on this (the engine) thread: every part
         sent, then every answer read. None when the plan cannot go that way (a replicated
         layer, whose failover lives in the gRPC path; a worker without a frame socket) or when
@@ -376,7 +380,6 @@ class ExpertDispatcher:
         frames = [link.frames for link in links]
         if not all(link.up for link in links) or any(f is None or not f.usable for f in frames):
             return None
-        deadline = time.monotonic() + self.call_timeout_s
         calls, current = [], links[0]
         try:
             for part, link, frame_link in zip(plan, links, frames, strict=True):
@@ -426,11 +429,14 @@ class ExpertDispatcher:
         tensor_codec.encode_numpy(ids, tensor_pb2.DType.INT32, call.expert_ids)
         return call
 
-    async def _roundtrip(self, layer: int, plan: list[_Part], hidden, ids, request_ids) -> None:
+    async def _roundtrip(
+        self, layer: int, plan: list[_Part], hidden, ids, request_ids, budget_s: float
+    ) -> None:
         """Runs on the I/O loop; always answers through self._replies, never raises.
+        `budget_s`: what is left of the call's deadline (the frame path may have used some).
 
         Answers (True, [(mask or None, rows, stats), ...]) or (False, ExpertCallError)."""
-        deadline = self.loop.time() + self.call_timeout_s
+        deadline = self.loop.time() + budget_s
         done: list[tuple] = []
         failed_links: set[int] = set()  # out of this call for good, even if they still look up
         try:
