@@ -6,17 +6,20 @@ Prints one JSON object with p50/p99 microseconds of:
   in_graph_compute         the layer's expert module on device-resident inputs (what monolithic pays)
   host_round_trip          hidden to host bytes and [k, H] back into an MLX array (no network)
   worker_run               ExpertCompute.run on a wire message: decode, validate, compute, encode
-  dispatcher_call          the real thing: core's dispatcher -> worker process -> back
+  dispatcher_call          the real thing: core's dispatcher -> worker process -> back (over the
+                           worker's frame socket, as core does on one host)
   dispatcher_worker_side   the worker's own decode + compute + encode within that call
   dispatcher_transport     the rest: everything between core's proxy and the worker's compute
+  dispatcher_call_grpc,    the same, to the same worker, over its gRPC stream only
+  dispatcher_transport_grpc  (core --no-expert-frames)
   grpc_echo_idle           the floor: the same Forward round trip (same payload bytes, same client
                            pattern, on the dispatcher's own I/O loop) to a process that does no math
   grpc_echo_after_compute  that floor when the echo first stays busy (on the CPU, GIL released) as
                            long as the worker's side of a real call takes (median of the last 100
                            of 150 warm-up calls; threads asleep meanwhile wake slower), busy time subtracted
 and transport_above_floor_p50_us = dispatcher_transport p50 - grpc_echo_after_compute p50: what
-moe-mesh's own code adds to what gRPC in Python costs on this machine. The dispatcher and the two
-echoes run in interleaved blocks, so a change in machine load hits all three alike.
+moe-mesh's own code adds to what gRPC in Python costs on this machine. The dispatchers and the two
+echoes run in interleaved blocks, so a change in machine load hits them all alike.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from bench.decode import checkpoint
 from bench.grpc_echo import EchoLink, start_echo_server
 from services.common import tensor_codec
 from services.common.manifest import Manifest
+from services.core.expert_client import ExpertDispatcher
 from services.experts.compute import ExpertCompute
 from services.experts.store import ResidentExpertStore
 from services.proto.moemesh.v1 import expert_pb2
@@ -125,7 +129,10 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="mm-lc-", dir="/tmp"))
     servers = []
     try:
-        with linked_dispatcher(split, workdir, [f"0-{layer.num_experts - 1}"]) as (_, dispatcher, _):
+        with linked_dispatcher(split, workdir, [f"0-{layer.num_experts - 1}"]) as (workers, dispatcher, _):
+            # the same worker reached over its gRPC stream only (core --no-expert-frames)
+            grpc_only = ExpertDispatcher(manifest, workers.addresses, frames=False)
+            assert grpc_only.discover() == []
             # The echo stays busy as long as the worker's side of a real call takes, measured here.
             for _ in range(150):
                 dispatcher.call(layer.layer, hidden, ids)
@@ -139,11 +146,14 @@ def main() -> None:
             samples = interleaved(
                 {
                     "dispatcher_call": (0.0, lambda: dispatcher.call(layer.layer, hidden, ids)),
+                    "dispatcher_call_grpc": (0.0, lambda: grpc_only.call(layer.layer, hidden, ids)),
                     **{name: (echo_busy[name], echo.round_trip) for name, echo in echoes.items()},
                 },
                 args.calls,
             )
             calls = dispatcher.timings.snapshot()[-args.calls :]
+            grpc_calls = grpc_only.timings.snapshot()[-args.calls :]
+            grpc_only.close()
             for echo in echoes.values():
                 echo.close()
     finally:
@@ -153,6 +163,8 @@ def main() -> None:
     report["dispatcher_call"] = percentiles(samples["dispatcher_call"])
     report["dispatcher_worker_side"] = percentiles(list(calls[:, 1]))
     report["dispatcher_transport"] = percentiles(list(calls[:, 0] - calls[:, 1]))
+    report["dispatcher_call_grpc"] = percentiles(samples["dispatcher_call_grpc"])
+    report["dispatcher_transport_grpc"] = percentiles(list(grpc_calls[:, 0] - grpc_calls[:, 1]))
     for name in echo_busy:
         report[name] = percentiles(samples[name])
     report["echo_busy_us"] = round(compute_s * 1e6, 1)
