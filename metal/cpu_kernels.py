@@ -1,5 +1,6 @@
-"""TurboQuant decode kernels for CPUs (metal/turboquant_cpu.c through ctypes), a kernel
-backend with the contracts of metal/kernels.py: `key_scores` and `weighted_values`.
+"""TurboQuant's decode step for CPUs (metal/turboquant_cpu.c through ctypes), a kernel
+backend that offers `decode_attention` only: the whole step in one call. Where it does not
+fit (padded head dims past 1024) it returns None and the pure-MLX twin serves the step.
 
 Used where MLX computes on the CPU and the compiled extension is present (setup.py builds
 it at install; without a C compiler it is skipped and the twin serves), and only after it
@@ -30,15 +31,12 @@ def _library():
     if spec is None or not spec.origin:
         return None
     lib = ctypes.CDLL(spec.origin)
-    lib.tq_cpu_scores.argtypes = [_I, _I, _I, _I, _I, _F32, _F32, _U8, _L, _I, _U16, _L, _U16, _L, _U8, _L]
-    lib.tq_cpu_scores.argtypes += [_F32, _F32, _F32]
-    lib.tq_cpu_values.argtypes = [_I, _I, _I, _I, _I, _F32, _U8, _L, _I, _U16, _L, _F32, _F32]
     lib.tq_cpu_attention.argtypes = [_I, _I, _I, _I, _F32, _F32, _F32, _I32]  # G, L, D, P, q, qr, sq, pos
     lib.tq_cpu_attention.argtypes += [_I, _F32, _F32, _L]  # sinks
     lib.tq_cpu_attention.argtypes += [_I, _I, _U8, _L, _I, _U16, _L, _U16, _L, _U8, _L, _F32, _F32]  # keys
     lib.tq_cpu_attention.argtypes += [_I, _U8, _L, _I, _U16, _L, _F32]  # compressed values
     lib.tq_cpu_attention.argtypes += [_I, _F32, _F32, _L, _F32, _F32, _F32]  # window, scratch, outputs
-    lib.tq_cpu_scores.restype = lib.tq_cpu_values.restype = lib.tq_cpu_attention.restype = ctypes.c_int
+    lib.tq_cpu_attention.restype = ctypes.c_int
     return lib
 
 
@@ -78,65 +76,6 @@ def _supported(p: int) -> bool:
 def _check(status: int, p: int) -> None:
     if status != 0:  # unreachable after _supported(); a C-side guard, surfaced loudly
         raise RuntimeError(f"TurboQuant CPU kernel refused padded head dim {p}")
-
-
-def key_scores(codec, rotated_queries: mx.array, tokens) -> mx.array:
-    """Same contract as TurboQuantCodec.key_scores: [B, H, L, P] x tokens -> [B, H, L, T]."""
-    B, H, L, p = rotated_queries.shape
-    if not _supported(p):
-        return codec.key_scores(rotated_queries, tokens)
-    T = tokens.length
-    q = rotated_queries.astype(mx.float32)
-    projected = q @ codec.qjl_matrix_t if codec.qjl else None
-    mx.eval(q, *(a for a in (projected, *tokens.arrays()) if a is not None))
-    code_bytes = tokens.codes.shape[-1]
-    codes, codes_stride = _per_head(tokens.codes, code_bytes)
-    norm, norm_stride = _per_head(tokens.norm, 1)
-    residual, residual_stride = _per_head(tokens.residual_norm if codec.qjl else None, 1)
-    signs, signs_stride = _per_head(tokens.qjl_signs if codec.qjl else None, p // 8)
-    q_np, sq_np = _contiguous(q), None if projected is None else _contiguous(projected)
-    centroid_table = _contiguous(codec.centroid_table)
-    sign_table = _contiguous(codec.sign_table) if codec.qjl else None
-    out = np.empty((B * H, L, T), np.float32)
-    _check(
-        _library().tq_cpu_scores(
-            B * H, L, T, p, codec.bits,
-            _pointer(q_np, _F32), _pointer(sq_np, _F32),
-            _pointer(codes, _U8), codes_stride, code_bytes,
-            _pointer(norm.view(np.uint16), _U16), norm_stride,
-            _pointer(None if residual is None else residual.view(np.uint16), _U16), residual_stride,
-            _pointer(signs, _U8), signs_stride,
-            _pointer(centroid_table, _F32), _pointer(sign_table, _F32), _pointer(out, _F32),
-        ),
-        p,
-    )  # fmt: skip
-    return mx.array(out).reshape(B, H, L, T)
-
-
-def weighted_values(codec, weights: mx.array, tokens) -> mx.array:
-    """sum_t weights[..., t] * |v_t| * centroids(v_t), rotated: [B, H, L, T] -> [B, H, L, P]."""
-    B, H, L, T = weights.shape
-    p = codec.padded
-    if not _supported(p):
-        return (weights * tokens.norm.astype(mx.float32)[..., None, :]) @ codec.centroid_values(tokens)
-    w = weights.astype(mx.float32)
-    mx.eval(w, tokens.codes, tokens.norm)
-    code_bytes = tokens.codes.shape[-1]
-    codes, codes_stride = _per_head(tokens.codes, code_bytes)
-    norm, norm_stride = _per_head(tokens.norm, 1)
-    w_np = _contiguous(w)
-    table = _contiguous(codec.centroid_table)
-    out = np.empty((B * H, L, p), np.float32)
-    _check(
-        _library().tq_cpu_values(
-            B * H, L, T, p, codec.bits, _pointer(w_np, _F32),
-            _pointer(codes, _U8), codes_stride, code_bytes,
-            _pointer(norm.view(np.uint16), _U16), norm_stride,
-            _pointer(table, _F32), _pointer(out, _F32),
-        ),
-        p,
-    )  # fmt: skip
-    return mx.array(out).reshape(B, H, L, p)
 
 
 def _exact_run(keys: mx.array | None, values: mx.array | None, dim: int):
@@ -224,36 +163,32 @@ def _table(table: mx.array) -> np.ndarray:
     return entry[1]
 
 
+# (key bits, QJL, value bits, head dim, queries): every bit width the cache offers, QJL on
+# and off, a padded head dim (80 -> 128) with a tail past the 8-lane loop, GQA, one query
+# and several (the newest of which sit inside the compressed run).
+_SELF_CHECK_CASES = ((3, True, 3, 64, 1), (4, False, 2, 80, 3), (2, True, 4, 36, 5), (1, False, 1, 32, 2))
+
+
 def kernels_match_twin(seed: int = 0) -> bool:
-    """Both kernels against the pure-MLX twin on random data, for the bit widths the cache
-    offers, a padded head dim, and token views with spare buffer room (strided heads)."""
-    from services.core.kv.codec import TurboQuantCodec
-
-    mx.random.seed(seed)
-    for bits, qjl, dim in ((3, True, 128), (4, False, 64), (2, True, 80), (1, False, 32)):
-        codec = TurboQuantCodec(dim, bits, qjl, seed=seed)
-        tokens = codec.encode(mx.random.normal((2, 3, 41, dim))).tokens(0, 37)
-        q = codec.rotate_queries(mx.random.normal((2, 3, 4, dim)))
-        if not mx.allclose(key_scores(codec, q, tokens), codec.key_scores(q, tokens), rtol=1e-4, atol=1e-4):
-            return False
-        w = mx.softmax(mx.random.normal((2, 3, 4, 37)), axis=-1)
-        expected = (w * tokens.norm.astype(mx.float32)[..., None, :]) @ codec.centroid_values(tokens)
-        if not mx.allclose(weighted_values(codec, w, tokens), expected, rtol=1e-4, atol=1e-5):
-            return False
-    return _fused_step_matches_twin()
-
-
-def _fused_step_matches_twin() -> bool:
     """decode_attention against softmax over the twin's own scores and decoded values
-    (plain MLX ops: the twin's compiled step would cost a C++ compile here): sinks, a
-    compressed run and a window, GQA, one and several queries, a padded head dim."""
+    (plain MLX ops: the twin's compiled step would cost a C++ compile here), on caches with
+    sinks, a compressed run with spare buffer room (strided heads) and a window, batch 2."""
     from services.core.kv import KVCacheSettings, TurboQuantKVCache
 
-    for dim, n_queries in ((64, 1), (48, 3)):
-        cache = TurboQuantKVCache(KVCacheSettings(sink_tokens=4, recent_window=8, block_size=8), layer=0)
-        keys, values = mx.random.normal((1, 2, 60, dim)) * 2, mx.random.normal((1, 2, 60, dim))
+    mx.random.seed(seed)
+    for key_bits, qjl, value_bits, dim, n_queries in _SELF_CHECK_CASES:
+        settings = KVCacheSettings(
+            key_bits=key_bits,
+            value_bits=value_bits,
+            key_qjl=qjl,
+            sink_tokens=4,
+            recent_window=4,
+            block_size=8,
+        )
+        cache = TurboQuantKVCache(settings, layer=seed)
+        keys, values = mx.random.normal((2, 2, 60, dim)) * 2, mx.random.normal((2, 2, 60, dim))
         cache.update_and_fetch(keys, values)
-        queries = mx.random.normal((1, 6, n_queries, dim))
+        queries = mx.random.normal((2, 6, n_queries, dim))
         got = decode_attention(queries, cache, 0.2, cache.offset - n_queries)
         if not mx.allclose(got, _reference_step(queries, cache, 0.2), rtol=1e-4, atol=1e-5):
             return False

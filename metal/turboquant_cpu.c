@@ -1,6 +1,6 @@
-/* TurboQuant decode-attention kernels for CPUs: the scores and weighted-value kernels of
- * metal/turboquant.metal, for machines without a GPU backend (loaded by
- * metal/cpu_kernels.py through ctypes; built by setup.py as metal._turboquant_cpu).
+/* TurboQuant's decode step for CPUs: what metal/turboquant.metal's fused decode does on a
+ * GPU, in one call, for machines without a GPU backend (loaded by metal/cpu_kernels.py
+ * through ctypes; built by setup.py as metal._turboquant_cpu).
  *
  * Why: MLX has no custom-kernel API on the CPU, so the pure-MLX twin must decode the
  * compressed run into float32 arrays and read them back through matmuls: five passes over
@@ -103,64 +103,6 @@ static inline float dot(const float* a, const float* b, int n) {
     }
     if (j < n) acc0 += load8(a + j) * load8(b + j);
     return sum8(acc0 + acc1);
-}
-
-/* scores[g, l, t] = norm[g,t] * (q[g,l] . c(codes[g,t]) + rnorm[g,t] * (sq[g,l] . s(signs[g,t])))
- * q, sq: float [G, L, P] (sq = q S^T; unused when signs is NULL); the sign table already
- * holds +-qjl_scale. scores: float [G, L, T], contiguous. Returns 0, or -1 unless P is a multiple of 8 up to TQ_MAX_P. */
-TQ_CLONES int tq_cpu_scores(int G, int L, int T, int P, int bits, const float* q, const float* sq,
-                            const uint8_t* codes, long codes_stride, int code_bytes, const uint16_t* norm,
-                            long norm_stride, const uint16_t* rnorm, long rnorm_stride, const uint8_t* signs,
-                            long signs_stride, const float* centroid_table, const float* sign_table,
-                            float* scores) {
-    if (P > TQ_MAX_P || P % 8) return -1;
-    float c[TQ_MAX_P], s[TQ_MAX_P];
-    for (int g = 0; g < G; ++g) {
-        const float* qg = q + (long)g * L * P;
-        const float* sqg = signs ? sq + (long)g * L * P : NULL;
-        float* out = scores + (long)g * L * T;
-        for (int t = 0; t < T; ++t) {
-            decode_row(codes + g * codes_stride + (long)t * code_bytes, P, bits, centroid_table, c);
-            float n = half_to_float(norm[g * norm_stride + t]);
-            if (signs) {
-                decode_row(signs + g * signs_stride + (long)t * (P / 8), P, 1, sign_table, s);
-                float r = half_to_float(rnorm[g * rnorm_stride + t]);
-                for (int l = 0; l < L; ++l)
-                    out[(long)l * T + t] = n * (dot(qg + l * P, c, P) + r * dot(sqg + l * P, s, P));
-            } else {
-                for (int l = 0; l < L; ++l) out[(long)l * T + t] = n * dot(qg + l * P, c, P);
-            }
-        }
-    }
-    return 0;
-}
-
-/* out[g, l, :] = sum_t weights[g,l,t] * norm[g,t] * c(codes[g,t]), in the rotated domain.
- * weights: float [G, L, T] contiguous; out: float [G, L, P] contiguous (overwritten). */
-TQ_CLONES int tq_cpu_values(int G, int L, int T, int P, int bits, const float* weights, const uint8_t* codes,
-                            long codes_stride, int code_bytes, const uint16_t* norm, long norm_stride,
-                            const float* centroid_table, float* out) {
-    if (P > TQ_MAX_P || P % 8) return -1;
-    float c[TQ_MAX_P];
-    memset(out, 0, sizeof(float) * (size_t)G * L * P);
-    for (int g = 0; g < G; ++g) {
-        const float* wg = weights + (long)g * L * T;
-        float* og = out + (long)g * L * P;
-        for (int t = 0; t < T; ++t) {
-            decode_row(codes + g * codes_stride + (long)t * code_bytes, P, bits, centroid_table, c);
-            float n = half_to_float(norm[g * norm_stride + t]);
-            for (int l = 0; l < L; ++l) {
-                float w = wg[(long)l * T + t] * n;
-                if (w == 0.0f) continue; /* masked slots (softmax gives exact zeros) */
-                float* o = og + l * P;
-                for (int j = 0; j < P; j += 8) {
-                    lanes8 acc = load8(o + j) + w * load8(c + j);
-                    memcpy(o + j, &acc, sizeof acc);
-                }
-            }
-        }
-    }
-    return 0;
 }
 
 /* a . b and o += w a over any n (head dims of the exact runs need not be multiples of 8) */

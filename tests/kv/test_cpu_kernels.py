@@ -11,7 +11,6 @@ import pytest
 
 from metal import cpu_kernels
 from services.core.kv import KVCacheSettings, TurboQuantKVCache, metal_attention, turboquant_attention
-from services.core.kv.codec import TurboQuantCodec
 
 on_cpu = mx.default_device() == mx.cpu
 needs_kernels = pytest.mark.skipif(
@@ -33,14 +32,15 @@ def test_kernels_match_the_twin(seed):
 
 
 @needs_kernels
-def test_head_dims_the_kernels_do_not_take_fall_back_to_the_twin():
-    codec = TurboQuantCodec(1100, 3, True, seed=0)  # padded to 2048: past the kernels' 1024
-    tokens = codec.encode(mx.random.normal((1, 2, 9, 1100)))
-    q = codec.rotate_queries(mx.random.normal((1, 2, 3, 1100)))
-    assert mx.array_equal(cpu_kernels.key_scores(codec, q, tokens), codec.key_scores(q, tokens)).item()
-    w = mx.softmax(mx.random.normal((1, 2, 3, 9)), axis=-1)
-    expected = (w * tokens.norm.astype(mx.float32)[..., None, :]) @ codec.centroid_values(tokens)
-    assert mx.array_equal(cpu_kernels.weighted_values(codec, w, tokens), expected).item()
+def test_head_dims_the_kernels_do_not_take_fall_back_to_the_twin(monkeypatch):
+    settings = KVCacheSettings(sink_tokens=2, recent_window=2, block_size=4)
+    cache = TurboQuantKVCache(settings, layer=0)  # head dim 1100, padded to 2048: past the kernels' 1024
+    cache.update_and_fetch(mx.random.normal((1, 2, 12, 1100)), mx.random.normal((1, 2, 12, 1100)))
+    queries = mx.random.normal((1, 4, 1, 1100))
+    assert cpu_kernels.decode_attention(queries, cache, 0.03, cache.offset - 1) is None
+    served = turboquant_attention(queries, cache, 0.03)
+    monkeypatch.setattr(metal_attention, "kernel_backend", lambda: None)
+    assert mx.array_equal(served, turboquant_attention(queries, cache, 0.03)).item()
 
 
 @needs_kernels

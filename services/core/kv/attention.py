@@ -43,7 +43,9 @@ def turboquant_attention(
         return mx.zeros_like(queries)
     start = cache.offset - L if query_start is None else query_start
     if L <= 8 and cache.compressed_length and kernels_ready():  # (no views built per step)
-        return kernel_attention(queries, cache, scale, start)  # fused kernels: straight from the codes
+        out = kernel_attention(queries, cache, scale, start)  # fused kernels: straight from the codes
+        if out is not None:
+            return out
     if L <= 8 and start + L == cache.offset:
         return decode_attention(queries, cache, scale)
     keys_codec, values_codec = cache.key_codec, cache.value_codec

@@ -6,11 +6,11 @@ the packed codes (the backend's `key_scores`), one softmax covers all runs, comp
 values are summed from their codes in the rotated domain (`weighted_values`) and rotated
 back once. No decompressed copy of the cache exists at any point.
 
-A backend is a module with `key_scores(codec, rotated_queries, tokens)`,
-`weighted_values(codec, weights, tokens)` (the contracts of metal/backend.py), optionally
-`pack(codec, x)` (encode) and `decode_attention(queries, cache, scale, start)` (the whole
-decode step fused; None where it does not fit), and `kernels_available()`. `kernel_backend()` picks the first
-available one in `BACKENDS` order.
+A backend is a module with `kernels_available()` and `decode_attention(queries, cache,
+scale, start)` (the whole decode step fused; None where it does not fit) and/or
+`key_scores(codec, rotated_queries, tokens)` with `weighted_values(codec, weights, tokens)`
+(the contracts of metal/backend.py), and optionally `pack(codec, x)` (encode).
+`kernel_backend()` picks the first available one in `BACKENDS` order.
 """
 
 from __future__ import annotations
@@ -61,12 +61,16 @@ def kernels_ready() -> bool:
     return kernel_backend() is not None
 
 
-def kernel_attention(queries: mx.array, cache: TurboQuantKVCache, scale: float, start: int) -> mx.array:
+def kernel_attention(
+    queries: mx.array, cache: TurboQuantKVCache, scale: float, start: int
+) -> mx.array | None:
+    """The step on the backend's kernels; None when they do not serve it (a backend with only
+    a fused step that does not fit, e.g. the CPU one past 1024 dims): the twin then does."""
     kernels = kernel_backend()
     fused = getattr(kernels, "decode_attention", None)
-    if fused is not None:  # the whole step in two kernels, where the backend has them
+    if fused is not None:  # the whole step in one or two kernels, where the backend has them
         out = fused(queries, cache, scale, start)
-        if out is not None:
+        if out is not None or not hasattr(kernels, "key_scores"):
             return out
     B, n_q_heads, L, D = queries.shape
     exact = cache.sink_keys if cache.sink_keys is not None else cache.recent_keys
