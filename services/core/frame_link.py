@@ -75,7 +75,7 @@ class FrameLink:
             self._socket = sock
         return self._socket
 
-    def _read(self, size: int, deadline: float) -> bytes:
+    def _read(self, size: int, deadline: float) -> bytearray:
         sock = self._socket
         if sock is None:
             raise FrameError(f"{self.path}: not connected")
@@ -87,7 +87,7 @@ class FrameLink:
             if n == 0:
                 raise FrameError(f"{self.path}: the worker closed the connection")
             got += n
-        return bytes(buffer)
+        return buffer  # protobuf parses bytes-like objects: no copy
 
 
 def _remaining(deadline: float) -> float:
