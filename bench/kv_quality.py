@@ -6,7 +6,7 @@
 Perplexity: the text is prefilled chunk by chunk (tokens age into the compressed run
 exactly as in serving) and scored token by token, for fp16 and each TurboQuant setting.
 Greedy: a fixed set of long chat prompts (longer than sinks + window, so part of each
-prompt is compressed) answered with fp16 and with the default TurboQuant setting.
+prompt is compressed) answered with fp16 and with each of --greedy-settings (default: the default setting).
 Prints one JSON object.
 """
 
@@ -26,12 +26,23 @@ from services.core.kv import KVCacheSettings, make_kv_cache
 from services.core.kv.quality import load_bench_model, perplexity
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "assets" / "gpl-3.0.txt"
+W128 = dict(recent_window=128)
+PLAIN = dict(center_keys=False)  # the paper's algorithm as written: keys quantized as they are
 SETTINGS = {
     "K3+QJL/V3 (default)": KVCacheSettings(),
+    "K3+QJL/V3, plain keys": KVCacheSettings(**PLAIN),
     "K4/V4": KVCacheSettings(key_bits=4, value_bits=4, key_qjl=False),
     "K2+QJL/V2": KVCacheSettings(key_bits=2, value_bits=2, key_qjl=True),
-    "K3+QJL/V3, window 128": KVCacheSettings(recent_window=128),
-    "K4/V4, window 128": KVCacheSettings(key_bits=4, value_bits=4, key_qjl=False, recent_window=128),
+    "K3+QJL/V3, window 128": KVCacheSettings(**W128),
+    "K3+QJL/V3, window 128, plain keys": KVCacheSettings(**W128, **PLAIN),
+    "K3+QJL/V3, window 128, centered values": KVCacheSettings(**W128, center_values=True),
+    "K3/V3, window 128": KVCacheSettings(key_qjl=False, **W128),
+    "K4/V3, window 128": KVCacheSettings(key_bits=4, key_qjl=False, **W128),
+    "K4/V4, window 128": KVCacheSettings(key_bits=4, value_bits=4, key_qjl=False, **W128),
+    "K4/V4, window 128, plain keys": KVCacheSettings(
+        key_bits=4, value_bits=4, key_qjl=False, **W128, **PLAIN
+    ),
+    "K2+QJL/V2, window 128": KVCacheSettings(key_bits=2, value_bits=2, **W128),
 }
 QUESTIONS = [
     "What is the capital of France?",
@@ -66,6 +77,16 @@ def main() -> None:
         "--answers-only", action="store_true", help="greedy answers only (no perplexity table)"
     )
     parser.add_argument("--dequantize", action="store_true", help="float32 weights (fast on a CPU)")
+    parser.add_argument(
+        "--settings", nargs="*", choices=list(SETTINGS), default=list(SETTINGS), help="perplexity rows"
+    )
+    parser.add_argument(
+        "--greedy-settings",
+        nargs="*",
+        choices=list(SETTINGS),
+        default=["K3+QJL/V3 (default)"],
+        help="settings whose greedy answers are compared with fp16",
+    )
     args = parser.parse_args()
     model, tokenizer, args.model = load_bench_model(args.model, args.dtype)
     if args.dequantize:
@@ -81,21 +102,23 @@ def main() -> None:
     if not args.answers_only:
         table["fp16"] = round(perplexity(model, ids, make_kv_cache(model, "fp16")), 4)
         print(json.dumps({"progress": "fp16", "ppl": table["fp16"]}), file=sys.stderr, flush=True)
-    for name, settings in {} if args.answers_only else SETTINGS.items():
-        ppl = perplexity(model, ids, make_kv_cache(model, "turboquant", settings))
+    for name in [] if args.answers_only else args.settings:
+        ppl = perplexity(model, ids, make_kv_cache(model, "turboquant", SETTINGS[name]))
         table[name] = {"ppl": round(ppl, 4), "increase_pct": round(100 * (ppl / table["fp16"] - 1), 2)}
         print(json.dumps({"progress": name, **table[name]}), file=sys.stderr, flush=True)
 
     context = TEXT.read_text()[: args.context_chars]
-    answers, same = [], 0
+    answers, same = [], {name: 0 for name in args.greedy_settings}
     for question in QUESTIONS:
         messages = [{"role": "user", "content": f"{context}\n\n{question}"}]
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        fp = greedy(model, tokenizer, prompt, "fp16", None, args.answer_tokens)
-        tq = greedy(model, tokenizer, prompt, "turboquant", KVCacheSettings(), args.answer_tokens)
-        same += fp == tq
-        answers.append({"question": question, "prompt_tokens": len(prompt), "fp16": fp, "turboquant": tq})
-        print(json.dumps({"progress": question, "same": fp == tq}), file=sys.stderr, flush=True)
+        row = {"question": question, "prompt_tokens": len(prompt)}
+        row["fp16"] = greedy(model, tokenizer, prompt, "fp16", None, args.answer_tokens)
+        for name in args.greedy_settings:
+            row[name] = greedy(model, tokenizer, prompt, "turboquant", SETTINGS[name], args.answer_tokens)
+            same[name] += row[name] == row["fp16"]
+        answers.append(row)
+        print(json.dumps({"progress": question, **row}), file=sys.stderr, flush=True)
     print(
         json.dumps(
             {
@@ -104,7 +127,7 @@ def main() -> None:
                 "device": str(mx.default_device()),
                 "tokens": args.tokens,
                 "perplexity": table,
-                "greedy_identical": f"{same}/{len(QUESTIONS)}",
+                "greedy_identical": {name: f"{n}/{len(QUESTIONS)}" for name, n in same.items()},
                 "greedy": answers,
             }
         )

@@ -25,6 +25,19 @@ _HOOK_MARK = "_moe_mesh_turboquant"
 def turboquant_attention(
     queries: mx.array, cache: TurboQuantKVCache, scale: float, query_start: int | None = None
 ) -> mx.array:
+    """softmax(q k^T * scale + causal mask) v over everything `cache` holds (see
+    `_stored_attention`), with the value offset of a value-centred cache added back."""
+    out = _stored_attention(queries, cache, scale, query_start)
+    if cache.value_offset is None:
+        return out
+    offset = cache.value_offset  # [B, H_kv, 1, D]: the weights sum to 1, so add it once
+    offset = mx.repeat(offset, queries.shape[1] // offset.shape[1], axis=1)
+    return (out.astype(mx.float32) + offset).astype(out.dtype)
+
+
+def _stored_attention(
+    queries: mx.array, cache: TurboQuantKVCache, scale: float, query_start: int | None = None
+) -> mx.array:
     """softmax(q k^T * scale + causal mask) v over everything `cache` holds.
 
     queries: [B, Hq, L, D] after RoPE; query i sits at position query_start + i

@@ -32,6 +32,10 @@ def _cat(a: mx.array | None, b: mx.array) -> mx.array:
     return b if a is None else mx.concatenate([a, b], axis=2)
 
 
+def _shifted(x: mx.array, offset: mx.array | None) -> mx.array:
+    return x if offset is None else (x.astype(mx.float32) - offset).astype(x.dtype)
+
+
 def _length(a) -> int:
     if a is None:
         return 0
@@ -73,6 +77,10 @@ class TurboQuantKVCache(_BaseCache):
         self.offset = 0
         self.key_codec: TurboQuantCodec | None = None
         self.value_codec: TurboQuantCodec | None = None
+        # what every stored key / value has subtracted, float32 [B, H, 1, D], set when the
+        # first block is compressed (None: nothing subtracted)
+        self.key_offset: mx.array | None = None
+        self.value_offset: mx.array | None = None
 
     # ---- writing --------------------------------------------------------------------
 
@@ -84,7 +92,8 @@ class TurboQuantKVCache(_BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         if self.key_codec is None:
             self._codecs(keys, values)
-        n = keys.shape[2]
+        returned, n = (keys, values), keys.shape[2]
+        keys, values = self._centered(keys, values)
         to_sinks = max(0, min(n, self.settings.sink_tokens - _length(self.sink_keys)))
         if to_sinks:
             self.sink_keys = _cat(self.sink_keys, keys[:, :, :to_sinks])
@@ -92,7 +101,40 @@ class TurboQuantKVCache(_BaseCache):
         if to_sinks < n:
             self._append_recent(keys[:, :, to_sinks:], values[:, :, to_sinks:])
         self.offset += n
-        return keys, values
+        return returned
+
+    # ---- centering (KVCacheSettings.center_keys / center_values) ---------------------
+
+    def _centered(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return _shifted(keys, self.key_offset), _shifted(values, self.value_offset)
+
+    def _start_centering(self, keys: mx.array, values: mx.array, aged: int):
+        """Fixes the offsets as the means of the tokens about to be compressed first and
+        re-stores every exact token minus them (a one-time pass over sinks and window), so
+        that all tokens of the sequence share one shift. Returns the incoming tokens,
+        centered. Why a shift is free: scores q.(k - mu) = q.k - q.mu move by one constant
+        per query, which the softmax ignores; the weights sum to 1, so the weighted sum
+        of v - nu is the output minus nu, added back once (`value_offset`)."""
+        s, recent = self.settings, self.recent_buffer
+        held = _length(recent)
+
+        def first_mean(which: int, incoming: mx.array) -> mx.array:
+            run = mx.concatenate([recent.views()[which], incoming], axis=2) if held else incoming
+            return mx.mean(run[:, :, :aged].astype(mx.float32), axis=2, keepdims=True)
+
+        if s.center_keys:
+            self.key_offset = first_mean(0, keys)
+        if s.center_values:
+            self.value_offset = first_mean(1, values)
+        if self.sink_keys is not None:
+            self.sink_keys, self.sink_values = self._centered(self.sink_keys, self.sink_values)
+        if held:
+            self.recent_buffer = self._new_recent(self._centered(*recent.views()))
+        return self._centered(keys, values)
+
+    @property
+    def centering(self) -> bool:
+        return self.key_offset is not None or self.value_offset is not None
 
     def _append_recent(self, keys: mx.array, values: mx.array) -> None:
         """New tokens enter the window; once it holds recent_window + block_size tokens,
@@ -101,6 +143,9 @@ class TurboQuantKVCache(_BaseCache):
         held = _length(recent)
         excess = held + keys.shape[2] - s.recent_window
         aged = (excess // s.block_size) * s.block_size if excess >= s.block_size else 0
+        if aged and (s.center_keys or s.center_values) and not self.centering:
+            keys, values = self._start_centering(keys, values, aged)
+            recent = self.recent_buffer
         if aged == 0:
             self.recent_buffer = (
                 recent.appended((keys, values)) if recent is not None else self._new_recent((keys, values))
