@@ -27,20 +27,22 @@ from services.core.kv.quality import load_bench_model, perplexity
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "assets" / "gpl-3.0.txt"
 W128 = dict(recent_window=128)
-PLAIN = dict(center_keys=False)  # the paper's algorithm as written: keys quantized as they are
+CENTERED = dict(center_keys=True)  # keys quantized minus their mean (KVCacheSettings.center_keys)
 SETTINGS = {
     "K3+QJL/V3 (default)": KVCacheSettings(),
-    "K3+QJL/V3, plain keys": KVCacheSettings(**PLAIN),
+    "K3+QJL/V3, centered keys": KVCacheSettings(**CENTERED),
     "K4/V4": KVCacheSettings(key_bits=4, value_bits=4, key_qjl=False),
     "K2+QJL/V2": KVCacheSettings(key_bits=2, value_bits=2, key_qjl=True),
     "K3+QJL/V3, window 128": KVCacheSettings(**W128),
-    "K3+QJL/V3, window 128, plain keys": KVCacheSettings(**W128, **PLAIN),
-    "K3+QJL/V3, window 128, centered values": KVCacheSettings(**W128, center_values=True),
+    "K3+QJL/V3, window 128, centered keys": KVCacheSettings(**W128, **CENTERED),
+    "K3+QJL/V3, window 128, centered keys and values": KVCacheSettings(
+        **W128, **CENTERED, center_values=True
+    ),
     "K3/V3, window 128": KVCacheSettings(key_qjl=False, **W128),
     "K4/V3, window 128": KVCacheSettings(key_bits=4, key_qjl=False, **W128),
     "K4/V4, window 128": KVCacheSettings(key_bits=4, value_bits=4, key_qjl=False, **W128),
-    "K4/V4, window 128, plain keys": KVCacheSettings(
-        key_bits=4, value_bits=4, key_qjl=False, **W128, **PLAIN
+    "K4/V4, window 128, centered keys": KVCacheSettings(
+        key_bits=4, value_bits=4, key_qjl=False, **W128, **CENTERED
     ),
     "K2+QJL/V2, window 128": KVCacheSettings(key_bits=2, value_bits=2, **W128),
 }

@@ -17,17 +17,17 @@ def test_core_defaults_to_fp16_with_the_default_turboquant_settings():
 def test_core_turboquant_flags_become_engine_settings():
     argv = ["core", "--kv-cache", "turboquant", "--kv-key-bits", "4", "--kv-value-bits", "2", "--kv-no-qjl"]
     kwargs = kv_engine_kwargs(
-        build_parser().parse_args(argv + ["--kv-recent-window", "64", "--kv-no-key-centering"])
+        build_parser().parse_args(argv + ["--kv-recent-window", "64", "--kv-center-keys"])
     )
     assert kwargs["kv_cache"] == "turboquant"
     assert kwargs["kv_settings"] == KVCacheSettings(
-        key_bits=4, value_bits=2, key_qjl=False, recent_window=64, center_keys=False
+        key_bits=4, value_bits=2, key_qjl=False, recent_window=64, center_keys=True
     )
 
 
 def test_up_passes_the_same_choice_to_its_core():
     args = build_parser().parse_args(
-        ["up", "--kv-cache", "turboquant", "--kv-key-bits", "4", "--kv-no-key-centering"]
+        ["up", "--kv-cache", "turboquant", "--kv-key-bits", "4", "--kv-center-keys"]
     )
     core = build_parser().parse_args(["core", *kv_cli_args(args)])
     assert kv_engine_kwargs(core) == kv_engine_kwargs(args)

@@ -12,6 +12,7 @@ from services.core.kv.attention import turboquant_attention
 from services.core.kv.cache import TurboQuantKVCache
 
 SMALL = dict(sink_tokens=4, recent_window=32, block_size=16)
+CENTERED = dict(center_keys=True, **SMALL)
 
 
 def keys_with_a_common_part(seed: int, tokens: int, heads: int = 2, dim: int = 64):
@@ -41,7 +42,7 @@ def filled(settings: KVCacheSettings, keys, values, chunks=(40, 30, 1, 1, 1, 27)
 
 def test_stored_keys_are_the_given_keys_minus_one_mean_per_head():
     keys, values = keys_with_a_common_part(0, 100)
-    cache = filled(KVCacheSettings(**SMALL), keys, values)
+    cache = filled(KVCacheSettings(**CENTERED), keys, values)
     mu = cache.key_offset
     assert mu.shape == (1, 2, 1, 64)
     assert cache.compressed_length == 64  # 100 - 4 sinks - 32 window, in whole blocks
@@ -64,7 +65,7 @@ def test_stored_keys_are_the_given_keys_minus_one_mean_per_head():
 
 def test_no_compression_means_no_centering_and_exact_attention():
     keys, values = keys_with_a_common_part(1, 30)
-    cache = filled(KVCacheSettings(**SMALL), keys, values, chunks=(30,))
+    cache = filled(KVCacheSettings(**CENTERED), keys, values, chunks=(30,))
     assert cache.key_offset is None and cache.compressed_length == 0
     queries = mx.random.normal((1, 4, 30, 64))
     got = turboquant_attention(queries, cache, 0.125)
@@ -87,7 +88,7 @@ def test_centering_cuts_the_attention_error_on_keys_with_a_common_part(n_queries
 
 def test_trim_into_the_compressed_run_keeps_the_shift_consistent(attention_path):
     keys, values = keys_with_a_common_part(3, 140)
-    settings = KVCacheSettings(key_bits=4, value_bits=4, key_qjl=False, **SMALL)
+    settings = KVCacheSettings(key_bits=4, value_bits=4, key_qjl=False, **CENTERED)
     cache = filled(settings, keys, values, chunks=(120, 20))
     mu = cache.key_offset
     cache.trim(70)  # through the window into the compressed run: 4 sinks + 66 compressed left
@@ -106,7 +107,7 @@ def test_rows_of_a_batch_keep_their_own_mean():
 
     first, first_v = keys_with_a_common_part(4, 100)
     second, second_v = keys_with_a_common_part(5, 100)
-    settings = KVCacheSettings(**SMALL)
+    settings = KVCacheSettings(**CENTERED)
     batch = BatchTurboQuantKVCache.merge(
         [filled(settings, first, first_v), filled(settings, second, second_v)]
     )
@@ -135,3 +136,11 @@ def test_value_centering_adds_the_offset_back_once(n_queries, attention_path):
         got = turboquant_attention(queries, cache, 0.125)
         errors[center] = mx.sqrt(mx.mean((got - exact) ** 2)).item()
     assert errors[True] < 0.6 * errors[False], errors
+
+
+def test_the_default_is_the_papers_algorithm_without_offsets():
+    keys, values = keys_with_a_common_part(8, 100)
+    cache = filled(KVCacheSettings(**SMALL), keys, values)
+    assert cache.compressed_length == 64
+    assert cache.key_offset is None and cache.value_offset is None
+    assert mx.array_equal(cache.sink_keys, keys[:, :, :4])

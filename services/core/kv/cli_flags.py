@@ -21,9 +21,9 @@ def add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-value-bits", type=int, choices=(2, 3, 4), default=_DEFAULT.value_bits)
     group.add_argument("--kv-no-qjl", action="store_true", help="keys without the 1-bit QJL residual stage")
     group.add_argument(
-        "--kv-no-key-centering",
+        "--kv-center-keys",
         action="store_true",
-        help="quantize keys as they are, not minus their mean (the paper's plain algorithm)",
+        help="quantize keys minus their mean (halves the key error; helps small windows)",
     )
     group.add_argument(
         "--kv-recent-window",
@@ -40,7 +40,7 @@ def kv_settings_from_args(args: argparse.Namespace) -> KVCacheSettings:
         key_bits=args.kv_key_bits,
         value_bits=args.kv_value_bits,
         key_qjl=not args.kv_no_qjl,
-        center_keys=not args.kv_no_key_centering,
+        center_keys=args.kv_center_keys,
         recent_window=args.kv_recent_window,
     )
 
@@ -55,4 +55,4 @@ def kv_cli_args(args: argparse.Namespace) -> list[str]:
     out = ["--kv-cache", args.kv_cache, "--kv-key-bits", str(args.kv_key_bits)]
     out += ["--kv-value-bits", str(args.kv_value_bits), "--kv-recent-window", str(args.kv_recent_window)]
     out += ["--kv-no-qjl"] if args.kv_no_qjl else []
-    return out + (["--kv-no-key-centering"] if args.kv_no_key_centering else [])
+    return out + (["--kv-center-keys"] if args.kv_center_keys else [])
