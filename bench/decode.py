@@ -10,7 +10,9 @@ by Unix sockets and the tokens are read from Core.Generate over gRPC; per-layer
 expert call percentiles come from core's own timings (Core.GetStats), taken over
 the decode steps only (one token per step). Core sends layer calls through the workers'
 frame sockets (the same-host data path); `workers_1_grpc` is the 1-worker run with
-`--no-expert-frames` (gRPC streams only), in the same rounds.
+`--no-expert-frames` (gRPC streams only), in the same rounds. Frame reads poll before
+they sleep when the machine has a core per process (`--frame-spin-us`, chosen as
+`moe-mesh up` chooses it; recorded per variant).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from mlx_lm.generate import generate_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from services.common.frames import spin_for
 from services.common.manifest import Manifest
 from services.common.model_build import expert_modules, replace_modules
 from services.common.synthetic_model import QWEN3_30B_A3B_SHAPE, build_random_checkpoint
@@ -117,11 +120,13 @@ def split_run(
 ) -> dict:
     manifest = Manifest.load(split)
     ranges = expert_ranges(manifest.num_experts, workers)
-    pool = Workers(split, workdir, ranges, tag=f"w{workers}-").start()
+    spin = ["--frame-spin-us", str(round(spin_for(workers + 1) * 1e6))]  # as `moe-mesh up` chooses
+    pool = Workers(split, workdir, ranges, tag=f"w{workers}-", extra_args=spin).start()
     core_address = f"unix:{workdir / f'core{workers}.sock'}"
     core_log = workdir / f"core{workers}.log"
     core = spawn(
         ["core", "--split", str(split), "--listen", core_address, "--worker", ",".join(pool.addresses)]
+        + spin
         + ([] if frames else ["--no-expert-frames"]),
         core_log,
     )
@@ -145,7 +150,12 @@ def split_run(
         )
     }
     layer["calls"] = calls.calls
-    return {"tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]), "tokens": out, "layer_call": layer}
+    return {
+        "tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+        "tokens": out,
+        "layer_call": layer,
+        "frame_spin_us": int(spin[1]),
+    }
 
 
 def bench_model(name: str, tokens: int, rounds: int, dtype: str) -> dict:
@@ -197,6 +207,7 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str) -> dict:
             "ratio_vs_synced_local": round(best["tok_s"] / synced, 3),
             "tokens_match_monolithic": all(r["tokens_match_monolithic"] for r in results[key]),
             "layer_call": best["layer_call"],
+            "frame_spin_us": best["frame_spin_us"],
         }
     return report
 

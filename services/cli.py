@@ -18,15 +18,18 @@ def _split(args) -> None:
 
 def _expert(args) -> None:
     from services.cluster_roles import expert_kwargs
+    from services.common.frames import spin_seconds
     from services.experts.cli_flags import streaming_kwargs
     from services.experts.server import run_expert_worker
 
     # cluster.toml settings (expert_kwargs) win over the streaming flags' defaults.
-    run_expert_worker(**{**streaming_kwargs(args), **expert_kwargs(args)})
+    kwargs = {**streaming_kwargs(args), **expert_kwargs(args)}
+    run_expert_worker(**kwargs, frame_spin_s=spin_seconds(args.frame_spin_us))
 
 
 def _core(args) -> None:
     from services.cluster_roles import core_kwargs
+    from services.common.frames import spin_seconds
     from services.core.engine import EngineConfig
     from services.core.kv.cli_flags import kv_engine_kwargs
     from services.core.server import run_core
@@ -35,6 +38,7 @@ def _core(args) -> None:
     run_core(
         **cluster_kwargs,
         expert_frames=not args.no_expert_frames,
+        frame_spin_s=spin_seconds(args.frame_spin_us),
         engine_config=EngineConfig(
             max_num_seqs=args.max_num_seqs,
             max_queue=args.max_queue,
@@ -67,6 +71,7 @@ def _up(args) -> None:
             gateway_args=_gateway_key_args(args),
             expert_memory_gb=args.expert_memory_gb,
             core_args=kv_cli_args(args),
+            frame_spin_us=args.frame_spin_us,
         )
     )
 
@@ -100,6 +105,7 @@ class _ArgvRecordingParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from services.cluster_roles import add_cluster_flags
     from services.cluster_tools import add_cluster_commands
+    from services.common.frames import add_spin_flag
     from services.core.kv.cli_flags import add_kv_cache_flags
     from services.experts.cli_flags import add_storage_commands, add_streaming_flags
 
@@ -126,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None, help="this worker's name in --config")
     add_cluster_flags(p)
     add_streaming_flags(p)
+    add_spin_flag(p)
     p.set_defaults(func=_expert, parser=p)
 
     p = sub.add_parser("core", help="serve the Core gRPC API over the expert workers")
@@ -152,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="send layer calls to same-host workers over their gRPC streams, not their frame sockets",
     )
+    add_spin_flag(p)
     add_cluster_flags(p)
     p.set_defaults(func=_core, parser=p)
 
@@ -174,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_kv_cache_flags(p)
     _add_api_key_flags(p)
+    add_spin_flag(p)
     p.set_defaults(func=_up)
     add_cluster_commands(sub)  # certs, deploy, cluster check
     add_storage_commands(sub)  # iobench, plan

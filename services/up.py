@@ -133,7 +133,11 @@ def run_up(
     gateway_args: Sequence[str] = (),
     expert_memory_gb: float | None = None,
     core_args: Sequence[str] = (),
+    frame_spin_us: int | None = None,
 ) -> int:
+    """`frame_spin_us`: how long core's and the workers' frame reads poll (None: poll when the
+    machine has a core for each of them, services.common.frames.spin_for)."""
+    from services.common.frames import spin_for
     from services.common.manifest import Manifest
 
     split_dir = resolve_split(model)
@@ -168,12 +172,17 @@ def run_up(
             port,
         )
     )
+    if frame_spin_us is None:
+        frame_spin_us = round(spin_for(experts + 1) * 1e6)
+    spin = ["--frame-spin-us", str(frame_spin_us)]
     try:
         for i in range(experts):
             # Each worker keeps at most expert_memory_gb of its experts in RAM, streams the rest.
             budget = ["--memory-gb", str(expert_memory_gb)] if expert_memory_gb else []
-            cluster.start(f"expert-{i}", "expert", "--config", str(config), "--name", f"expert-{i}", *budget)
-        cluster.start("core", "core", "--config", str(config), *core_args)
+            cluster.start(
+                f"expert-{i}", "expert", "--config", str(config), "--name", f"expert-{i}", *budget, *spin
+            )
+        cluster.start("core", "core", "--config", str(config), *core_args, *spin)
         cluster.start("gateway", "gateway", "--config", str(config), *gateway_args)
         url = f"http://{host}:{port}"
         checks = [(address, lambda a=address: _grpc_serving(a)) for address in worker_sockets]

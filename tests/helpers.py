@@ -104,8 +104,11 @@ def stop(procs: list[subprocess.Popen]) -> None:
 class Workers:
     """Expert worker processes on Unix sockets, one per expert range."""
 
-    def __init__(self, split_dir: Path, workdir: Path, ranges: list[str], tag: str = "w"):
+    def __init__(
+        self, split_dir: Path, workdir: Path, ranges: list[str], tag: str = "w", extra_args: tuple = ()
+    ):
         self.split_dir, self.workdir, self.ranges, self.tag = split_dir, workdir, ranges, tag
+        self.extra_args = list(extra_args)
         self.addresses = [f"unix:{workdir / f'{tag}{i}.sock'}" for i in range(len(ranges))]
         self.logs = [workdir / f"{tag}{i}.log" for i in range(len(ranges))]
         self.procs: list[subprocess.Popen | None] = [None] * len(ranges)
@@ -122,6 +125,7 @@ class Workers:
                     self.addresses[i],
                     "--experts",
                     self.ranges[i],
+                    *self.extra_args,
                 ],
                 self.logs[i],
             )
@@ -144,8 +148,11 @@ class Workers:
 
 
 @contextlib.contextmanager
-def linked_dispatcher(split_dir: Path, workdir: Path, ranges: list[str], tag: str = "w"):
-    """Worker processes for `ranges` plus a core-side ExpertDispatcher that reaches all of them.
+def linked_dispatcher(
+    split_dir: Path, workdir: Path, ranges: list[str], tag: str = "w", worker_args: tuple = (), **kwargs
+):
+    """Worker processes for `ranges` (started with `worker_args`) plus a core-side
+    ExpertDispatcher(**kwargs) that reaches all of them.
 
     Yields (workers, dispatcher, manifest); stops everything on exit.
     """
@@ -153,10 +160,10 @@ def linked_dispatcher(split_dir: Path, workdir: Path, ranges: list[str], tag: st
     from services.core.expert_client import ExpertDispatcher
 
     manifest = Manifest.load(split_dir)
-    workers = Workers(split_dir, workdir, ranges, tag=tag).start()
+    workers = Workers(split_dir, workdir, ranges, tag=tag, extra_args=worker_args).start()
     dispatcher = None
     try:
-        dispatcher = ExpertDispatcher(manifest, workers.addresses)
+        dispatcher = ExpertDispatcher(manifest, workers.addresses, **kwargs)
         problems = dispatcher.discover()
         assert problems == [], problems
         yield workers, dispatcher, manifest

@@ -9,9 +9,40 @@ right after a worker's compute, where a gRPC stream costs ~220 and ~350 us
 
 from __future__ import annotations
 
+import os
+import socket
 import struct
+import time
 
 HEADER = struct.Struct("<I")
+SPIN_S = 0.01  # a layer call's gap is a few ms on a CPU, far less on a GPU
+
+
+def spin_for(processes: int, cores: int | None = None) -> float:
+    """How long frame reads poll before sleeping when `processes` of ours (core and the
+    same-host workers) share this machine: SPIN_S when each has a core of its own, else 0
+    (pollers that outnumber the cores steal them from the compute: on 2 cores, core plus two
+    polling workers decode at half speed)."""
+    cores = cores or os.cpu_count() or 1
+    return SPIN_S if cores >= processes else 0.0
+
+
+def add_spin_flag(parser) -> None:
+    parser.add_argument(
+        "--frame-spin-us",
+        type=int,
+        default=None,
+        help="microseconds a frame-socket read polls before it sleeps (default: 10000 on machines "
+        "with 8 or more cores, else 0; `moe-mesh up` sets it from its process count)",
+    )
+
+
+def spin_seconds(flag_us: int | None) -> float:
+    if flag_us is None:
+        return spin_for(8)
+    if flag_us < 0:
+        raise SystemExit(f"--frame-spin-us must be >= 0, got {flag_us}")
+    return flag_us / 1e6
 
 
 class FrameError(ConnectionError):
@@ -34,3 +65,57 @@ def frame_length(header: bytes, max_bytes: int) -> int:
 def frames_path_for(socket_path: str) -> str:
     """Where a worker listening on the Unix socket `socket_path` serves frames."""
     return socket_path + ".frames"
+
+
+def receive_exact(
+    sock: socket.socket,
+    size: int,
+    *,
+    spin_s: float = 0.0,
+    deadline: float | None = None,
+    eof_ok: bool = False,
+) -> bytearray | None:
+    """`size` bytes from a blocking socket (None at a clean end of stream when `eof_ok`).
+
+    spin_s: first poll without blocking for up to that long. A thread that sleeps in recv
+    wakes ~100 us after its answer arrives on a small VM (and its core cools down); one that
+    polls sees it at once. Worth it only where the poller has a core to itself, which is why
+    it is a setting (`moe-mesh up` turns it on when the machine has a core per process).
+    deadline: time.monotonic() after which TimeoutError is raised; None waits for ever."""
+    buffer = bytearray(size)
+    view, got = memoryview(buffer), 0
+    if spin_s > 0 and size:
+        got = _poll_into(sock, view, spin_s if deadline is None else min(spin_s, deadline - time.monotonic()))
+    while got < size:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("deadline passed")
+            sock.settimeout(left)
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            if eof_ok and got == 0:
+                return None
+            raise FrameError("the connection closed inside a frame" if got else "the connection closed")
+        got += n
+    return buffer  # protobuf parses bytes-like objects: no copy
+
+
+def _poll_into(sock: socket.socket, view: memoryview, spin_s: float) -> int:
+    """Bytes read into `view` by polling for up to spin_s; the socket is left blocking."""
+    got, limit = 0, time.perf_counter() + spin_s
+    sock.setblocking(False)
+    try:
+        while got < len(view):
+            try:
+                n = sock.recv_into(view[got:])
+            except BlockingIOError:
+                if time.perf_counter() > limit:
+                    break
+                continue
+            if n == 0:
+                break  # end of stream: the blocking read reports it
+            got += n
+    finally:
+        sock.setblocking(True)
+    return got

@@ -158,15 +158,18 @@ class ExpertDispatcher:
         max_message_bytes: int = 512 * 1024 * 1024,
         tls: TlsFiles | None = None,
         frames: bool = True,
+        frame_spin_s: float = 0.0,
     ):
         """`frames`: send calls to workers on this host through their frame sockets
-        (services/core/frame_link.py) rather than their gRPC streams, where they offer one."""
+        (services/core/frame_link.py) rather than their gRPC streams, where they offer one;
+        `frame_spin_s`: how long a read of their answers polls before it sleeps."""
         if not worker_addresses:
             raise ValueError("at least one expert worker address is needed")
         self.manifest = manifest
         self.call_timeout_s = call_timeout_s
         self.tls = tls
         self.use_frames = frames
+        self.frame_spin_s = frame_spin_s
         # The I/O loop and its thread. Channels are created inside the loop (see _discover)
         # so they bind to it and to no other loop.
         self.loop = _new_event_loop()
@@ -235,7 +238,7 @@ class ExpertDispatcher:
         link.describe = describe
         if describe is not None and describe.frames_path and self.use_frames:
             if link.frames is None or link.frames.path != describe.frames_path:
-                link.frames = FrameLink(describe.frames_path, self._max_message_bytes)
+                link.frames = FrameLink(describe.frames_path, self._max_message_bytes, self.frame_spin_s)
         link.set_up(describe is not None)
         if was_up and not link.up:
             link.reset()

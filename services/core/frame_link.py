@@ -13,16 +13,19 @@ import time
 
 from google.protobuf.message import DecodeError
 
-from services.common.frames import HEADER, FrameError, frame, frame_length
+from services.common.frames import HEADER, FrameError, frame, frame_length, receive_exact
 from services.proto.moemesh.v1 import expert_pb2
 
 MAX_FAILED_CONNECTS = 3  # then the link is left to gRPC until the worker is described again
 
 
 class FrameLink:
-    def __init__(self, path: str, max_frame_bytes: int):
+    """spin_s: how long a read polls before it sleeps (services.common.frames.receive_exact)."""
+
+    def __init__(self, path: str, max_frame_bytes: int, spin_s: float = 0.0):
         self.path = path
         self.max_frame_bytes = max_frame_bytes
+        self.spin_s = spin_s
         self._socket: socket.socket | None = None
         self.failed_connects = 0
 
@@ -79,15 +82,10 @@ class FrameLink:
         sock = self._socket
         if sock is None:
             raise FrameError(f"{self.path}: not connected")
-        buffer = bytearray(size)
-        view, got = memoryview(buffer), 0
-        while got < size:
-            sock.settimeout(_remaining(deadline))
-            n = sock.recv_into(view[got:])
-            if n == 0:
-                raise FrameError(f"{self.path}: the worker closed the connection")
-            got += n
-        return buffer  # protobuf parses bytes-like objects: no copy
+        try:
+            return receive_exact(sock, size, spin_s=self.spin_s, deadline=deadline)
+        except FrameError as error:
+            raise FrameError(f"{self.path}: {error}") from None
 
 
 def _remaining(deadline: float) -> float:

@@ -39,6 +39,7 @@ def build_engine(
     expert_timeout_s: float = 60.0,
     tls: TlsFiles | None = None,
     expert_frames: bool = True,
+    frame_spin_s: float = 0.0,
 ) -> tuple[Engine, RequestPreparer, core_pb2.ModelInfo]:
     manifest = Manifest.load(split_dir)
     tokenizer = load_core_tokenizer(split_dir, manifest)
@@ -49,7 +50,12 @@ def build_engine(
 
     def loader():
         dispatcher = ExpertDispatcher(
-            manifest, workers, call_timeout_s=expert_timeout_s, tls=tls, frames=expert_frames
+            manifest,
+            workers,
+            call_timeout_s=expert_timeout_s,
+            tls=tls,
+            frames=expert_frames,
+            frame_spin_s=frame_spin_s,
         )
         engine.closers.append(dispatcher.close)
         started = time.monotonic()
@@ -97,11 +103,19 @@ async def serve_core(
     tls: TlsFiles | None = None,
     metrics: str | None = None,
     expert_frames: bool = True,
+    frame_spin_s: float = 0.0,
 ) -> None:
     """`tls`: mTLS for the Core server and the links to workers; `metrics`: host:port of the
-    Prometheus endpoint (None = none); `expert_frames`: use same-host workers' frame sockets."""
+    Prometheus endpoint (None = none); `expert_frames`: use same-host workers' frame sockets;
+    `frame_spin_s`: how long reading their answers polls before it sleeps."""
     engine, preparer, info = build_engine(
-        split_dir, workers, engine_config or EngineConfig(), expert_timeout_s, tls, expert_frames
+        split_dir,
+        workers,
+        engine_config or EngineConfig(),
+        expert_timeout_s,
+        tls,
+        expert_frames,
+        frame_spin_s,
     )
     running = await start_server(
         lambda server: core_pb2_grpc.add_CoreServicer_to_server(CoreServicer(engine, preparer, info), server),

@@ -1,54 +1,108 @@
 """The worker's frame socket: ExpertCall in, ExpertResult out, on a Unix socket beside the
 gRPC one (services/common/frames.py has the format).
 
-Each call is answered by the servicer's own `answer()`, on the event loop thread, exactly
-as Forward answers it: same validation, same in-band errors, same counters. A connection
-that sends something that is not a frame (an oversize length, bytes that do not parse) is
-closed; the worker and its other connections carry on.
+One thread per connection (core holds one per worker), blocking on its socket: a call is
+read, answered by the servicer's own `answer()` (same validation, in-band errors and
+counters as Forward) and written back without an event-loop hop. Why threads and not the
+event loop: a one-token decode step's call is mostly wake-ups; a thread blocked in recv
+wakes straight into its work, where a loop callback goes through the selector, a future
+and the loop's other callbacks first (bench/layer_call.py measures the difference).
+
+A connection that sends something that is not a frame (an oversize length, bytes that do
+not parse) is closed; the worker and its other connections carry on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import socket
+import threading
 
 from google.protobuf.message import DecodeError
 
-from services.common.frames import HEADER, FrameError, frame, frame_length
+from services.common.frames import HEADER, FrameError, frame, frame_length, receive_exact
 from services.common.logging import get_logger
 from services.proto.moemesh.v1 import expert_pb2
 
 log = get_logger(__name__)
 
 
-async def start_frame_server(path: str, servicer, max_frame_bytes: int) -> asyncio.AbstractServer:
-    async def serve_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+class FrameServer:
+    """Serves frames on the Unix socket `path` until `close()`; `answer(call) -> result` must
+    not raise for a bad call (ExpertWorkerServicer.answer answers those in-band). spin_s: how
+    long a connection polls for the next call before it sleeps (frames.receive_exact)."""
+
+    def __init__(self, path: str, answer, max_frame_bytes: int, spin_s: float = 0.0):
+        self.path = path
+        self.spin_s = spin_s
+        self._answer = answer
+        self._max_frame_bytes = max_frame_bytes
+        if os.path.exists(path):
+            os.unlink(path)  # a stale socket of a worker that did not stop cleanly
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(path)
+        self._listener.listen(16)
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._acceptor = threading.Thread(target=self._accept_loop, name="frames-accept", daemon=True)
+        self._acceptor.start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                connection, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                if self._closed:
+                    connection.close()
+                    return
+                self._connections.add(connection)
+            threading.Thread(target=self._serve, args=(connection,), name="frames-conn", daemon=True).start()
+
+    def _serve(self, connection: socket.socket) -> None:
         try:
             while True:
-                size = frame_length(await reader.readexactly(HEADER.size), max_frame_bytes)
-                call = expert_pb2.ExpertCall.FromString(await reader.readexactly(size))
-                writer.write(frame(servicer.answer(call).SerializeToString()))
-                if writer.transport.get_write_buffer_size() > 1 << 20:
-                    await writer.drain()
-        except asyncio.IncompleteReadError:
-            pass  # core closed the connection
+                header = receive_exact(connection, HEADER.size, spin_s=self.spin_s, eof_ok=True)
+                if header is None:
+                    return  # core closed the connection between calls
+                size = frame_length(header, self._max_frame_bytes)
+                call = expert_pb2.ExpertCall.FromString(receive_exact(connection, size))
+                connection.sendall(frame(self._answer(call).SerializeToString()))
         except (FrameError, DecodeError) as error:
             log.warning("frame_rejected", error=str(error) or type(error).__name__)
-        except ConnectionError:
-            pass
+        except OSError:
+            pass  # the peer went away, or close() shut the connection
+        except Exception:  # a bug in answering: drop this connection (core falls back to gRPC)
+            log.exception("frame_connection_failed")
         finally:
-            writer.close()
+            with self._lock:
+                self._connections.discard(connection)
+            connection.close()
 
-    if os.path.exists(path):
-        os.unlink(path)  # a stale socket of a worker that did not stop cleanly
-    server = await asyncio.start_unix_server(serve_connection, path)
-    log.info("frames_serving", path=path)
-    return server
+    def close(self) -> None:
+        """Stops accepting, ends every connection and removes the socket file."""
+        with self._lock:
+            self._closed = True
+            connections = list(self._connections)
+        for sock in (self._listener, *connections):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in accept/recv
+            except OSError:
+                pass
+        self._listener.close()
+        self._acceptor.join(timeout=2)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
 
 
-async def stop_frame_server(server: asyncio.AbstractServer, path: str) -> None:
-    server.close()
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+async def start_frame_server(path: str, servicer, max_frame_bytes: int, spin_s: float = 0.0) -> FrameServer:
+    return FrameServer(path, servicer.answer, max_frame_bytes, spin_s)
+
+
+async def stop_frame_server(server: FrameServer, path: str) -> None:
+    await asyncio.to_thread(server.close)

@@ -51,6 +51,7 @@ async def serve_expert_worker(
     cache_policy: str = DEFAULT_POLICY,
     io_threads: int = 8,
     io_min_segment_bytes: int = DEFAULT_MIN_SEGMENT_BYTES,
+    frame_spin_s: float = 0.0,
 ) -> None:
     """`tls`: serve mTLS only (clients need a certificate from the cluster CA); `metrics`:
     host:port of the Prometheus endpoint (None = none)."""
@@ -86,7 +87,9 @@ async def serve_expert_worker(
     frames = None
     if grpc_socket is not None:
         servicer.frames_path = frames_path_for(str(grpc_socket))
-        frames = await start_frame_server(servicer.frames_path, servicer, max_call_bytes + (1 << 20))
+        frames = await start_frame_server(
+            servicer.frames_path, servicer, max_call_bytes + (1 << 20), spin_s=frame_spin_s
+        )
     start_metrics_server(metrics)
     log.info(
         "worker_serving",

@@ -7,6 +7,8 @@ read) is answered the same way with INTERNAL. The worker never dies of a call.
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 import structlog
 
@@ -30,6 +32,9 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         # Request ids seen recently: each is logged once when it first reaches this worker,
         # not once per layer call (that would be layers x tokens lines per request).
         self._seen_requests: dict[str, None] = {}
+        # Calls come from the event loop (Forward) and from frame-socket threads; the store
+        # and MLX see one call at a time.
+        self._answering = threading.Lock()
 
     async def Describe(self, request, context):
         store = self.compute.store
@@ -60,6 +65,10 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
     def answer(self, call: expert_pb2.ExpertCall) -> expert_pb2.ExpertResult:
         """The result of one call, for Forward and the frame socket alike: a malformed call or
         a failed read is answered in-band, never raised."""
+        with self._answering:
+            return self._answer(call)
+
+    def _answer(self, call: expert_pb2.ExpertCall) -> expert_pb2.ExpertResult:
         self.calls += 1
         if call.request_ids:
             self._log_new_requests(call)

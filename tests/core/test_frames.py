@@ -33,9 +33,11 @@ def split(tiny_models):
     return tiny_models.split("qwen3_moe", None)
 
 
-def test_calls_take_the_frame_path_and_equal_the_grpc_path(split, tmp_path):
-    with linked_dispatcher(split, tmp_path, ["0-3", "4-7"]) as (workers, frames, manifest):
-        assert all(link.frames is not None for link in frames.links)
+@pytest.mark.parametrize("spin_us", [0, 5000])
+def test_calls_take_the_frame_path_and_equal_the_grpc_path(split, tmp_path, spin_us):
+    spin = {"worker_args": ("--frame-spin-us", str(spin_us)), "frame_spin_s": spin_us / 1e6}
+    with linked_dispatcher(split, tmp_path, ["0-3", "4-7"], **spin) as (workers, frames, manifest):
+        assert all(link.frames is not None and link.frames.spin_s == spin_us / 1e6 for link in frames.links)
         grpc_only = ExpertDispatcher(manifest, workers.addresses, frames=False)
         try:
             assert grpc_only.discover() == []

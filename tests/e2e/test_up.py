@@ -12,6 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from services.common.frames import spin_for
 from tests.helpers import free_port
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -90,6 +91,11 @@ def test_sigterm_stops_everything_and_removes_sockets(up):
     assert len(children) == 4  # 2 workers, core, gateway
     assert list(workdir.glob("*.sock"))
     assert len(list(workdir.glob("*.sock.frames"))) == 2  # the workers' same-host data path
+    # core and both workers poll their frame reads only if each of the three has a core
+    expected = str(round(spin_for(3) * 1e6))
+    commands = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in children]
+    polling = [c[c.index(b"--frame-spin-us") + 1].decode() for c in commands if b"--frame-spin-us" in c]
+    assert polling == [expected] * 3
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     deadline = time.monotonic() + 5
