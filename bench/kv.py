@@ -89,12 +89,22 @@ def random_fill(model, cache: list, n: int, chunk: int) -> None:
     config = model.args
     heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype = activation_dtype(model)  # what the model's own attention would store
     mx.random.seed(n)
     for c in cache:
         for i in range(0, n, chunk):
             shape = (1, heads, min(chunk, n - i), head_dim)
-            c.update_and_fetch(mx.random.normal(shape), mx.random.normal(shape))
+            c.update_and_fetch(mx.random.normal(shape).astype(dtype), mx.random.normal(shape).astype(dtype))
             mx.eval(c.state)
+
+
+def activation_dtype(model) -> mx.Dtype:
+    """The dtype of the model's activations: that of its floating parameters (for a quantized
+    model, its scales)."""
+    from mlx.utils import tree_flatten
+
+    floating = (v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+    return next(floating, mx.float32)
 
 
 def kernel_backend_name() -> str:
