@@ -1,6 +1,7 @@
 """Polling vs sleeping frame reads (`--frame-spin-us`), A/B in one run on the demo model.
 
     python bench/frame_spin.py [--workers 1] [--rounds 4] [--tokens 64]
+    python bench/frame_spin.py --model qwen3-30b-a3b-4layer --dtype bfloat16   # e.g. on a GPU host
 
 Core and N workers as real processes on Unix sockets, both polling for up to 10 ms or both
 sleeping in recv, interleaved round by round so that drift in machine speed hits both alike.
@@ -54,6 +55,7 @@ def one_run(split: Path, prompt: list[int], workers: int, spin_us: int, tokens: 
 
 
 def main() -> None:
+    import mlx.core as mx
     import mlx_lm
 
     from services.common.logging import configure_logging
@@ -63,11 +65,16 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--model", default="demo", choices=["demo", "qwen3-30b-a3b-4layer"])
+    parser.add_argument("--dtype", default="float32", help="the synthetic model's dtype")
     args = parser.parse_args()
-    path = checkpoint("demo", "float32")
+    path = checkpoint(args.model, args.dtype)
     split = resolve_split(str(path))
-    _, tokenizer = mlx_lm.load(str(path), lazy=True)
-    prompt = tokenizer.encode(PROMPT)
+    if args.model == "demo":
+        _, tokenizer = mlx_lm.load(str(path), lazy=True)
+        prompt = tokenizer.encode(PROMPT)
+    else:  # random weights: the prompt's length is what counts
+        prompt = list(range(1000, 1024))
     rounds: dict[str, list[dict]] = {name: [] for name in VARIANTS}
     for index in range(args.rounds):
         for name, spin_us in VARIANTS.items():
@@ -78,7 +85,8 @@ def main() -> None:
         json.dumps(
             {
                 "bench": "frame_spin",
-                "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores",
+                "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, {mx.default_device()}",
+                "model": args.model,
                 "workers": args.workers,
                 "decode_tokens": args.tokens,
                 "median_of_rounds": summary,

@@ -65,8 +65,10 @@ MAX_DECODE_QUERIES = 8  # decode_attention serves L <= 8, like the twin's decode
 
 
 @lru_cache(maxsize=64)
+@lru_cache(maxsize=64)
 def _placeholder(shape: tuple[int, ...], dtype) -> mx.array:
-    """A stand-in input for a run a call does not have (its length is 0: never read)."""
+    """A stand-in input for a run a call does not have (its length is 0: never read). Made
+    once per shape: a fresh one per call would be one more op (a fill launch on a GPU) per layer."""
     return mx.zeros(shape, dtype)
 
 
