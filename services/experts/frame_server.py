@@ -27,6 +27,10 @@ from services.proto.moemesh.v1 import expert_pb2
 
 log = get_logger(__name__)
 
+# One thread each: a core holds one connection per worker, so this is room for many cores
+# (and tests) while a runaway client cannot make the worker spawn threads without end.
+MAX_CONNECTIONS = 64
+
 
 class FrameServer:
     """Serves frames on the Unix socket `path` until `close()`; `answer(call) -> result` must
@@ -42,7 +46,7 @@ class FrameServer:
             os.unlink(path)  # a stale socket of a worker that did not stop cleanly
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(path)
-        self._listener.listen(16)
+        self._listener.listen(MAX_CONNECTIONS)
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -59,6 +63,10 @@ class FrameServer:
                 if self._closed:
                     connection.close()
                     return
+                if len(self._connections) >= MAX_CONNECTIONS:
+                    log.warning("frame_connection_refused", reason=f"{MAX_CONNECTIONS} already open")
+                    connection.close()  # core then calls over gRPC
+                    continue
                 self._connections.add(connection)
             threading.Thread(target=self._serve, args=(connection,), name="frames-conn", daemon=True).start()
 

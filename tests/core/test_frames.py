@@ -111,3 +111,35 @@ def test_a_frame_socket_core_cannot_reach_is_left_to_grpc(tmp_path):
             link.send(expert_pb2.ExpertCall(call_id=1), time.monotonic() + 5)
         assert not error.value.timed_out
     assert not link.usable
+
+
+def _connect(path: str) -> socket.socket:
+    for _ in range(200):  # a full listen backlog answers EAGAIN until the worker accepts
+        sock = socket.socket(socket.AF_UNIX)
+        try:
+            sock.connect(path)
+            return sock
+        except BlockingIOError:
+            sock.close()
+            time.sleep(0.01)
+    raise AssertionError("the worker never accepted")
+
+
+def test_connections_past_the_cap_are_closed_and_calls_still_work(split, tmp_path):
+    from services.experts import frame_server
+
+    with linked_dispatcher(split, tmp_path, ["0-7"]) as (_, dispatcher, manifest):
+        path = dispatcher.links[0].describe.frames_path
+        hidden, ids = _inputs(manifest)
+        dispatcher.call(manifest.layer_indices[0], hidden, ids)  # core's own connection: 1 open
+        extra = []
+        try:
+            for _ in range(frame_server.MAX_CONNECTIONS - 1):  # fill the worker's cap
+                extra.append(_connect(path))
+            with _connect(path) as over:  # the kernel accepts; the worker closes it at once
+                over.settimeout(10)
+                assert over.recv(1) == b""
+            assert dispatcher.call(manifest.layer_indices[0], hidden, ids).shape[0] == 3
+        finally:
+            for sock in extra:
+                sock.close()
