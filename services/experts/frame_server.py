@@ -4,9 +4,10 @@ gRPC one (services/common/frames.py has the format).
 One thread per connection (core holds one per worker), blocking on its socket: a call is
 read, answered by the servicer's own `answer()` (same validation, in-band errors and
 counters as Forward) and written back without an event-loop hop. Why threads and not the
-event loop: a one-token decode step's call is mostly wake-ups; a thread blocked in recv
-wakes straight into its work, where a loop callback goes through the selector, a future
-and the loop's other callbacks first (bench/layer_call.py measures the difference).
+event loop: a thread blocked in recv wakes straight into its work, where a loop callback
+goes through the selector and a future first, and only a thread can poll its socket before
+it sleeps (`spin_s`, which bench/frame_spin.py measures); thread against loop alone made no
+difference beyond this VM's noise in bench/layer_call.py.
 
 A connection that sends something that is not a frame (an oversize length, bytes that do
 not parse) is closed; the worker and its other connections carry on.
@@ -14,7 +15,6 @@ not parse) is closed; the worker and its other connections carry on.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import threading
@@ -106,11 +106,3 @@ class FrameServer:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
-
-
-async def start_frame_server(path: str, servicer, max_frame_bytes: int, spin_s: float = 0.0) -> FrameServer:
-    return FrameServer(path, servicer.answer, max_frame_bytes, spin_s)
-
-
-async def stop_frame_server(server: FrameServer, path: str) -> None:
-    await asyncio.to_thread(server.close)

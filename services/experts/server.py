@@ -14,7 +14,7 @@ from services.common.manifest import Manifest
 from services.common.ranges import format_ranges, parse_ranges
 from services.common.tls import TlsFiles
 from services.experts.compute import DEFAULT_MAX_CALL_BYTES, ExpertCompute
-from services.experts.frame_server import start_frame_server, stop_frame_server
+from services.experts.frame_server import FrameServer
 from services.experts.io import DEFAULT_MIN_SEGMENT_BYTES
 from services.experts.servicer import ExpertWorkerServicer
 from services.experts.store_setup import DEFAULT_IO_MODE, DEFAULT_POLICY, open_store
@@ -87,9 +87,7 @@ async def serve_expert_worker(
     frames = None
     if grpc_socket is not None:
         servicer.frames_path = frames_path_for(str(grpc_socket))
-        frames = await start_frame_server(
-            servicer.frames_path, servicer, max_call_bytes + (1 << 20), spin_s=frame_spin_s
-        )
+        frames = FrameServer(servicer.frames_path, servicer.answer, max_call_bytes + (1 << 20), frame_spin_s)
     start_metrics_server(metrics)
     log.info(
         "worker_serving",
@@ -100,7 +98,7 @@ async def serve_expert_worker(
 
     async def on_stop() -> None:
         if frames is not None:
-            await stop_frame_server(frames, servicer.frames_path)
+            await asyncio.to_thread(frames.close)
         stats = store.stats()
         log.info(
             "worker_stopping",
