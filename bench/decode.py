@@ -10,7 +10,9 @@ by Unix sockets and the tokens are read from Core.Generate over gRPC; per-layer
 expert call percentiles come from core's own timings (Core.GetStats), taken over
 the decode steps only (one token per step). Core sends layer calls through the workers'
 frame sockets (the same-host data path); `workers_1_grpc` is the 1-worker run with
-`--no-expert-frames` (gRPC streams only), in the same rounds. Frame reads poll before
+`--no-expert-frames` (gRPC streams only) and `workers_1_no_overlap` the 1-worker run with
+`--no-expert-overlap` (core waits for each layer's experts before building the next layer),
+in the same rounds. Frame reads poll before
 they sleep when the machine has a core per process (`--frame-spin-us`, chosen as
 `moe-mesh up` chooses it; recorded per variant).
 """
@@ -115,8 +117,17 @@ def timed_decode(core_address: str, prompt: list[int], tokens: int) -> tuple[lis
         return out, stamps, stub.GetStats(core_pb2.GetStatsRequest()).layer_calls
 
 
+# moe-mesh variants: name -> (workers, extra `moe-mesh core` flags); all run in every round.
+SPLIT_VARIANTS = {
+    "workers_1": (1, []),
+    "workers_2": (2, []),
+    "workers_1_grpc": (1, ["--no-expert-frames"]),
+    "workers_1_no_overlap": (1, ["--no-expert-overlap"]),
+}
+
+
 def split_run(
-    split: Path, workdir: Path, workers: int, prompt: list[int], tokens: int, frames: bool = True
+    split: Path, workdir: Path, workers: int, prompt: list[int], tokens: int, core_flags: list[str]
 ) -> dict:
     manifest = Manifest.load(split)
     ranges = expert_ranges(manifest.num_experts, workers)
@@ -127,7 +138,7 @@ def split_run(
     core = spawn(
         ["core", "--split", str(split), "--listen", core_address, "--worker", ",".join(pool.addresses)]
         + spin
-        + ([] if frames else ["--no-expert-frames"]),
+        + core_flags,
         core_log,
     )
     try:
@@ -167,13 +178,7 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str) -> dict:
     else:  # random weights: the prompt's meaning is irrelevant, its length is what counts
         prompt = list(range(1000, 1000 + 24))
     workdir = Path(tempfile.mkdtemp(prefix="mm-bench-", dir="/tmp"))
-    results: dict = {
-        "monolithic": [],
-        "synced_local": [],
-        "workers_1": [],
-        "workers_2": [],
-        "workers_1_grpc": [],
-    }
+    results: dict = {"monolithic": [], "synced_local": [], **{name: [] for name in SPLIT_VARIANTS}}
     reference = None
     for round_index in range(rounds):  # interleaved, so drift in machine speed hits every variant alike
         log(f"{name}: round {round_index + 1}/{rounds} monolithic")
@@ -181,15 +186,11 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str) -> dict:
         results["monolithic"].append(tok_s)
         log(f"{name}: round {round_index + 1}/{rounds} mlx-lm with experts synced per layer, in-process")
         results["synced_local"].append(monolithic(path, prompt, tokens, synced=True)[0])
-        for workers in (1, 2):
-            log(f"{name}: round {round_index + 1}/{rounds} moe-mesh with {workers} worker(s)")
-            run = split_run(split, workdir, workers, prompt, tokens)
+        for variant, (workers, core_flags) in SPLIT_VARIANTS.items():
+            log(f"{name}: round {round_index + 1}/{rounds} moe-mesh {variant} {' '.join(core_flags)}")
+            run = split_run(split, workdir, workers, prompt, tokens, core_flags)
             run["tokens_match_monolithic"] = run.pop("tokens") == reference
-            results[f"workers_{workers}"].append(run)
-        log(f"{name}: round {round_index + 1}/{rounds} moe-mesh with 1 worker, gRPC streams only")
-        run = split_run(split, workdir, 1, prompt, tokens, frames=False)
-        run["tokens_match_monolithic"] = run.pop("tokens") == reference
-        results["workers_1_grpc"].append(run)
+            results[variant].append(run)
     mono = max(results["monolithic"])
     synced = max(results["synced_local"])
     report = {
@@ -199,7 +200,7 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str) -> dict:
         "synced_local_tok_s": round(synced, 3),
         "synced_local_ratio_vs_monolithic": round(synced / mono, 3),
     }
-    for key in ("workers_1", "workers_2", "workers_1_grpc"):
+    for key in SPLIT_VARIANTS:
         best = max(results[key], key=lambda r: r["tok_s"])
         report[key] = {
             "tok_s": round(best["tok_s"], 3),

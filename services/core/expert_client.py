@@ -141,6 +141,54 @@ class _Part:
         self.link, self.mask, self.hidden, self.ids = link, mask, hidden, ids
 
 
+class _Pending:
+    """One layer call between `_start` and `_finish`."""
+
+    def __init__(self, layer, plan, hidden, ids, started, deadline):
+        self.layer, self.plan, self.hidden, self.ids = layer, plan, hidden, ids
+        self.started, self.deadline = started, deadline
+        self.request_ids: tuple[str, ...] = ()
+        self.frame_calls: list | None = None  # sent as frames: the calls whose answers are due
+        self.replies: queue.SimpleQueue = queue.SimpleQueue()  # the gRPC path answers here
+        self.slot: np.ndarray | None = None
+
+    def make_slot(self, dtype: mx.Dtype) -> mx.array:
+        """The placeholder the answer will be written into: an evaluated [T, k, H] array in
+        the model dtype, NaN until then; self.slot is a writable numpy view of its bytes."""
+        tokens, k = self.ids.shape
+        wire = mx.full((tokens, k, self.hidden.shape[-1]), float("nan"), dtype=dtype)
+        wire = tensor_codec.wire_form(wire)
+        mx.eval(wire)
+        self.slot = np.asarray(wire)
+        return wire.view(dtype) if wire.dtype != dtype else wire
+
+
+class _InFlight(threading.local):
+    call: tuple[ExpertDispatcher, _Pending] | None = None
+
+
+_IN_FLIGHT = _InFlight()
+
+
+def settle_pending() -> None:
+    """Write the answer of this thread's call in flight (if any) into its placeholder; raises
+    that call's ExpertCallError. Must run before anything is evaluated."""
+    in_flight = _IN_FLIGHT.call
+    if in_flight is not None:
+        _IN_FLIGHT.call = None
+        dispatcher, pending = in_flight
+        dispatcher._finish(pending, pending.slot)
+
+
+def drop_pending() -> None:
+    """Forget this thread's call in flight, if any (the forward that made it failed)."""
+    in_flight = _IN_FLIGHT.call
+    if in_flight is not None:
+        _IN_FLIGHT.call = None
+        dispatcher, pending = in_flight
+        dispatcher._abandon(pending)
+
+
 class ExpertDispatcher:
     """Routes every (token, expert) pair of a layer call to a live worker that holds the expert.
 
@@ -159,10 +207,12 @@ class ExpertDispatcher:
         tls: TlsFiles | None = None,
         frames: bool = True,
         frame_spin_s: float = 0.0,
+        overlap: bool = True,
     ):
         """`frames`: send calls to workers on this host through their frame sockets
         (services/core/frame_link.py) rather than their gRPC streams, where they offer one;
-        `frame_spin_s`: how long a read of their answers polls before it sleeps."""
+        `frame_spin_s`: how long a read of their answers polls before it sleeps; `overlap`:
+        let core build the next layer while the experts compute (see `call`)."""
         if not worker_addresses:
             raise ValueError("at least one expert worker address is needed")
         self.manifest = manifest
@@ -170,17 +220,19 @@ class ExpertDispatcher:
         self.tls = tls
         self.use_frames = frames
         self.frame_spin_s = frame_spin_s
+        self.overlap = overlap
         # The I/O loop and its thread. Channels are created inside the loop (see _discover)
         # so they bind to it and to no other loop.
         self.loop = _new_event_loop()
         self._deadlines = AttemptDeadlines(self.loop)
         self._io_thread = threading.Thread(target=self.loop.run_forever, name="expert-io", daemon=True)
         self._io_thread.start()
-        self._replies: queue.SimpleQueue = queue.SimpleQueue()
         self._addresses = list(dict.fromkeys(worker_addresses))
         self._max_message_bytes = max_message_bytes
         self.links: list[WorkerLink] = []
         self._num_experts = {layer.layer: layer.num_experts for layer in manifest.layers}
+        # Its answer is needed before the model's output exists: never left in flight.
+        self._last_layer = max(self._num_experts)
         # routes[layer] = (replicas [E, R] link indices padded with -1, live replica count [E]);
         # swapped whole (never mutated) so the engine thread always reads a consistent table.
         self.routes: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -317,8 +369,26 @@ class ExpertDispatcher:
     def call(self, layer: int, hidden: mx.array, expert_ids: mx.array) -> mx.array:
         """hidden [T, H] in the model dtype or its wire form, expert_ids [T, k] int32, both
         evaluated -> [T, k, H] in the model dtype."""
+        settle_pending()  # at most one call in flight per engine thread
+        return self._finish(self._start(layer, hidden, expert_ids))
+
+    def call_overlapped(self, layer: int, hidden: mx.array, expert_ids: mx.array) -> mx.array:
+        """`call` for the model's forward pass. With `overlap`, every layer but the last answers
+        at once with a placeholder that the call's result fills in later (`settle_pending()`,
+        which `RemoteExperts` runs before it evaluates anything): core builds the next layer's
+        graph in Python while the worker computes, as monolithic mlx-lm overlaps its Python with
+        its own compute. The placeholder holds NaN until then, so a read before that could not
+        pass for numbers."""
+        if not self.overlap or layer == self._last_layer:
+            return self.call(layer, hidden, expert_ids)
+        settle_pending()
+        pending = self._start(layer, hidden, expert_ids)
+        slot = pending.make_slot(self.hidden_dtype)
+        _IN_FLIGHT.call = (self, pending)
+        return slot
+
+    def _start(self, layer: int, hidden: mx.array, expert_ids: mx.array) -> _Pending:
         started = time.perf_counter()
-        tokens, k = expert_ids.shape
         ids = np.asarray(expert_ids)  # evaluated int32 (RemoteExperts made it so): a view, no sync
         host_hidden = tensor_codec.numpy_view(hidden)
         sole = self._sole_owner.get(layer)
@@ -331,87 +401,106 @@ class ExpertDispatcher:
                 expert_metrics.LAYER_CALL_FAILURES.labels(error.code.name).inc()
                 raise
             plan = _plan(owners, host_hidden, ids)
-        request_ids = BATCH_REQUEST_IDS.get()
-        deadline = time.monotonic() + self.call_timeout_s  # one deadline, whichever path serves
-        results = self._frames_roundtrip(layer, plan, request_ids, deadline)
-        if results is None:  # no frame path for this plan, or it broke: the gRPC streams
-            # The coroutine object is made here; the loop only has to start it.
-            budget = deadline - time.monotonic()
-            roundtrip = self._roundtrip(layer, plan, host_hidden, ids, request_ids, budget)
-            try:
-                self.loop.call_soon_threadsafe(self.loop.create_task, roundtrip)
-            except RuntimeError:  # the loop is closed: the dispatcher was closed
-                roundtrip.close()
-                raise
-            ok, results = self._replies.get()
+        pending = _Pending(layer, plan, host_hidden, ids, started, time.monotonic() + self.call_timeout_s)
+        pending.request_ids = BATCH_REQUEST_IDS.get()
+        # One deadline, whichever path serves.
+        pending.frame_calls = self._frames_send(pending)
+        if pending.frame_calls is None:
+            self._grpc_start(pending)
+        return pending
+
+    def _grpc_start(self, pending: _Pending) -> None:
+        """Hand the call to the gRPC streams (the I/O loop); its answer arrives in pending.replies."""
+        budget = pending.deadline - time.monotonic()
+        # The coroutine object is made here; the loop only has to start it.
+        roundtrip = self._roundtrip(
+            pending.layer, pending.plan, pending.hidden, pending.ids, pending.request_ids, budget, pending.replies
+        )
+        try:
+            self.loop.call_soon_threadsafe(self.loop.create_task, roundtrip)
+        except RuntimeError:  # the loop is closed: the dispatcher was closed
+            roundtrip.close()
+            raise
+
+    def _finish(self, pending: _Pending, slot: np.ndarray | None = None) -> mx.array | None:
+        """Wait for the call's answers; return them as one MLX array, or write them into `slot`."""
+        results = None
+        if pending.frame_calls is not None:
+            results = self._frames_receive(pending)
+            if results is None:  # a connection broke, or an answer the gRPC path must handle
+                self._grpc_start(pending)
+        if results is None:
+            ok, results = pending.replies.get()
             if not ok:
                 expert_metrics.LAYER_CALL_FAILURES.labels(results.code.name).inc()
                 raise results
 
-        hidden_size = hidden.shape[-1]
-        if len(results) == 1 and results[0][0] is None:
-            out = results[0][1].reshape(tokens, k, hidden_size)
+        tokens, k = pending.ids.shape
+        hidden_size = pending.hidden.shape[-1]
+        if slot is not None:
+            out = slot.reshape(tokens * k, hidden_size)
+        elif len(results) == 1 and results[0][0] is None:
+            out = None
         else:
-            out = np.empty((tokens * k, hidden_size), dtype=host_hidden.dtype)
+            out = np.empty((tokens * k, hidden_size), dtype=pending.hidden.dtype)
+        if out is not None:
             for mask, rows, _ in results:
-                out[np.flatnonzero(mask)] = rows
-            out = out.reshape(tokens, k, hidden_size)
-        array = mx.array(out)
-        if self.hidden_dtype == mx.bfloat16:
-            array = array.view(mx.bfloat16)
+                if mask is None:
+                    out[:] = rows
+                else:
+                    out[np.flatnonzero(mask)] = rows
+        array = None
+        if slot is None:
+            array = mx.array((results[0][1] if out is None else out).reshape(tokens, k, hidden_size))
+            if self.hidden_dtype == mx.bfloat16:
+                array = array.view(mx.bfloat16)
         stats = [r[2] for r in results]
         worker_us = max(s.decode_us + s.compute_us + s.encode_us for s in stats)
         compute_us = max(s.compute_us for s in stats)
-        elapsed = time.perf_counter() - started
+        elapsed = time.perf_counter() - pending.started
         self.timings.record(elapsed * 1e6, worker_us, compute_us)
-        self._layer_seconds[layer].observe(elapsed)
+        self._layer_seconds[pending.layer].observe(elapsed)
         return array
 
-    def _frames_roundtrip(
-        self, layer: int, plan: list[_Part], request_ids, deadline: float
-    ) -> list[tuple] | None:
-        """The call over the workers' frame sockets, on this (the engine) thread: every part
-        sent, then every answer read. None when the plan cannot go that way (a replicated
-        layer, whose failover lives in the gRPC path; a worker without a frame socket) or when
-        a connection broke or a worker answered with an error other than INVALID_ARGUMENT:
-        the caller then makes the same call through the gRPC streams, which retries, fails
-        over or names what is missing exactly as before. A worker that does not answer in
-        time fails the call here (UNAVAILABLE), within the call's deadline."""
+    def _frames_send(self, pending: _Pending) -> list | None:
+        """Send the call's parts over the workers' frame sockets, on this (the engine) thread.
+        None when the plan cannot go that way (a replicated layer, whose failover lives in the
+        gRPC path; a worker without a frame socket) or a connection broke on the way: the call
+        then goes through the gRPC streams, which retry, fail over or name what is missing."""
+        layer, plan = pending.layer, pending.plan
         if not self.use_frames or self.routes[layer][0].shape[1] > 1:
             return None
         links = [self.links[part.link] for part in plan]
         frames = [link.frames for link in links]
         if not all(link.up for link in links) or any(f is None or not f.usable for f in frames):
             return None
-        calls, current = [], links[0]
+        calls = []
         try:
             for part, link, frame_link in zip(plan, links, frames, strict=True):
-                current = link
                 link.calls_metric.inc()
-                calls.append(self._expert_call(layer, part.hidden, part.ids, request_ids))
-                frame_link.send(calls[-1], deadline)
-            replies = []
-            for link, frame_link in zip(links, frames, strict=True):
-                current = link
-                replies.append(frame_link.receive(deadline))
+                calls.append(self._expert_call(layer, part.hidden, part.ids, pending.request_ids))
+                frame_link.send(calls[-1], pending.deadline)
         except FrameError as error:
-            for frame_link in frames:
-                frame_link.close()  # answers still in flight would be read as the next call's
-            if not error.timed_out:
-                log.info("frames_fallback", worker=current.address, layer=layer, error=str(error))
-                return None
-            expert_metrics.WORKER_ERRORS.labels(current.address, "UNAVAILABLE").inc()
-            self.loop.call_soon_threadsafe(self._link_failed, current)
-            expert_metrics.LAYER_CALL_FAILURES.labels("UNAVAILABLE").inc()
-            raise ExpertCallError(
-                grpc.StatusCode.UNAVAILABLE,
-                f"expert worker {current.address} did not answer layer {layer} within {self.call_timeout_s:g} s",
-            ) from None
+            return self._frames_failed(pending, links[len(calls) - 1], error)
+        return calls
+
+    def _frames_receive(self, pending: _Pending) -> list[tuple] | None:
+        """Every part's answer from its frame socket. None when a connection broke or a worker
+        answered with an error other than INVALID_ARGUMENT (the caller then makes the same
+        call through gRPC). A worker that does not answer in time fails the call here
+        (UNAVAILABLE), within the call's deadline."""
+        layer, plan = pending.layer, pending.plan
+        links = [self.links[part.link] for part in plan]
+        replies = []
+        try:
+            for link in links:
+                replies.append(link.frames.receive(pending.deadline))
+        except FrameError as error:
+            return self._frames_failed(pending, links[len(replies)], error)
         results = []
-        for part, link, call, result in zip(plan, links, calls, replies, strict=True):
+        for part, link, call, result in zip(plan, links, pending.frame_calls, replies, strict=True):
             if result.call_id != call.call_id:
-                for frame_link in frames:
-                    frame_link.close()
+                self._close_frames(pending)
                 return None
             if result.HasField("error"):
                 code = _status_code(result.error.code)
@@ -424,6 +513,39 @@ class ExpertDispatcher:
             results.append((part.mask, rows, result.stats))
         return results
 
+    def _frames_failed(self, pending: _Pending, link: WorkerLink, error: FrameError) -> None:
+        """A frame connection broke (None: use gRPC) or timed out (raises UNAVAILABLE)."""
+        self._close_frames(pending)  # answers still in flight would be read as the next call's
+        if not error.timed_out:
+            log.info("frames_fallback", worker=link.address, layer=pending.layer, error=str(error))
+            return None
+        expert_metrics.WORKER_ERRORS.labels(link.address, "UNAVAILABLE").inc()
+        self.loop.call_soon_threadsafe(self._link_failed, link)
+        expert_metrics.LAYER_CALL_FAILURES.labels("UNAVAILABLE").inc()
+        raise ExpertCallError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"expert worker {link.address} did not answer layer {pending.layer} within {self.call_timeout_s:g} s",
+        ) from None
+
+    def _close_frames(self, pending: _Pending) -> None:
+        for part in pending.plan:
+            frames = self.links[part.link].frames
+            if frames is not None:
+                frames.close()
+
+    def _abandon(self, pending: _Pending) -> None:
+        """Forget a call nobody will read (its forward failed). A frame answer still on its way
+        would be taken for the next call's, so those connections are closed; a gRPC call is
+        waited for (within its deadline), since a second call on the same stream must not
+        overlap it."""
+        if pending.frame_calls is not None:
+            self._close_frames(pending)
+            return
+        try:
+            pending.replies.get(timeout=max(0.0, pending.deadline - time.monotonic()))
+        except queue.Empty:
+            pass
+
     def _expert_call(
         self, layer: int, hidden: np.ndarray, ids: np.ndarray, request_ids
     ) -> expert_pb2.ExpertCall:
@@ -433,9 +555,9 @@ class ExpertDispatcher:
         return call
 
     async def _roundtrip(
-        self, layer: int, plan: list[_Part], hidden, ids, request_ids, budget_s: float
+        self, layer: int, plan: list[_Part], hidden, ids, request_ids, budget_s: float, replies
     ) -> None:
-        """Runs on the I/O loop; always answers through self._replies, never raises.
+        """Runs on the I/O loop; always answers through `replies`, never raises.
         `budget_s`: what is left of the call's deadline (the frame path may have used some).
 
         Answers (True, [(mask or None, rows, stats), ...]) or (False, ExpertCallError)."""
@@ -474,11 +596,11 @@ class ExpertDispatcher:
                         done.append((part.mask, *outcome))
                 failed_links.update(part.link for part, _ in failed)
                 plan = self._replan(layer, failed, hidden, ids, failed_links) if failed else []
-            self._replies.put((True, done))
+            replies.put((True, done))
         except ExpertCallError as error:
-            self._replies.put((False, error))
+            replies.put((False, error))
         except Exception as error:  # noqa: BLE001 - the engine thread must always get an answer
-            self._replies.put(
+            replies.put(
                 (False, ExpertCallError(grpc.StatusCode.INTERNAL, f"layer {layer} call failed: {error!r}"))
             )
 

@@ -12,7 +12,7 @@ import mlx.core as mx
 from mlx import nn
 
 from services.common import tensor_codec
-from services.core.expert_client import ExpertDispatcher
+from services.core.expert_client import ExpertDispatcher, settle_pending
 from services.core.step_merge import expert_call
 
 
@@ -29,6 +29,9 @@ class RemoteExperts(nn.Module):
         # bytes without another sync.
         flat_x = tensor_codec.wire_form(x.reshape(-1, hidden_size).astype(self._dispatcher.hidden_dtype))
         flat_ids = indices.reshape(-1, k).astype(mx.int32)  # routers give uint32; the wire wants int32
+        # The previous layer's answer may still be on its way (ExpertDispatcher.call): it
+        # lands in the graph before anything is evaluated.
+        settle_pending()
         mx.eval(flat_x, flat_ids)  # the one synchronisation of this layer on the core side
         # Inside an engine step this joins the layer's one call for all the step's forwards.
         out = expert_call(self._dispatcher, self._layer, flat_x, flat_ids)

@@ -40,6 +40,7 @@ def build_engine(
     tls: TlsFiles | None = None,
     expert_frames: bool = True,
     frame_spin_s: float = 0.0,
+    expert_overlap: bool = True,
 ) -> tuple[Engine, RequestPreparer, core_pb2.ModelInfo]:
     manifest = Manifest.load(split_dir)
     tokenizer = load_core_tokenizer(split_dir, manifest)
@@ -56,6 +57,7 @@ def build_engine(
             tls=tls,
             frames=expert_frames,
             frame_spin_s=frame_spin_s,
+            overlap=expert_overlap,
         )
         engine.closers.append(dispatcher.close)
         started = time.monotonic()
@@ -104,10 +106,12 @@ async def serve_core(
     metrics: str | None = None,
     expert_frames: bool = True,
     frame_spin_s: float = 0.0,
+    expert_overlap: bool = True,
 ) -> None:
     """`tls`: mTLS for the Core server and the links to workers; `metrics`: host:port of the
     Prometheus endpoint (None = none); `expert_frames`: use same-host workers' frame sockets;
-    `frame_spin_s`: how long reading their answers polls before it sleeps."""
+    `frame_spin_s`: how long reading their answers polls before it sleeps; `expert_overlap`:
+    build the next layer while a layer's experts compute (ExpertDispatcher.call)."""
     engine, preparer, info = build_engine(
         split_dir,
         workers,
@@ -116,6 +120,7 @@ async def serve_core(
         tls,
         expert_frames,
         frame_spin_s,
+        expert_overlap,
     )
     running = await start_server(
         lambda server: core_pb2_grpc.add_CoreServicer_to_server(CoreServicer(engine, preparer, info), server),

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 from greenlet import greenlet
 
+from services.core.expert_client import drop_pending, settle_pending
+
 _START = object()
 
 
@@ -42,17 +44,25 @@ class _Waiting:
 def expert_call(dispatcher, layer: int, hidden: mx.array, expert_ids: mx.array) -> mx.array:
     """What `RemoteExperts` calls: hidden [T, H] (wire form) and expert_ids [T, k], both
     evaluated -> [T, k, H]. Inside `run_side_by_side` the call joins the layer's merged call;
-    anywhere else it is a plain `dispatcher.call`."""
+    anywhere else it is a plain `dispatcher.call_overlapped`."""
     current = greenlet.getcurrent()
     if isinstance(current, _Forward):
         return current.parent.switch(_Waiting(dispatcher, layer, hidden, expert_ids))
-    return dispatcher.call(layer, hidden, expert_ids)
+    return dispatcher.call_overlapped(layer, hidden, expert_ids)
 
 
 def run_side_by_side(tasks: Sequence[Callable[[], object]]) -> list:
     """Run `tasks` (each may run model forwards) with their expert calls merged per layer;
     returns their results in order. The first error any task or merged call raises is
     raised here after every other task has been unwound."""
+    try:
+        return _run_side_by_side(tasks)
+    except BaseException:
+        drop_pending()  # a failed forward may leave its last expert call unread
+        raise
+
+
+def _run_side_by_side(tasks: Sequence[Callable[[], object]]) -> list:
     if len(tasks) <= 1:
         return [task() for task in tasks]
     forwards = [_Forward(task) for task in tasks]
@@ -94,9 +104,10 @@ def _merged_call(waiting: dict[int, _Waiting]) -> dict[int, object]:
     else:
         hidden = mx.concatenate([p.hidden for p in parts])
         expert_ids = mx.concatenate([p.expert_ids for p in parts])
+        settle_pending()
         mx.eval(hidden, expert_ids)
     try:
-        out = first.dispatcher.call(first.layer, hidden, expert_ids)
+        out = first.dispatcher.call_overlapped(first.layer, hidden, expert_ids)
     except Exception as error:  # noqa: BLE001 - raised again inside each forward of the call
         return {i: error for i in group}
     resume, start = {}, 0

@@ -1,13 +1,19 @@
-"""Polling vs sleeping frame reads (`--frame-spin-us`), A/B in one run on the demo model.
+"""Two settings of the split system, A/B in one run: decode tok/s on the demo model.
 
-    python bench/frame_spin.py [--workers 1] [--rounds 4] [--tokens 64]
-    python bench/frame_spin.py --model qwen3-30b-a3b-4layer --dtype bfloat16   # e.g. on a GPU host
+    python bench/split_ab.py --compare spin [--workers 1] [--rounds 4] [--tokens 64]
+    python bench/split_ab.py --compare overlap --workers 1 --rounds 6
+    python bench/split_ab.py --compare spin --model qwen3-30b-a3b-4layer --dtype bfloat16   # a GPU host
 
-Core and N workers as real processes on Unix sockets, both polling for up to 10 ms or both
-sleeping in recv, interleaved round by round so that drift in machine speed hits both alike.
-Per round: decode tok/s and core's per-layer-call transport and worker compute p50 (decode
-steps only). Polling pays off only where every process has a core of its own, which is the
-rule `moe-mesh up` applies (services.common.frames.spin_for). Prints one JSON object.
+Core and N workers as real processes on Unix sockets, the variants interleaved round by round
+so that drift in machine speed hits them alike. Per round: decode tok/s and core's
+per-layer-call transport and worker compute p50 (decode steps only).
+  spin     frame reads poll for up to 10 ms before they sleep, or sleep at once
+           (`--frame-spin-us`). Polling pays off only where every process has a core of its
+           own, the rule `moe-mesh up` applies (services.common.frames.spin_for).
+  overlap  core builds the next layer while a layer's experts compute, or waits for them
+           (`--no-expert-overlap`); reads poll as `moe-mesh up` would choose. An overlapped
+           call's time includes the building, so its transport figure is not comparable.
+Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -24,21 +30,30 @@ from statistics import median
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode import PROMPT, checkpoint, timed_decode
+from services.common.frames import spin_for
 from services.common.manifest import Manifest
 from services.up import expert_ranges, resolve_split
 from tests.helpers import Workers, spawn, stop, wait_serving
 
-VARIANTS = {"sleep": 0, "poll_10ms": 10_000}
+def variants(compare: str, workers: int) -> dict[str, tuple[int, list[str]]]:
+    """name -> (frame spin in us for core and workers, extra `moe-mesh core` flags)."""
+    if compare == "spin":
+        return {"sleep": (0, []), "poll_10ms": (10_000, [])}
+    spin_us = round(spin_for(workers + 1) * 1e6)
+    return {"overlap": (spin_us, []), "no_overlap": (spin_us, ["--no-expert-overlap"])}
 
 
-def one_run(split: Path, prompt: list[int], workers: int, spin_us: int, tokens: int) -> dict:
-    workdir = Path(tempfile.mkdtemp(prefix="mm-spin-", dir="/tmp"))
+def one_run(
+    split: Path, prompt: list[int], workers: int, spin_us: int, core_flags: list[str], tokens: int
+) -> dict:
+    workdir = Path(tempfile.mkdtemp(prefix="mm-ab-", dir="/tmp"))
     manifest = Manifest.load(split)
     args = ["--frame-spin-us", str(spin_us)]
     pool = Workers(split, workdir, expert_ranges(manifest.num_experts, workers), extra_args=args).start()
     address = f"unix:{workdir / 'core.sock'}"
     core = spawn(
-        ["core", "--split", str(split), "--listen", address, "--worker", ",".join(pool.addresses), *args],
+        ["core", "--split", str(split), "--listen", address, "--worker", ",".join(pool.addresses), *args]
+        + core_flags,
         workdir / "core.log",
     )
     try:
@@ -62,6 +77,7 @@ def main() -> None:
 
     configure_logging("bench", "warning")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compare", choices=["spin", "overlap"], required=True)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
@@ -75,23 +91,26 @@ def main() -> None:
         prompt = tokenizer.encode(PROMPT)
     else:  # random weights: the prompt's length is what counts
         prompt = list(range(1000, 1024))
-    rounds: dict[str, list[dict]] = {name: [] for name in VARIANTS}
+    settings = variants(args.compare, args.workers)
+    rounds: dict[str, list[dict]] = {name: [] for name in settings}
     for index in range(args.rounds):
-        for name, spin_us in VARIANTS.items():
-            rounds[name].append(one_run(split, prompt, args.workers, spin_us, args.tokens))
+        for name, (spin_us, core_flags) in settings.items():
+            rounds[name].append(one_run(split, prompt, args.workers, spin_us, core_flags, args.tokens))
             print(json.dumps({"round": index + 1, name: rounds[name][-1]}), file=sys.stderr, flush=True)
     summary = {name: {key: median(r[key] for r in runs) for key in runs[0]} for name, runs in rounds.items()}
     print(
         json.dumps(
             {
-                "bench": "frame_spin",
+                "bench": "split_ab",
+                "compare": args.compare,
+                "variants": settings,
                 "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, {mx.default_device()}",
                 "model": args.model,
                 "workers": args.workers,
                 "decode_tokens": args.tokens,
                 "median_of_rounds": summary,
                 "rounds": rounds,
-                "command": "python bench/frame_spin.py " + " ".join(sys.argv[1:]),
+                "command": "python bench/split_ab.py " + " ".join(sys.argv[1:]),
             }
         )
     )

@@ -1,0 +1,104 @@
+"""Overlapped layer calls (ExpertDispatcher.call_overlapped): core builds the next layer's graph
+while a layer's experts compute, and the answer lands in a placeholder before anything is
+evaluated. Real worker processes on Unix sockets, over frames and over gRPC."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from services.core.expert_client import ExpertCallError, ExpertDispatcher, drop_pending, settle_pending
+from services.core.step_merge import expert_call, run_side_by_side
+from tests.core.test_frames import _inputs
+from tests.helpers import linked_dispatcher
+
+
+@pytest.fixture(scope="module")
+def split(tiny_models):
+    return tiny_models.split("qwen3_moe", None)
+
+
+@pytest.mark.parametrize("frames", [True, False], ids=["frames", "grpc"])
+def test_a_graph_built_on_the_placeholder_sees_the_answer(split, tmp_path, frames):
+    with linked_dispatcher(split, tmp_path, ["0-3", "4-7"], frames=frames) as (_, dispatcher, manifest):
+        first, last = manifest.layer_indices[0], manifest.layer_indices[-1]
+        assert first != last
+        hidden, ids = _inputs(manifest)
+        expected = dispatcher.call(first, hidden, ids)
+        placeholder = dispatcher.call_overlapped(first, hidden, ids)
+        assert placeholder.shape == expected.shape and placeholder.dtype == expected.dtype
+        built_before = (placeholder * 2).sum(axis=1)  # lazy: what the next layer would do with it
+        settle_pending()
+        np.testing.assert_array_equal(np.array(built_before), np.array((expected * 2).sum(axis=1)))
+        np.testing.assert_array_equal(np.array(placeholder), np.array(expected))
+        # The last layer's answer is needed for the model's output: it never stays in flight.
+        at_once = dispatcher.call_overlapped(last, hidden, ids)
+        np.testing.assert_array_equal(np.array(at_once), np.array(dispatcher.call(last, hidden, ids)))
+
+
+def test_the_placeholder_is_nan_until_settled_and_overlap_can_be_turned_off(split, tmp_path):
+    with linked_dispatcher(split, tmp_path, ["0-7"]) as (workers, dispatcher, manifest):
+        layer = manifest.layer_indices[0]
+        hidden, ids = _inputs(manifest)
+        placeholder = dispatcher.call_overlapped(layer, hidden, ids)
+        assert np.isnan(np.array(placeholder)).all()  # read too early: no number passes for an answer
+        settle_pending()
+        assert not np.isnan(np.array(placeholder)).any()
+        plain = ExpertDispatcher(manifest, workers.addresses, overlap=False)
+        try:
+            assert plain.discover() == []
+            got = plain.call_overlapped(layer, hidden, ids)
+            np.testing.assert_array_equal(np.array(got), np.array(placeholder))
+        finally:
+            plain.close()
+
+
+@pytest.mark.parametrize("frames", [True, False], ids=["frames", "grpc"])
+def test_a_dropped_call_is_never_read_as_the_next_ones_answer(split, tmp_path, frames):
+    with linked_dispatcher(split, tmp_path, ["0-7"], frames=frames) as (_, dispatcher, manifest):
+        layer = manifest.layer_indices[0]
+        one, ids_one = _inputs(manifest, seed=1)
+        two, ids_two = _inputs(manifest, seed=2)
+        expected = np.array(dispatcher.call(layer, two, ids_two))
+        dispatcher.call_overlapped(layer, one, ids_one)
+        drop_pending()  # e.g. the forward failed before the next layer
+        settle_pending()  # nothing in flight any more: a no-op
+        np.testing.assert_array_equal(np.array(dispatcher.call(layer, two, ids_two)), expected)
+
+
+def test_a_worker_killed_while_its_answer_is_in_flight_fails_the_settle_naming_it(split, tmp_path):
+    with linked_dispatcher(split, tmp_path, ["0-7"], call_timeout_s=10.0) as (workers, dispatcher, manifest):
+        layer = manifest.layer_indices[0]
+        hidden, ids = _inputs(manifest)
+        dispatcher.call(layer, hidden, ids)
+        workers.kill(0)
+        started = time.monotonic()
+        with pytest.raises(ExpertCallError) as error:
+            dispatcher.call_overlapped(layer, hidden, ids)
+            settle_pending()
+        assert error.value.code == grpc.StatusCode.UNAVAILABLE
+        assert workers.addresses[0].removeprefix("unix:") in str(error.value)
+        assert time.monotonic() - started < dispatcher.call_timeout_s
+        settle_pending()  # the failed call is not in flight any more
+
+
+def test_a_failing_step_leaves_no_call_in_flight(split, tmp_path):
+    with linked_dispatcher(split, tmp_path, ["0-7"]) as (_, dispatcher, manifest):
+        first, second = manifest.layer_indices[:2]
+        hidden, ids = _inputs(manifest)
+        expected = np.array(dispatcher.call(second, hidden, ids))
+
+        def forward_that_fails():
+            expert_call(dispatcher, first, hidden, ids)  # in flight now
+            raise ValueError("a bug between two layers")
+
+        with pytest.raises(ValueError):
+            run_side_by_side([forward_that_fails])
+        # The next step's first call gets its own answer, not the dropped one's.
+        got = expert_call(dispatcher, second, hidden, ids)
+        settle_pending()
+        np.testing.assert_array_equal(np.array(got), expected)
