@@ -67,6 +67,15 @@ def numpy_view(array: mx.array) -> np.ndarray:
     return np.asarray(wire)
 
 
+def has_nan(host: np.ndarray, dtype: mx.Dtype) -> bool:
+    """Whether a host copy of an array of MLX dtype `dtype` (bf16 as its uint16 bits) holds NaN."""
+    if dtype == mx.bfloat16:
+        return bool(((host & 0x7FFF) > 0x7F80).any())
+    if host.dtype.kind != "f":
+        return False
+    return bool(np.isnan(host).any())
+
+
 def encode(array: mx.array, out: tensor_pb2.Tensor | None = None) -> tensor_pb2.Tensor:
     """Fill `out` (or a new Tensor) from an evaluated MLX array."""
     wire = _FROM_MLX.get(array.dtype)

@@ -391,6 +391,8 @@ class ExpertDispatcher:
         started = time.perf_counter()
         ids = np.asarray(expert_ids)  # evaluated int32 (RemoteExperts made it so): a view, no sync
         host_hidden = tensor_codec.numpy_view(hidden)
+        if self.overlap and tensor_codec.has_nan(host_hidden, self.hidden_dtype):
+            self._overlap_failed(layer)
         sole = self._sole_owner.get(layer)
         if sole is not None:
             plan = [_Part(sole, None, host_hidden, ids)]
@@ -408,6 +410,20 @@ class ExpertDispatcher:
         if pending.frame_calls is None:
             self._grpc_start(pending)
         return pending
+
+    def _overlap_failed(self, layer: int) -> None:
+        """NaN reached a layer's input while calls overlap: most likely the model evaluated
+        something between two MoE layers, which read a placeholder before its answer was in
+        (an architecture that evaluates inside its forward pass). Overlap is turned off for
+        good and this step fails; the next ones compute as without overlap."""
+        self.overlap = False
+        log.warning("expert_overlap_disabled", layer=layer, reason="NaN in the hidden states")
+        expert_metrics.LAYER_CALL_FAILURES.labels("INTERNAL").inc()
+        raise ExpertCallError(
+            grpc.StatusCode.INTERNAL,
+            f"layer {layer}: the hidden states hold NaN; overlapped expert calls are now off "
+            "(this model evaluates inside its forward pass: run core with --no-expert-overlap)",
+        )
 
     def _grpc_start(self, pending: _Pending) -> None:
         """Hand the call to the gRPC streams (the I/O loop); its answer arrives in pending.replies."""

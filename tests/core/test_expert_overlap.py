@@ -102,3 +102,30 @@ def test_a_failing_step_leaves_no_call_in_flight(split, tmp_path):
         got = expert_call(dispatcher, second, hidden, ids)
         settle_pending()
         np.testing.assert_array_equal(np.array(got), expected)
+
+
+def test_a_model_that_evaluates_mid_forward_turns_overlap_off_with_a_clear_error(split, tmp_path):
+    with linked_dispatcher(split, tmp_path, ["0-7"]) as (_, dispatcher, manifest):
+        first, second = manifest.layer_indices[:2]
+        hidden, ids = _inputs(manifest)
+        expected = np.array(dispatcher.call(second, hidden, ids)[:, 0])
+        placeholder = dispatcher.call_overlapped(first, hidden, ids)
+        early = placeholder[:, 0] + 0
+        mx.eval(early)  # what an architecture evaluating inside its forward would do: NaN
+        with pytest.raises(ExpertCallError) as error:
+            dispatcher.call_overlapped(second, early, ids)
+        assert error.value.code == grpc.StatusCode.INTERNAL
+        assert "--no-expert-overlap" in str(error.value)
+        assert dispatcher.overlap is False
+        settle_pending()
+        got = dispatcher.call_overlapped(second, hidden, ids)  # answered at once from now on
+        np.testing.assert_array_equal(np.array(got[:, 0]), expected)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_has_nan_reads_the_wire_form(dtype):
+    from services.common.tensor_codec import has_nan, numpy_view
+
+    clean = mx.array([[1.0, -2.0, float("inf")]]).astype(dtype)
+    assert not has_nan(numpy_view(clean), dtype)
+    assert has_nan(numpy_view(mx.array([[1.0, float("nan"), 0.0]]).astype(dtype)), dtype)
