@@ -7,7 +7,9 @@ Perplexity: the text is prefilled chunk by chunk (tokens age into the compressed
 exactly as in serving) and scored token by token, for fp16 and each TurboQuant setting.
 Greedy: a fixed set of long chat prompts (longer than sinks + window, so part of each
 prompt is compressed) answered with fp16 and with each of --greedy-settings (default: the default setting).
-Prints one JSON object.
+Controls, answered the same way: mlx-lm's own quantized KV cache at 8 and 4 bits (`kv_bits`, group
+64, from the first token): how far these answers move under a near-lossless and a common lossy cache
+that is not TurboQuant. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -56,10 +58,19 @@ QUESTIONS = [
 ]
 
 
-def greedy(model, tokenizer, prompt: list[int], kind: str, settings, max_tokens: int) -> str:
+MLX_LM_CONTROLS = {"mlx-lm 8-bit KV (control)": 8, "mlx-lm 4-bit KV (control)": 4}
+
+
+def greedy(
+    model, tokenizer, prompt: list[int], kind: str, settings, max_tokens: int, mlx_lm_kv_bits=None
+) -> str:
     cache = make_kv_cache(model, kind, settings)
+    quantized = (
+        {} if mlx_lm_kv_bits is None else dict(kv_bits=mlx_lm_kv_bits, kv_group_size=64, quantized_kv_start=0)
+    )
     out = []
-    for token, _ in generate_step(mx.array(prompt), model, prompt_cache=cache, max_tokens=max_tokens):
+    steps = generate_step(mx.array(prompt), model, prompt_cache=cache, max_tokens=max_tokens, **quantized)
+    for token, _ in steps:
         if token in tokenizer.eos_token_ids:
             break
         out.append(token)
@@ -110,7 +121,7 @@ def main() -> None:
         print(json.dumps({"progress": name, **table[name]}), file=sys.stderr, flush=True)
 
     context = TEXT.read_text()[: args.context_chars]
-    answers, same = [], {name: 0 for name in args.greedy_settings}
+    answers, same = [], {name: 0 for name in [*args.greedy_settings, *MLX_LM_CONTROLS]}
     for question in QUESTIONS:
         messages = [{"role": "user", "content": f"{context}\n\n{question}"}]
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -118,6 +129,9 @@ def main() -> None:
         row["fp16"] = greedy(model, tokenizer, prompt, "fp16", None, args.answer_tokens)
         for name in args.greedy_settings:
             row[name] = greedy(model, tokenizer, prompt, "turboquant", SETTINGS[name], args.answer_tokens)
+            same[name] += row[name] == row["fp16"]
+        for name, bits in MLX_LM_CONTROLS.items():
+            row[name] = greedy(model, tokenizer, prompt, "fp16", None, args.answer_tokens, bits)
             same[name] += row[name] == row["fp16"]
         answers.append(row)
         print(json.dumps({"progress": question, **row}), file=sys.stderr, flush=True)

@@ -35,6 +35,7 @@ from services.common.manifest import Manifest
 from services.up import expert_ranges, resolve_split
 from tests.helpers import Workers, spawn, stop, wait_serving
 
+
 def variants(compare: str, workers: int) -> dict[str, tuple[int, list[str]]]:
     """name -> (frame spin in us for core and workers, extra `moe-mesh core` flags)."""
     if compare == "spin":

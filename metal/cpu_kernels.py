@@ -25,6 +25,11 @@ _I32 = ctypes.POINTER(ctypes.c_int)
 _I, _L = ctypes.c_int, ctypes.c_long
 
 
+# It runs C on host memory, so it evaluates its inputs inside the model's forward pass: core
+# first lands any layer call still in flight (services/core/kv/metal_attention.py).
+EVALUATES_INPUTS = True
+
+
 @cache
 def _library():
     spec = importlib.util.find_spec("metal._turboquant_cpu")

@@ -50,6 +50,7 @@ from services.common.tls import TlsFiles
 from services.core import expert_metrics
 from services.core.attempt_deadlines import AttemptDeadlines
 from services.core.frame_link import FrameLink
+from services.core.in_flight import IN_FLIGHT, settle_pending
 from services.proto.moemesh.v1 import expert_pb2, expert_pb2_grpc, tensor_pb2
 
 log = get_logger(__name__)
@@ -161,32 +162,6 @@ class _Pending:
         mx.eval(wire)
         self.slot = np.asarray(wire)
         return wire.view(dtype) if wire.dtype != dtype else wire
-
-
-class _InFlight(threading.local):
-    call: tuple[ExpertDispatcher, _Pending] | None = None
-
-
-_IN_FLIGHT = _InFlight()
-
-
-def settle_pending() -> None:
-    """Write the answer of this thread's call in flight (if any) into its placeholder; raises
-    that call's ExpertCallError. Must run before anything is evaluated."""
-    in_flight = _IN_FLIGHT.call
-    if in_flight is not None:
-        _IN_FLIGHT.call = None
-        dispatcher, pending = in_flight
-        dispatcher._finish(pending, pending.slot)
-
-
-def drop_pending() -> None:
-    """Forget this thread's call in flight, if any (the forward that made it failed)."""
-    in_flight = _IN_FLIGHT.call
-    if in_flight is not None:
-        _IN_FLIGHT.call = None
-        dispatcher, pending = in_flight
-        dispatcher._abandon(pending)
 
 
 class ExpertDispatcher:
@@ -384,7 +359,7 @@ class ExpertDispatcher:
         settle_pending()
         pending = self._start(layer, hidden, expert_ids)
         slot = pending.make_slot(self.hidden_dtype)
-        _IN_FLIGHT.call = (self, pending)
+        IN_FLIGHT.call = (self, pending)
         return slot
 
     def _start(self, layer: int, hidden: mx.array, expert_ids: mx.array) -> _Pending:
@@ -430,7 +405,13 @@ class ExpertDispatcher:
         budget = pending.deadline - time.monotonic()
         # The coroutine object is made here; the loop only has to start it.
         roundtrip = self._roundtrip(
-            pending.layer, pending.plan, pending.hidden, pending.ids, pending.request_ids, budget, pending.replies
+            pending.layer,
+            pending.plan,
+            pending.hidden,
+            pending.ids,
+            pending.request_ids,
+            budget,
+            pending.replies,
         )
         try:
             self.loop.call_soon_threadsafe(self.loop.create_task, roundtrip)
@@ -505,7 +486,7 @@ class ExpertDispatcher:
         answered with an error other than INVALID_ARGUMENT (the caller then makes the same
         call through gRPC). A worker that does not answer in time fails the call here
         (UNAVAILABLE), within the call's deadline."""
-        layer, plan = pending.layer, pending.plan
+        plan = pending.plan
         links = [self.links[part.link] for part in plan]
         replies = []
         try:

@@ -11,7 +11,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from services.core.expert_client import ExpertCallError, ExpertDispatcher, drop_pending, settle_pending
+from services.core.expert_client import ExpertCallError, ExpertDispatcher
+from services.core.in_flight import drop_pending, settle_pending
 from services.core.step_merge import expert_call, run_side_by_side
 from tests.core.test_frames import _inputs
 from tests.helpers import linked_dispatcher

@@ -9,7 +9,8 @@ back once. No decompressed copy of the cache exists at any point.
 A backend is a module with `kernels_available()` and `decode_attention(queries, cache,
 scale, start)` (the whole decode step fused; None where it does not fit) and/or
 `key_scores(codec, rotated_queries, tokens)` with `weighted_values(codec, weights, tokens)`
-(the contracts of metal/backend.py), and optionally `pack(codec, x)` (encode).
+(the contracts of metal/backend.py), and optionally `pack(codec, x)` (encode). A backend that
+evaluates its inputs (the CPU one calls C on host memory) says so with `EVALUATES_INPUTS = True`.
 `kernel_backend()` picks the first available one in `BACKENDS` order.
 """
 
@@ -21,6 +22,7 @@ from functools import cache
 
 import mlx.core as mx
 
+from services.core.in_flight import settle_pending
 from services.core.kv.cache import TurboQuantKVCache
 
 # modules tried in order; the first whose kernels_available() is True serves
@@ -67,6 +69,8 @@ def kernel_attention(
     """The step on the backend's kernels; None when they do not serve it (a backend with only
     a fused step that does not fit, e.g. the CPU one past 1024 dims): the twin then does."""
     kernels = kernel_backend()
+    if getattr(kernels, "EVALUATES_INPUTS", False):
+        settle_pending()  # its inputs may hang on a layer call in flight (services/core/in_flight.py)
     fused = getattr(kernels, "decode_attention", None)
     if fused is not None:  # the whole step in one or two kernels, where the backend has them
         out = fused(queries, cache, scale, start)
