@@ -28,6 +28,16 @@ def _inputs(manifest, tokens=3, seed=0):
     return hidden, ids
 
 
+def assert_fails_naming_worker(workers, index: int, dispatcher, make_call) -> None:
+    """make_call() fails with UNAVAILABLE naming worker `index`, within the call deadline."""
+    started = time.monotonic()
+    with pytest.raises(ExpertCallError) as error:
+        make_call()
+    assert error.value.code == grpc.StatusCode.UNAVAILABLE
+    assert workers.addresses[index].removeprefix("unix:") in str(error.value)
+    assert time.monotonic() - started < dispatcher.call_timeout_s
+
+
 @pytest.fixture(scope="module")
 def split(tiny_models):
     return tiny_models.split("qwen3_moe", None)
@@ -82,12 +92,7 @@ def test_a_killed_worker_fails_the_call_naming_it_then_a_restart_serves_again(sp
         hidden, ids = _inputs(manifest)
         dispatcher.call(layer, hidden, ids)
         workers.kill(0)
-        started = time.monotonic()
-        with pytest.raises(ExpertCallError) as error:
-            dispatcher.call(layer, hidden, ids)
-        assert error.value.code == grpc.StatusCode.UNAVAILABLE
-        assert workers.addresses[0].removeprefix("unix:") in str(error.value)
-        assert time.monotonic() - started < dispatcher.call_timeout_s
+        assert_fails_naming_worker(workers, 0, dispatcher, lambda: dispatcher.call(layer, hidden, ids))
         workers.start(0)
         deadline = time.monotonic() + 30
         while True:  # core reconnects in the background
