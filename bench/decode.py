@@ -11,7 +11,7 @@ expert call percentiles come from core's own timings (Core.GetStats), taken over
 the decode steps only (one token per step). Core sends layer calls through the workers'
 frame sockets (the same-host data path); `workers_1_grpc` is the 1-worker run with
 `--no-expert-frames` (gRPC streams only) and `workers_1_no_overlap` the 1-worker run with
-`--no-expert-overlap` (core waits for each layer's experts before building the next layer),
+`--expert-overlap off` (core waits for each layer's experts before building the next layer),
 in the same rounds. Frame reads poll before
 they sleep when the machine has a core per process (`--frame-spin-us`, chosen as
 `moe-mesh up` chooses it; recorded per variant).
@@ -122,7 +122,7 @@ SPLIT_VARIANTS = {
     "workers_1": (1, []),
     "workers_2": (2, []),
     "workers_1_grpc": (1, ["--no-expert-frames"]),
-    "workers_1_no_overlap": (1, ["--no-expert-overlap"]),
+    "workers_1_no_overlap": (1, ["--expert-overlap", "off"]),
 }
 
 

@@ -11,7 +11,7 @@ per-layer-call transport and worker compute p50 (decode steps only).
            (`--frame-spin-us`). Polling pays off only where every process has a core of its
            own, the rule `moe-mesh up` applies (services.common.frames.spin_for).
   overlap  core builds the next layer while a layer's experts compute, or waits for them
-           (`--no-expert-overlap`); reads poll as `moe-mesh up` would choose. An overlapped
+           (`--expert-overlap on|off`); reads poll as `moe-mesh up` would choose. An overlapped
            call's time includes the building, so its transport figure is not comparable.
 Prints one JSON object.
 """
@@ -41,7 +41,10 @@ def variants(compare: str, workers: int) -> dict[str, tuple[int, list[str]]]:
     if compare == "spin":
         return {"sleep": (0, []), "poll_10ms": (10_000, [])}
     spin_us = round(spin_for(workers + 1) * 1e6)
-    return {"overlap": (spin_us, []), "no_overlap": (spin_us, ["--no-expert-overlap"])}
+    return {
+        "overlap": (spin_us, ["--expert-overlap", "on"]),
+        "no_overlap": (spin_us, ["--expert-overlap", "off"]),
+    }
 
 
 def one_run(

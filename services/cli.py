@@ -39,7 +39,7 @@ def _core(args) -> None:
         **cluster_kwargs,
         expert_frames=not args.no_expert_frames,
         frame_spin_s=spin_seconds(args.frame_spin_us),
-        expert_overlap=not args.no_expert_overlap,
+        expert_overlap={"auto": None, "on": True, "off": False}[args.expert_overlap],
         engine_config=EngineConfig(
             max_num_seqs=args.max_num_seqs,
             max_queue=args.max_queue,
@@ -161,10 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="send layer calls to same-host workers over their gRPC streams, not their frame sockets",
     )
     p.add_argument(
-        "--no-expert-overlap",
-        action="store_true",
-        help="wait for each layer's experts before building the next layer (default: build it "
-        "while they compute)",
+        "--expert-overlap",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="build the next layer while a layer's experts compute (auto: on the CPU, off on GPUs)",
     )
     add_spin_flag(p)
     add_cluster_flags(p)

@@ -164,6 +164,15 @@ class _Pending:
         return wire.view(dtype) if wire.dtype != dtype else wire
 
 
+def overlap_by_default() -> bool:
+    """Overlap writes each answer into an evaluated MLX array's memory from the host. That is
+    plain memory on the CPU (the test suite checks it on every architecture); on MLX's CUDA
+    backend a 4-bit qwen3_moe read such a placeholder before its answer (NaN, caught by the
+    guard in `_start`), and on Metal it is unverified, so GPUs wait for each layer unless
+    `--expert-overlap on` says otherwise."""
+    return mx.default_device() == mx.cpu
+
+
 class ExpertDispatcher:
     """Routes every (token, expert) pair of a layer call to a live worker that holds the expert.
 
@@ -182,12 +191,13 @@ class ExpertDispatcher:
         tls: TlsFiles | None = None,
         frames: bool = True,
         frame_spin_s: float = 0.0,
-        overlap: bool = True,
+        overlap: bool | None = None,
     ):
         """`frames`: send calls to workers on this host through their frame sockets
         (services/core/frame_link.py) rather than their gRPC streams, where they offer one;
         `frame_spin_s`: how long a read of their answers polls before it sleeps; `overlap`:
-        let core build the next layer while the experts compute (see `call`)."""
+        let core build the next layer while the experts compute (see `call_overlapped`; None:
+        on the CPU only, see `overlap_by_default`)."""
         if not worker_addresses:
             raise ValueError("at least one expert worker address is needed")
         self.manifest = manifest
@@ -195,7 +205,7 @@ class ExpertDispatcher:
         self.tls = tls
         self.use_frames = frames
         self.frame_spin_s = frame_spin_s
-        self.overlap = overlap
+        self.overlap = overlap_by_default() if overlap is None else overlap
         # The I/O loop and its thread. Channels are created inside the loop (see _discover)
         # so they bind to it and to no other loop.
         self.loop = _new_event_loop()
@@ -397,7 +407,7 @@ class ExpertDispatcher:
         raise ExpertCallError(
             grpc.StatusCode.INTERNAL,
             f"layer {layer}: the hidden states hold NaN; overlapped expert calls are now off "
-            "(this model evaluates inside its forward pass: run core with --no-expert-overlap)",
+            "(this model or device reads arrays before their answer is in: run core with --expert-overlap off)",
         )
 
     def _grpc_start(self, pending: _Pending) -> None:

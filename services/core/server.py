@@ -40,7 +40,7 @@ def build_engine(
     tls: TlsFiles | None = None,
     expert_frames: bool = True,
     frame_spin_s: float = 0.0,
-    expert_overlap: bool = True,
+    expert_overlap: bool | None = None,
 ) -> tuple[Engine, RequestPreparer, core_pb2.ModelInfo]:
     manifest = Manifest.load(split_dir)
     tokenizer = load_core_tokenizer(split_dir, manifest)
@@ -106,7 +106,7 @@ async def serve_core(
     metrics: str | None = None,
     expert_frames: bool = True,
     frame_spin_s: float = 0.0,
-    expert_overlap: bool = True,
+    expert_overlap: bool | None = None,
 ) -> None:
     """`tls`: mTLS for the Core server and the links to workers; `metrics`: host:port of the
     Prometheus endpoint (None = none); `expert_frames`: use same-host workers' frame sockets;

@@ -23,7 +23,11 @@ def split(tiny_models):
 
 @pytest.mark.parametrize("frames", [True, False], ids=["frames", "grpc"])
 def test_a_graph_built_on_the_placeholder_sees_the_answer(split, tmp_path, frames):
-    with linked_dispatcher(split, tmp_path, ["0-3", "4-7"], frames=frames) as (_, dispatcher, manifest):
+    with linked_dispatcher(split, tmp_path, ["0-3", "4-7"], frames=frames, overlap=True) as (
+        _,
+        dispatcher,
+        manifest,
+    ):
         first, last = manifest.layer_indices[0], manifest.layer_indices[-1]
         assert first != last
         hidden, ids = _inputs(manifest)
@@ -40,7 +44,7 @@ def test_a_graph_built_on_the_placeholder_sees_the_answer(split, tmp_path, frame
 
 
 def test_the_placeholder_is_nan_until_settled_and_overlap_can_be_turned_off(split, tmp_path):
-    with linked_dispatcher(split, tmp_path, ["0-7"]) as (workers, dispatcher, manifest):
+    with linked_dispatcher(split, tmp_path, ["0-7"], overlap=True) as (workers, dispatcher, manifest):
         layer = manifest.layer_indices[0]
         hidden, ids = _inputs(manifest)
         placeholder = dispatcher.call_overlapped(layer, hidden, ids)
@@ -58,7 +62,11 @@ def test_the_placeholder_is_nan_until_settled_and_overlap_can_be_turned_off(spli
 
 @pytest.mark.parametrize("frames", [True, False], ids=["frames", "grpc"])
 def test_a_dropped_call_is_never_read_as_the_next_ones_answer(split, tmp_path, frames):
-    with linked_dispatcher(split, tmp_path, ["0-7"], frames=frames) as (_, dispatcher, manifest):
+    with linked_dispatcher(split, tmp_path, ["0-7"], frames=frames, overlap=True) as (
+        _,
+        dispatcher,
+        manifest,
+    ):
         layer = manifest.layer_indices[0]
         one, ids_one = _inputs(manifest, seed=1)
         two, ids_two = _inputs(manifest, seed=2)
@@ -70,7 +78,11 @@ def test_a_dropped_call_is_never_read_as_the_next_ones_answer(split, tmp_path, f
 
 
 def test_a_worker_killed_while_its_answer_is_in_flight_fails_the_settle_naming_it(split, tmp_path):
-    with linked_dispatcher(split, tmp_path, ["0-7"], call_timeout_s=10.0) as (workers, dispatcher, manifest):
+    with linked_dispatcher(split, tmp_path, ["0-7"], call_timeout_s=10.0, overlap=True) as (
+        workers,
+        dispatcher,
+        manifest,
+    ):
         layer = manifest.layer_indices[0]
         hidden, ids = _inputs(manifest)
         dispatcher.call(layer, hidden, ids)
@@ -85,7 +97,7 @@ def test_a_worker_killed_while_its_answer_is_in_flight_fails_the_settle_naming_i
 
 
 def test_a_failing_step_leaves_no_call_in_flight(split, tmp_path):
-    with linked_dispatcher(split, tmp_path, ["0-7"]) as (_, dispatcher, manifest):
+    with linked_dispatcher(split, tmp_path, ["0-7"], overlap=True) as (_, dispatcher, manifest):
         first, second = manifest.layer_indices[:2]
         hidden, ids = _inputs(manifest)
         expected = np.array(dispatcher.call(second, hidden, ids))
@@ -103,7 +115,7 @@ def test_a_failing_step_leaves_no_call_in_flight(split, tmp_path):
 
 
 def test_a_model_that_evaluates_mid_forward_turns_overlap_off_with_a_clear_error(split, tmp_path):
-    with linked_dispatcher(split, tmp_path, ["0-7"]) as (_, dispatcher, manifest):
+    with linked_dispatcher(split, tmp_path, ["0-7"], overlap=True) as (_, dispatcher, manifest):
         first, second = manifest.layer_indices[:2]
         hidden, ids = _inputs(manifest)
         expected = np.array(dispatcher.call(second, hidden, ids)[:, 0])
@@ -113,7 +125,7 @@ def test_a_model_that_evaluates_mid_forward_turns_overlap_off_with_a_clear_error
         with pytest.raises(ExpertCallError) as error:
             dispatcher.call_overlapped(second, early, ids)
         assert error.value.code == grpc.StatusCode.INTERNAL
-        assert "--no-expert-overlap" in str(error.value)
+        assert "--expert-overlap off" in str(error.value)
         assert dispatcher.overlap is False
         settle_pending()
         got = dispatcher.call_overlapped(second, hidden, ids)  # answered at once from now on
