@@ -166,10 +166,9 @@ class _Pending:
 
 def overlap_by_default() -> bool:
     """Overlap writes each answer into an evaluated MLX array's memory from the host. That is
-    plain memory on the CPU (the test suite checks it on every architecture); on MLX's CUDA
-    backend a 4-bit qwen3_moe read such a placeholder before its answer (NaN, caught by the
-    guard in `_start`), and on Metal it is unverified, so GPUs wait for each layer unless
-    `--expert-overlap on` says otherwise."""
+    plain memory on the CPU, where the test suite runs with it on every architecture; on GPUs
+    it has only been spot-checked (MLX CUDA) or not at all (Metal), so they wait for each
+    layer unless `--expert-overlap on` says otherwise."""
     return mx.default_device() == mx.cpu
 
 
