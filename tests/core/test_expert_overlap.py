@@ -139,3 +139,20 @@ def test_has_nan_reads_the_wire_form(dtype):
     clean = mx.array([[1.0, -2.0, float("inf")]]).astype(dtype)
     assert not has_nan(numpy_view(clean), dtype)
     assert has_nan(numpy_view(mx.array([[1.0, float("nan"), 0.0]]).astype(dtype)), dtype)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_a_graph_built_before_a_host_write_into_the_placeholder_sees_it(dtype):
+    """The device property overlap rests on (run this file on a GPU host to check one)."""
+    from services.core.expert_client import _Pending
+
+    pending = _Pending(0, [], np.zeros((3, 64), np.float32), np.zeros((3, 8), np.int32), 0.0, 0.0)
+    slot = pending.make_slot(dtype)
+    weight = mx.random.normal((64, 64), key=mx.random.key(0)).astype(dtype)
+    built_before = (slot.reshape(-1, 64) @ weight).sum(axis=0)
+    answer = mx.random.normal((3, 8, 64), key=mx.random.key(1)).astype(dtype)
+    mx.eval(answer, weight)
+    wire = answer.view(mx.uint16) if dtype == mx.bfloat16 else answer
+    pending.slot[...] = np.array(wire)
+    expected = (answer.reshape(-1, 64) @ weight).sum(axis=0)
+    assert mx.allclose(built_before, expected).item()
