@@ -67,6 +67,12 @@ def numpy_view(array: mx.array) -> np.ndarray:
     return np.asarray(wire)
 
 
+def nan_of(dtype: mx.Dtype) -> np.generic:
+    """NaN of a float MLX dtype in its wire form (bf16: the uint16 bit pattern)."""
+    wire = _WIRE[_FROM_MLX[dtype]][1]
+    return wire.type(0x7FC0) if dtype == mx.bfloat16 else wire.type("nan")
+
+
 def has_nan(host: np.ndarray, dtype: mx.Dtype) -> bool:
     """Whether a host copy of an array of MLX dtype `dtype` (bf16 as its uint16 bits) holds NaN."""
     if dtype == mx.bfloat16:

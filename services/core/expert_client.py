@@ -154,12 +154,12 @@ class _Pending:
         self.slot: np.ndarray | None = None
 
     def make_slot(self, dtype: mx.Dtype) -> mx.array:
-        """The placeholder the answer will be written into: an evaluated [T, k, H] array in
-        the model dtype, NaN until then; self.slot is a writable numpy view of its bytes."""
+        """The placeholder the answer will be written into: a [T, k, H] array in the model dtype,
+        NaN until then; self.slot is a writable numpy view of its bytes. Made from host memory,
+        so it costs a copy and no evaluation."""
         tokens, k = self.ids.shape
-        wire = mx.full((tokens, k, self.hidden.shape[-1]), float("nan"), dtype=dtype)
-        wire = tensor_codec.wire_form(wire)
-        mx.eval(wire)
+        nan = tensor_codec.nan_of(dtype)
+        wire = mx.array(np.full((tokens, k, self.hidden.shape[-1]), nan, dtype=nan.dtype))
         self.slot = np.asarray(wire)
         return wire.view(dtype) if wire.dtype != dtype else wire
 

@@ -139,6 +139,9 @@ def test_has_nan_reads_the_wire_form(dtype):
     clean = mx.array([[1.0, -2.0, float("inf")]]).astype(dtype)
     assert not has_nan(numpy_view(clean), dtype)
     assert has_nan(numpy_view(mx.array([[1.0, float("nan"), 0.0]]).astype(dtype)), dtype)
+    from services.common.tensor_codec import nan_of
+
+    assert has_nan(np.array([nan_of(dtype)]), dtype)
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
