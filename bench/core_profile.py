@@ -1,0 +1,130 @@
+"""Where a split decode token's time goes on core's engine thread: a py-spy profile.
+
+    pip install py-spy && python bench/core_profile.py [--workers 1] [--tokens 160] [--seconds 20]
+
+Starts N workers and core on the demo model (frame reads poll as `moe-mesh up` would choose),
+decodes `--tokens` greedily through Core.Generate and samples the core process with py-spy
+meanwhile. Reported, as shares of the engine thread's samples: waiting for the workers'
+answers (frame reads, gRPC reply queue), core's own MLX evaluation (the evals in RemoteExperts
+and step_merge), and everything else (Python: graph building, dispatcher, engine), plus the
+run's tok/s and layer-call p50s. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import linecache
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.decode import PROMPT, checkpoint, timed_decode
+from services.common.frames import spin_for
+from services.common.manifest import Manifest
+from services.up import expert_ranges, resolve_split
+from tests.helpers import Workers, spawn, stop, wait_serving
+
+# frames that wait for the workers' answers; source lines that make MLX compute
+WAITING = ("receive_exact", "_poll_into", "SimpleQueue.get")
+EVALUATING = ("mx.eval(", "async_eval(", ".tolist()", ".item()", "np.asarray(", "np.array(")
+
+
+def classify(stack: list[str]) -> str:
+    if any(name in frame for frame in stack for name in WAITING):
+        return "waiting_for_workers"
+    # MLX computes without Python frames: a sample whose innermost line evaluates is MLX time
+    where = stack[-1].rsplit("(", 1)[-1].rstrip(")")
+    filename, _, line = where.rpartition(":")
+    source = linecache.getline(filename, int(line)) if line.isdigit() else ""
+    return "core_mlx_eval" if any(call in source for call in EVALUATING) else "python"
+
+
+def main() -> None:
+    import mlx_lm
+
+    from services.common.logging import configure_logging
+
+    configure_logging("bench", "warning")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=160)
+    parser.add_argument("--seconds", type=int, default=20)
+    parser.add_argument("--core-flag", action="append", default=[], help="extra `moe-mesh core` flag")
+    args = parser.parse_args()
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(py_spy).exists():
+        raise SystemExit("py-spy is not installed: pip install py-spy")
+    path = checkpoint("demo", "float32")
+    split = resolve_split(str(path))
+    _, tokenizer = mlx_lm.load(str(path), lazy=True)
+    prompt = tokenizer.encode(PROMPT)
+    workdir = Path(tempfile.mkdtemp(prefix="mm-prof-", dir="/tmp"))
+    spin = ["--frame-spin-us", str(round(spin_for(args.workers + 1) * 1e6))]
+    ranges = expert_ranges(Manifest.load(split).num_experts, args.workers)
+    pool = Workers(split, workdir, ranges, extra_args=spin).start()
+    address = f"unix:{workdir / 'core.sock'}"
+    core_args = ["core", "--split", str(split), "--listen", address, "--worker", ",".join(pool.addresses)]
+    core = spawn(core_args + spin + args.core_flag, workdir / "core.log")
+    profile = workdir / "profile.txt"
+    try:
+        wait_serving(address, core, timeout_s=600, log_path=workdir / "core.log")
+        timed_decode(address, prompt, 8)  # warm-up
+        run: dict = {}
+        decoding = threading.Thread(target=lambda: run.update(r=timed_decode(address, prompt, args.tokens)))
+        decoding.start()
+        time.sleep(2)
+        record = [
+            py_spy,
+            "record",
+            "-p",
+            str(core.pid),
+            "-d",
+            str(args.seconds),
+            "-r",
+            "200",
+            "--full-filenames",
+        ]
+        subprocess.run(
+            [*record, "-f", "raw", "-o", str(profile), "--nonblocking"], capture_output=True, check=True
+        )
+        decoding.join()
+    finally:
+        stop([core])
+        pool.stop()
+    shares: Counter = Counter()
+    for line in profile.read_text().splitlines():
+        stack, count = line.rsplit(" ", 1)
+        frames = stack.split(";")
+        if any("engine.py" in frame for frame in frames):
+            shares[classify(frames)] += int(count)
+    total = sum(shares.values())
+    _, stamps, calls = run["r"]
+    print(
+        json.dumps(
+            {
+                "bench": "core_profile",
+                "workers": args.workers,
+                "core_flags": args.core_flag,
+                "tok_s": round((len(stamps) - 1) / (stamps[-1] - stamps[0]), 3),
+                "layer_call_p50_us": {
+                    "total": round(calls.total_p50_us, 1),
+                    "compute": round(calls.compute_p50_us, 1),
+                    "transport": round(calls.transport_p50_us, 1),
+                },
+                "engine_thread_samples": total,
+                "share_pct": {name: round(100 * n / total, 1) for name, n in shares.most_common()},
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
