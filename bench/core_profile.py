@@ -26,11 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.decode import PROMPT, checkpoint, timed_decode
-from services.common.frames import spin_for
-from services.common.manifest import Manifest
-from services.up import expert_ranges, resolve_split
-from tests.helpers import Workers, spawn, stop, wait_serving
+from bench.decode import PROMPT, checkpoint, spin_as_up, split_system, timed_decode
+from services.up import resolve_split
 
 # frames that wait for the workers' answers; source lines that make MLX compute
 WAITING = ("receive_exact", "_poll_into", "SimpleQueue.get")
@@ -67,15 +64,9 @@ def main() -> None:
     _, tokenizer = mlx_lm.load(str(path), lazy=True)
     prompt = tokenizer.encode(PROMPT)
     workdir = Path(tempfile.mkdtemp(prefix="mm-prof-", dir="/tmp"))
-    spin = ["--frame-spin-us", str(round(spin_for(args.workers + 1) * 1e6))]
-    ranges = expert_ranges(Manifest.load(split).num_experts, args.workers)
-    pool = Workers(split, workdir, ranges, extra_args=spin).start()
-    address = f"unix:{workdir / 'core.sock'}"
-    core_args = ["core", "--split", str(split), "--listen", address, "--worker", ",".join(pool.addresses)]
-    core = spawn(core_args + spin + args.core_flag, workdir / "core.log")
     profile = workdir / "profile.txt"
-    try:
-        wait_serving(address, core, timeout_s=600, log_path=workdir / "core.log")
+    spin_us = spin_as_up(args.workers)
+    with split_system(split, workdir, args.workers, spin_us, args.core_flag) as (address, core):
         timed_decode(address, prompt, 8)  # warm-up
         run: dict = {}
         decoding = threading.Thread(target=lambda: run.update(r=timed_decode(address, prompt, args.tokens)))
@@ -96,9 +87,6 @@ def main() -> None:
             [*record, "-f", "raw", "-o", str(profile), "--nonblocking"], capture_output=True, check=True
         )
         decoding.join()
-    finally:
-        stop([core])
-        pool.stop()
     shares: Counter = Counter()
     for line in profile.read_text().splitlines():
         stack, count = line.rsplit(" ", 1)

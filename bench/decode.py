@@ -20,6 +20,7 @@ they sleep when the machine has a core per process (`--frame-spin-us`, chosen as
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -126,27 +127,38 @@ SPLIT_VARIANTS = {
 }
 
 
-def split_run(
-    split: Path, workdir: Path, workers: int, prompt: list[int], tokens: int, core_flags: list[str]
-) -> dict:
+def spin_as_up(workers: int) -> int:
+    """Microseconds frame reads poll, as `moe-mesh up` chooses for core plus `workers`."""
+    return round(spin_for(workers + 1) * 1e6)
+
+
+@contextlib.contextmanager
+def split_system(split: Path, workdir: Path, workers: int, spin_us: int, core_flags: list[str] = ()):
+    """`workers` expert workers (experts divided between them) and a core, as real processes on
+    Unix sockets in `workdir`, all reading frames with `spin_us` of polling; yields (core address,
+    core process) once core serves, stops everything on exit."""
     manifest = Manifest.load(split)
+    spin = ["--frame-spin-us", str(spin_us)]
     ranges = expert_ranges(manifest.num_experts, workers)
-    spin = ["--frame-spin-us", str(round(spin_for(workers + 1) * 1e6))]  # as `moe-mesh up` chooses
     pool = Workers(split, workdir, ranges, tag=f"w{workers}-", extra_args=spin).start()
-    core_address = f"unix:{workdir / f'core{workers}.sock'}"
+    address = f"unix:{workdir / f'core{workers}.sock'}"
     core_log = workdir / f"core{workers}.log"
-    core = spawn(
-        ["core", "--split", str(split), "--listen", core_address, "--worker", ",".join(pool.addresses)]
-        + spin
-        + core_flags,
-        core_log,
-    )
+    core_args = ["core", "--split", str(split), "--listen", address, "--worker", ",".join(pool.addresses)]
+    core = spawn(core_args + spin + list(core_flags), core_log)
     try:
-        wait_serving(core_address, core, timeout_s=600, log_path=core_log)
-        out, stamps, calls = timed_decode(core_address, prompt, tokens)
+        wait_serving(address, core, timeout_s=600, log_path=core_log)
+        yield address, core
     finally:
         stop([core])
         pool.stop()
+
+
+def split_run(
+    split: Path, workdir: Path, workers: int, prompt: list[int], tokens: int, core_flags: list[str]
+) -> dict:
+    spin_us = spin_as_up(workers)
+    with split_system(split, workdir, workers, spin_us, core_flags) as (address, _):
+        out, stamps, calls = timed_decode(address, prompt, tokens)
     layer = {
         field: round(getattr(calls, field), 1)
         for field in (
@@ -165,7 +177,7 @@ def split_run(
         "tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
         "tokens": out,
         "layer_call": layer,
-        "frame_spin_us": int(spin[1]),
+        "frame_spin_us": spin_us,
     }
 
 

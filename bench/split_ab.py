@@ -29,18 +29,15 @@ from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.decode import PROMPT, checkpoint, timed_decode
-from services.common.frames import spin_for
-from services.common.manifest import Manifest
-from services.up import expert_ranges, resolve_split
-from tests.helpers import Workers, spawn, stop, wait_serving
+from bench.decode import PROMPT, checkpoint, spin_as_up, split_system, timed_decode
+from services.up import resolve_split
 
 
 def variants(compare: str, workers: int) -> dict[str, tuple[int, list[str]]]:
     """name -> (frame spin in us for core and workers, extra `moe-mesh core` flags)."""
     if compare == "spin":
         return {"sleep": (0, []), "poll_10ms": (10_000, [])}
-    spin_us = round(spin_for(workers + 1) * 1e6)
+    spin_us = spin_as_up(workers)
     return {
         "overlap": (spin_us, ["--expert-overlap", "on"]),
         "no_overlap": (spin_us, ["--expert-overlap", "off"]),
@@ -51,21 +48,8 @@ def one_run(
     split: Path, prompt: list[int], workers: int, spin_us: int, core_flags: list[str], tokens: int
 ) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="mm-ab-", dir="/tmp"))
-    manifest = Manifest.load(split)
-    args = ["--frame-spin-us", str(spin_us)]
-    pool = Workers(split, workdir, expert_ranges(manifest.num_experts, workers), extra_args=args).start()
-    address = f"unix:{workdir / 'core.sock'}"
-    core = spawn(
-        ["core", "--split", str(split), "--listen", address, "--worker", ",".join(pool.addresses), *args]
-        + core_flags,
-        workdir / "core.log",
-    )
-    try:
-        wait_serving(address, core, timeout_s=600, log_path=workdir / "core.log")
+    with split_system(split, workdir, workers, spin_us, core_flags) as (address, _):
         _, stamps, calls = timed_decode(address, prompt, tokens)
-    finally:
-        stop([core])
-        pool.stop()
     return {
         "tok_s": round((len(stamps) - 1) / (stamps[-1] - stamps[0]), 3),
         "transport_p50_us": round(calls.transport_p50_us, 1),

@@ -387,9 +387,9 @@ class ExpertDispatcher:
                 expert_metrics.LAYER_CALL_FAILURES.labels(error.code.name).inc()
                 raise
             plan = _plan(owners, host_hidden, ids)
+        # One deadline, whichever path serves.
         pending = _Pending(layer, plan, host_hidden, ids, started, time.monotonic() + self.call_timeout_s)
         pending.request_ids = BATCH_REQUEST_IDS.get()
-        # One deadline, whichever path serves.
         pending.frame_calls = self._frames_send(pending)
         if pending.frame_calls is None:
             self._grpc_start(pending)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from greenlet import greenlet
 
-from services.core.in_flight import drop_pending, settle_pending
+from services.core.in_flight import drop_pending
 
 _START = object()
 
@@ -104,8 +104,7 @@ def _merged_call(waiting: dict[int, _Waiting]) -> dict[int, object]:
     else:
         hidden = mx.concatenate([p.hidden for p in parts])
         expert_ids = mx.concatenate([p.expert_ids for p in parts])
-        settle_pending()
-        mx.eval(hidden, expert_ids)
+        mx.eval(hidden, expert_ids)  # of evaluated inputs: each forward settled before its own eval
     try:
         out = first.dispatcher.call_overlapped(first.layer, hidden, expert_ids)
     except Exception as error:  # noqa: BLE001 - raised again inside each forward of the call
