@@ -47,6 +47,19 @@ SETTINGS = {
         key_bits=4, value_bits=4, key_qjl=False, **W128, **CENTERED
     ),
     "K2+QJL/V2, window 128": KVCacheSettings(key_bits=2, value_bits=2, **W128),
+    "K4+QJL/V4, window 128": KVCacheSettings(key_bits=4, value_bits=4, **W128),
+    "K3+QJL/V3, window 384": KVCacheSettings(recent_window=384),
+}
+# --windows: each of these bit settings at each recent window (the smallest window that keeps a
+# setting under the 3 % bar is what the default window is chosen from)
+WINDOW_GRID = {
+    "K3+QJL/V3": {},
+    "K3+QJL/V3, centered keys": dict(center_keys=True),
+    "K3/V3": dict(key_qjl=False),
+    "K4/V3": dict(key_bits=4, key_qjl=False),
+    "K4/V4": dict(key_bits=4, value_bits=4, key_qjl=False),
+    "K4+QJL/V4": dict(key_bits=4, value_bits=4),
+    "K2+QJL/V2": dict(key_bits=2, value_bits=2),
 }
 QUESTIONS = [
     "What is the capital of France?",
@@ -77,6 +90,36 @@ def greedy(
     return tokenizer.decode(out)
 
 
+def perplexity_rows(model, args) -> list:
+    """(row name, cache maker) for the perplexity table the flags ask for."""
+    if args.windows:
+        return [
+            (
+                f"{name}, window {window}",
+                lambda kw=kw, window=window: make_kv_cache(
+                    model, "turboquant", KVCacheSettings(recent_window=window, **kw)
+                ),
+            )
+            for window in args.windows
+            for name, kw in WINDOW_GRID.items()
+        ]
+    if args.layer_sweep:
+        return [
+            (f"K3+QJL/V3, window 128, layer {layer} exact", lambda layer=layer: one_layer_exact(model, layer))
+            for layer in range(len(model.layers))
+        ]
+    return [
+        (name, lambda name=name: make_kv_cache(model, "turboquant", SETTINGS[name])) for name in args.settings
+    ]
+
+
+def one_layer_exact(model, layer: int) -> list:
+    """The window-128 default's caches, except that `layer` keeps mlx-lm's exact cache."""
+    caches = make_kv_cache(model, "turboquant", KVCacheSettings(**W128))
+    caches[layer] = make_kv_cache(model, "fp16")[layer]
+    return caches
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -92,6 +135,19 @@ def main() -> None:
     parser.add_argument("--dequantize", action="store_true", help="float32 weights (fast on a CPU)")
     parser.add_argument(
         "--settings", nargs="*", choices=list(SETTINGS), default=list(SETTINGS), help="perplexity rows"
+    )
+    parser.add_argument("--perplexity-only", action="store_true", help="no greedy answers")
+    parser.add_argument(
+        "--windows",
+        nargs="*",
+        type=int,
+        default=[],
+        help="perplexity of each WINDOW_GRID setting at each of these recent windows (instead of --settings)",
+    )
+    parser.add_argument(
+        "--layer-sweep",
+        action="store_true",
+        help="perplexity of the window-128 default with one layer kept exact, for each layer in turn",
     )
     parser.add_argument(
         "--greedy-settings",
@@ -115,14 +171,15 @@ def main() -> None:
     if not args.answers_only:
         table["fp16"] = round(perplexity(model, ids, make_kv_cache(model, "fp16")), 4)
         print(json.dumps({"progress": "fp16", "ppl": table["fp16"]}), file=sys.stderr, flush=True)
-    for name in [] if args.answers_only else args.settings:
-        ppl = perplexity(model, ids, make_kv_cache(model, "turboquant", SETTINGS[name]))
+    for name, make in [] if args.answers_only else perplexity_rows(model, args):
+        ppl = perplexity(model, ids, make())
         table[name] = {"ppl": round(ppl, 4), "increase_pct": round(100 * (ppl / table["fp16"] - 1), 2)}
         print(json.dumps({"progress": name, **table[name]}), file=sys.stderr, flush=True)
 
     context = TEXT.read_text()[: args.context_chars]
-    answers, same = [], {name: 0 for name in [*args.greedy_settings, *MLX_LM_CONTROLS]}
-    for question in QUESTIONS:
+    greedy_names = [] if args.perplexity_only else [*args.greedy_settings, *MLX_LM_CONTROLS]
+    answers, same = [], {name: 0 for name in greedy_names}
+    for question in [] if args.perplexity_only else QUESTIONS:
         messages = [{"role": "user", "content": f"{context}\n\n{question}"}]
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         row = {"question": question, "prompt_tokens": len(prompt)}
@@ -131,8 +188,14 @@ def main() -> None:
             row[name] = greedy(model, tokenizer, prompt, "turboquant", SETTINGS[name], args.answer_tokens)
             same[name] += row[name] == row["fp16"]
         for name, bits in MLX_LM_CONTROLS.items():
-            row[name] = greedy(model, tokenizer, prompt, "fp16", None, args.answer_tokens, bits)
-            same[name] += row[name] == row["fp16"]
+            try:
+                row[name] = greedy(model, tokenizer, prompt, "fp16", None, args.answer_tokens, bits)
+            except RuntimeError as error:  # MLX CUDA has no quantized attention for every head shape
+                row[name] = f"unavailable on this backend: {str(error)[:120]}"
+                same.pop(name, None)
+                continue
+            if name in same:
+                same[name] += row[name] == row["fp16"]
         answers.append(row)
         print(json.dumps({"progress": question, **row}), file=sys.stderr, flush=True)
     print(

@@ -13,9 +13,11 @@ KV_CACHE_KINDS = ("fp16", "turboquant")
 class KVCacheSettings:
     """TurboQuant settings. The default is the issue's K3+QJL / V3 (~4.25 / 3.125 bits
     per coordinate at head_dim 128) with a 512-token exact window: measured on the demo
-    model (4096 tokens, bench/kv_quality.py) the perplexity rises 0.9% at window 512,
-    2.7% at 384 and 15.6% at the paper's 128, so 512 is the smallest round window that
-    meets the 3% bar with margin; its fixed cost is 512 tokens of fp16 per sequence.
+    model (4096 tokens, `bench/kv_quality.py --windows`) the perplexity rises 0.7% at
+    window 512, 1.1% at 448, 3.0% at 384 and 15.2% at the paper's 128, so 512 is the
+    smallest round window that meets the 3% bar with margin; its fixed cost is 512 tokens
+    of fp16 per sequence. The loss at small windows is spread over all layers
+    (`--layer-sweep`), so no layer is singled out.
 
     key_bits / value_bits: MSE-stage bits (2, 3 or 4; 1 is allowed for experiments).
     key_qjl: add the 1-bit QJL residual stage to keys (unbiased inner products).
