@@ -76,6 +76,16 @@ def kernel_attention(
         out = fused(queries, cache, scale, start)
         if out is not None or not hasattr(kernels, "key_scores"):
             return out
+    return composed_attention(kernels, queries, cache, scale, start)
+
+
+def composed_attention(
+    kernels, queries: mx.array, cache: TurboQuantKVCache, scale: float, start: int
+) -> mx.array:
+    """Attention from `kernels`' key_scores and weighted_values (any number of queries, query
+    row i at position start + i): one softmax over every run's scores, compressed values
+    summed from their codes in the rotated domain. The scores are [B, Hq, L, offset] floats;
+    no decompressed copy of the cache is made here (`kernels` decides how it reads codes)."""
     B, n_q_heads, L, D = queries.shape
     exact = cache.sink_keys if cache.sink_keys is not None else cache.recent_keys
     n_kv_heads = exact.shape[1] if exact is not None else cache.compressed_keys.norm.shape[1]
