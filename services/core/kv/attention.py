@@ -15,10 +15,11 @@ import sys
 import mlx.core as mx
 from mlx_lm.models import base as mlx_base
 
+from services.core.kv import prefill_attention
 from services.core.kv.cache import TurboQuantKVCache
 from services.core.kv.decode_attention import decode_attention
 from services.core.kv.metal_attention import kernel_attention, kernels_ready
-from services.core.kv.prefill_attention import chunked_attention, prefill_kernels
+from services.core.kv.prefill_attention import blockwise_attention, chunked_attention, prefill_kernels
 
 _HOOK_MARK = "_moe_mesh_turboquant"
 
@@ -48,8 +49,8 @@ def _stored_attention(
     Decode steps (L <= 8, the queries at the end) take `decode_attention`: one compiled
     graph that scores straight from the codes. Longer query runs (prefill) over a
     compressed run take `prefill_attention.chunked_attention` (query chunks composed from
-    key scores and value sums, no decompressed copy) on a GPU backend, and on the twin when
-    the run is longer than prefill_attention.BLOCK_TOKENS (decoded one block at a time).
+    key scores and value sums, no decompressed copy) on a GPU backend, and `blockwise_attention` (an online softmax
+    decoding one block at a time) on the twin when the run is longer than BLOCK_TOKENS.
     Otherwise they run in the
     rotated domain through one fused mx.fast.scaled_dot_product_attention call: the
     query is rotated once, compressed keys are decoded for this call into the
@@ -66,8 +67,10 @@ def _stored_attention(
             return out
     if L <= 8 and start + L == cache.offset:
         return decode_attention(queries, cache, scale)
-    if cache.compressed_length and (kernels := prefill_kernels(cache)) is not None:
-        return chunked_attention(kernels, queries, cache, scale, start)  # no decompressed copy
+    if cache.compressed_length and (kernels := prefill_kernels()) is not None:
+        return chunked_attention(kernels, queries, cache, scale, start)  # from the codes
+    if cache.compressed_length > prefill_attention.BLOCK_TOKENS:
+        return blockwise_attention(queries, cache, scale, start)  # one decoded block at a time
     keys_codec, values_codec = cache.key_codec, cache.value_codec
     dtype = queries.dtype
     q = keys_codec.rotate_queries(queries).astype(dtype)

@@ -3,10 +3,10 @@
 The twin's prefill path (`attention._stored_attention`) decodes the whole compressed run
 for each call and runs MLX's fused attention over it: fast, but the transient copy grows
 with the context (at 128K tokens, 128-wide heads and 8 KV heads, 512 MB per layer in fp16).
-Here a prefill chunk is split into query chunks whose scores fit `SCORES_BUDGET_BYTES`, and
-each chunk's attention is composed from key_scores and weighted_values
-(`metal_attention.composed_attention`): on a GPU backend straight from the codes, on the
-twin `BLOCK_TOKENS` compressed tokens at a time (`BlockwiseTwin`).
+On a GPU backend a prefill chunk is split into query chunks whose scores fit
+`SCORES_BUDGET_BYTES`, each composed from the kernels' key_scores and weighted_values
+(`metal_attention.composed_attention`), straight from the codes. On the twin, a run longer
+than BLOCK_TOKENS is read one block at a time under an online softmax (`blockwise_attention`).
 """
 
 from __future__ import annotations
@@ -21,31 +21,69 @@ SCORES_BUDGET_BYTES = 64 << 20
 BLOCK_TOKENS = 4096
 
 
-class BlockwiseTwin:
-    """The twin behind the key_scores / weighted_values contracts (metal/backend.py), reading
-    a compressed run `block` tokens at a time, so only one decoded block exists at once."""
+def blockwise_attention(
+    queries: mx.array, cache, scale: float, start: int, block: int | None = None
+) -> mx.array:
+    """The twin's attention for queries [B, Hq, L, D] at positions start.., with the compressed
+    run decoded `block` tokens at a time (default BLOCK_TOKENS): an online softmax walks the
+    runs in token order (sinks, compressed blocks, recent window), keeping each row's running
+    max, sum and value sums (compressed values summed rotated, rotated back once), so only one
+    decoded block and its [rows, block] scores exist at a time, and each block is decoded once."""
+    block = block or BLOCK_TOKENS
+    B, n_q_heads, L, D = queries.shape
+    key_codec, value_codec = cache.key_codec, cache.value_codec
+    exact = cache.sink_keys if cache.sink_keys is not None else cache.recent_keys
+    n_kv_heads = exact.shape[1] if exact is not None else cache.compressed_keys.norm.shape[1]
+    rep = n_q_heads // n_kv_heads
+    q = (queries.astype(mx.float32) * scale).reshape(B, n_kv_heads, rep * L, D)
+    rotated_q = key_codec.rotate_queries(q)
+    query_pos = mx.tile(start + mx.arange(L), (rep,))[:, None]  # rows are (repeat, query)
+    lowest = mx.finfo(mx.float32).min
+    running_max = mx.full((B, n_kv_heads, rep * L, 1), lowest, mx.float32)
+    total = mx.zeros_like(running_max)
+    sums = {"exact": None, "rotated": None}
 
-    def __init__(self, block: int = BLOCK_TOKENS):
-        self.block = block
+    def absorb(scores, first: int, values, domain: str) -> None:
+        nonlocal running_max, total
+        positions = first + mx.arange(scores.shape[-1])[None]
+        visible = (query_pos >= positions) | (query_pos >= cache.offset)  # padding rows see all
+        scores = mx.where(visible, scores, lowest)
+        new_max = mx.maximum(running_max, scores.max(axis=-1, keepdims=True))
+        correction = mx.exp(running_max - new_max)
+        weights = mx.where(visible, mx.exp(scores - new_max), 0.0)
+        total = total * correction + weights.sum(axis=-1, keepdims=True)
+        for name in sums:
+            if sums[name] is not None:
+                sums[name] = sums[name] * correction
+        term = values(weights)
+        sums[domain] = term if sums[domain] is None else sums[domain] + term
+        running_max = new_max
 
-    def _spans(self, length: int):
-        return [(a, min(a + self.block, length)) for a in range(0, length, self.block)]
+    n_sinks = 0 if cache.sink_keys is None else cache.sink_keys.shape[2]
+    if n_sinks:
+        keys, values = cache.sink_keys.astype(mx.float32), cache.sink_values.astype(mx.float32)
+        absorb(q @ keys.swapaxes(-1, -2), 0, lambda w, v=values: w @ v, "exact")
+    run = cache.compressed_keys
+    value_run = cache.compressed_values
+    for a in range(0, run.length, block):
+        b = min(a + block, run.length)
+        keys_block, values_block = run.tokens(a, b), value_run.tokens(a, b)
 
-    def key_scores(self, codec, rotated_queries: mx.array, tokens) -> mx.array:
-        parts = [
-            codec.key_scores(rotated_queries, tokens.tokens(a, b)) for a, b in self._spans(tokens.length)
-        ]
-        return mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
-
-    def weighted_values(self, codec, weights: mx.array, tokens) -> mx.array:
-        total = None
-        for a, b in self._spans(tokens.length):
-            block = tokens.tokens(a, b)
-            part = (weights[..., a:b] * block.norm.astype(mx.float32)[..., None, :]) @ codec.centroid_values(
-                block
-            )
-            total = part if total is None else total + part
-        return total
+        estimated = key_codec.estimated_keys(keys_block)  # QJL folded in: one score matmul
+        absorb(
+            rotated_q @ estimated.swapaxes(-1, -2),
+            n_sinks + a,
+            lambda w, v=value_codec.decode_rotated(values_block): w @ v,
+            "rotated",
+        )
+    recent = cache.recent_keys
+    if recent is not None and recent.shape[2]:
+        keys, values = recent.astype(mx.float32), cache.recent_values.astype(mx.float32)
+        absorb(q @ keys.swapaxes(-1, -2), n_sinks + run.length, lambda w, v=values: w @ v, "exact")
+    out = value_codec.unrotate(sums["rotated"])
+    if sums["exact"] is not None:
+        out = out + sums["exact"]
+    return (out / total).reshape(B, n_q_heads, L, -1).astype(queries.dtype)
 
 
 def chunked_attention(kernels, queries: mx.array, cache, scale: float, start: int) -> mx.array:
@@ -69,14 +107,9 @@ def chunked_attention(kernels, queries: mx.array, cache, scale: float, start: in
     return out[:, :, :L] if padded > L else out
 
 
-def prefill_kernels(cache):
-    """What composes a prefill over `cache`'s compressed run: the device's kernel backend where
-    it scores codes directly (GPUs), the block-by-block twin where the run is longer than
-    BLOCK_TOKENS, else None (the twin's fused path, whose transient copy is then at most
-    BLOCK_TOKENS tokens)."""
+def prefill_kernels():
+    """The device's kernel backend where it scores codes directly (GPUs), else None."""
     from services.core.kv.metal_attention import kernel_backend
 
     kernels = kernel_backend()
-    if kernels is not None and hasattr(kernels, "key_scores"):
-        return kernels
-    return BlockwiseTwin() if cache.compressed_length > BLOCK_TOKENS else None
+    return kernels if kernels is not None and hasattr(kernels, "key_scores") else None
