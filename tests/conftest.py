@@ -6,6 +6,7 @@ import pytest
 
 from services.common.synthetic_model import TINY_CONFIGS, build_random_checkpoint
 from services.core.split import split_checkpoint
+from tests.helpers import remove_short_dirs, short_dir
 
 
 class TinyModels:
@@ -36,8 +37,13 @@ def tiny_models(tmp_path_factory) -> TinyModels:
 def short_tmp(tmp_path_factory):
     """A short folder for Unix sockets (their paths are limited to ~107 bytes)."""
     import shutil
-    import tempfile
 
-    path = Path(tempfile.mkdtemp(prefix="mm-", dir="/tmp"))
+    path = short_dir()
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_short_dirs_at_the_end():
+    yield
+    remove_short_dirs()

@@ -29,6 +29,26 @@ def fake_link(layers: list[int], experts: list[int], up: bool = True) -> SimpleN
     return SimpleNamespace(up=up, describe=describe, reconnecting=None)
 
 
+_SHORT_DIRS: list[Path] = []
+
+
+def short_dir(prefix: str = "mm-") -> Path:
+    """A new folder under /tmp, short enough for Unix socket paths (~107 bytes at most);
+    removed when the test session ends (tests/conftest.py), so runs leave nothing behind."""
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    _SHORT_DIRS.append(path)
+    return path
+
+
+def remove_short_dirs() -> None:
+    import shutil
+
+    while _SHORT_DIRS:
+        shutil.rmtree(_SHORT_DIRS.pop(), ignore_errors=True)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as probe:

@@ -19,7 +19,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from services.common.tls import TlsFiles
 from services.proto.moemesh.v1 import core_pb2_grpc
 from tests.cluster.conftest import CoreClient, oracle_tokens, write_cluster_toml
 from tests.cluster.netns import NetnsLab
+from tests.helpers import short_dir
 
 RANGES = ["0-3", "4-7", "0-7"]
 PORT = 50061
@@ -86,7 +86,7 @@ class Hosts:
 
 @pytest.fixture(scope="module")
 def hosts(netns_ok, tiny_models):
-    workdir = Path(tempfile.mkdtemp(prefix="mm-", dir="/tmp"))
+    workdir = short_dir()
     split = tiny_models.split("qwen3_moe", None)
     with NetnsLab(workers=len(RANGES)) as lab:
         config = write_cluster_toml(

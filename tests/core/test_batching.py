@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from services.common.manifest import Manifest
 from services.core.sampling import make_sampler
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 from services.up import resolve_split
-from tests.helpers import Workers, core_args, free_port, spawn, stop, wait_serving
+from tests.helpers import Workers, core_args, free_port, short_dir, spawn, stop, wait_serving
 
 GREEDY = core_pb2.SamplingParams(temperature=0)
 QUESTIONS = [
@@ -79,7 +78,7 @@ class Core:
 
 
 def start_cores(split: Path, configs: dict[str, list[str]]) -> tuple[Workers, dict[str, Core]]:
-    workdir = Path(tempfile.mkdtemp(prefix="mm-", dir="/tmp"))
+    workdir = short_dir()
     workers = Workers(split, workdir, ["0-3", "4-7"]).start()
     cores = {name: Core(split, workers, workdir, name, extra) for name, extra in configs.items()}
     return workers, cores

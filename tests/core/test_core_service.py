@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import tempfile
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from grpc_health.v1 import health_pb2
 from mlx_lm.generate import generate_step
 
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
-from tests.helpers import Workers, core_args, health_status, spawn, stop, wait_serving
+from tests.helpers import Workers, core_args, health_status, short_dir, spawn, stop, wait_serving
 
 GREEDY = core_pb2.SamplingParams(temperature=0)
 
@@ -37,7 +36,7 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(tiny_models):
-    workdir = Path(tempfile.mkdtemp(prefix="mm-", dir="/tmp"))
+    workdir = short_dir()
     stack = Stack(tiny_models.split("qwen3_moe", None), workdir)
     yield stack
     stop([stack.core])

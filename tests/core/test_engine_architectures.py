@@ -7,8 +7,6 @@ original checkpoint, and requests that share a system prompt start from its cach
 from __future__ import annotations
 
 import asyncio
-import tempfile
-from pathlib import Path
 
 import grpc
 import mlx.core as mx
@@ -17,7 +15,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
-from tests.helpers import Workers, core_args, spawn, stop, wait_serving
+from tests.helpers import Workers, core_args, short_dir, spawn, stop, wait_serving
 
 SYSTEM = "You are a terse assistant. " + " ".join(f"Rule {i}: be brief and exact." for i in range(20))
 QUESTIONS = ["What is the capital of France?", "Name a prime number.", "Which ocean is largest?"]
@@ -58,7 +56,7 @@ def test_batched_and_prefix_cached_requests_match_mlx_lm(tiny_models, arch):
         for q in QUESTIONS
     ]
 
-    workdir = Path(tempfile.mkdtemp(prefix="mm-", dir="/tmp"))
+    workdir = short_dir()
     workers = Workers(split, workdir, ["0-7"]).start()
     address, log = f"unix:{workdir / 'core.sock'}", workdir / "core.log"
     # A small token budget: prompts prefill in chunks, interleaved with the others' decode.

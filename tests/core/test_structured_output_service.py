@@ -8,8 +8,6 @@ grammar's doing, not the model's.
 from __future__ import annotations
 
 import json
-import tempfile
-from pathlib import Path
 
 import grpc
 import jsonschema
@@ -17,7 +15,7 @@ import pytest
 
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 from tests.core.test_core_service import Stack, generate, tokens_of
-from tests.helpers import stop, wait_serving
+from tests.helpers import short_dir, stop, wait_serving
 
 PERSON = {
     "type": "object",
@@ -46,7 +44,7 @@ TIME = core_pb2.Tool(name="get_time", parameters_json='{"type": "object", "prope
 
 @pytest.fixture(scope="module")
 def stack(tiny_models):
-    workdir = Path(tempfile.mkdtemp(prefix="mm-", dir="/tmp"))
+    workdir = short_dir()
     stack = Stack(tiny_models.split("qwen3_moe", None), workdir)
     stack.workers.start()
     wait_serving(stack.core_address, stack.core, log_path=stack.core_log)

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from services.common.frames import spin_for
-from tests.helpers import free_port
+from tests.helpers import free_port, short_dir
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -35,7 +35,7 @@ def alive(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
-    workdir = Path(f"/tmp/mm-up-{os.getpid()}")
+    workdir = short_dir("mm-up-")  # given to `up`, which then keeps it (logs)
     port = free_port()
     proc = subprocess.Popen(
         [

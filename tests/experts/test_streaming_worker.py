@@ -11,7 +11,6 @@ import asyncio
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import grpc
@@ -27,7 +26,7 @@ from services.common.synthetic_model import TINY_CONFIGS, build_random_checkpoin
 from services.core.split import split_checkpoint
 from services.experts.streaming_store import expert_bytes
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc, expert_pb2, expert_pb2_grpc
-from tests.helpers import REPO, spawn, stop, wait_serving
+from tests.helpers import REPO, short_dir, spawn, stop, wait_serving
 
 # What a streaming worker needs besides its expert budget, measured on this Linux VM: ~95 MB for
 # Python, MLX, numpy, gRPC and the expert module skeleton, plus the call's activations and the
@@ -64,7 +63,7 @@ def describe(address: str) -> expert_pb2.DescribeResponse:
 
 @pytest.fixture
 def workdir():
-    path = Path(tempfile.mkdtemp(prefix="mm-", dir="/tmp"))
+    path = short_dir()
     yield path
     shutil.rmtree(path, ignore_errors=True)
 

@@ -11,7 +11,7 @@ import pytest
 from services.common import tensor_codec
 from services.common.model_build import expert_modules
 from services.proto.moemesh.v1 import expert_pb2, expert_pb2_grpc
-from tests.helpers import Workers
+from tests.helpers import Workers, short_dir
 
 H = 64  # tiny models' hidden size
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -19,11 +19,9 @@ INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 @pytest.fixture(scope="module")
 def worker(tiny_models, tmp_path_factory):
-    import tempfile
-    from pathlib import Path
 
     split = tiny_models.split("qwen3_moe", None)
-    workers = Workers(split, Path(tempfile.mkdtemp(prefix="mm-", dir="/tmp")), ["2-5"]).start()
+    workers = Workers(split, short_dir(), ["2-5"]).start()
     yield workers, split
     workers.stop()
 

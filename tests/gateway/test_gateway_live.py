@@ -8,7 +8,6 @@ mlx-lm's own greedy generation (the oracle), and the MoEfied SmolLM2 demo model,
 from __future__ import annotations
 
 import json
-import tempfile
 import time
 from pathlib import Path
 from typing import Literal
@@ -21,7 +20,7 @@ import pytest
 
 from services.common.manifest import Manifest
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
-from tests.helpers import Workers, core_args, spawn, stop, wait_serving
+from tests.helpers import Workers, core_args, short_dir, spawn, stop, wait_serving
 
 from .conftest import GatewayThread
 
@@ -34,7 +33,7 @@ class LiveStack:
 
     def __init__(self, split: Path) -> None:
         self.split = split
-        self.workdir = Path(tempfile.mkdtemp(prefix="mm-gw-", dir="/tmp"))
+        self.workdir = short_dir("mm-gw-")
         experts = Manifest.load(split).num_experts
         self.workers = Workers(split, self.workdir, [f"0-{experts - 1}"]).start()
         self.core_address = f"unix:{self.workdir / 'core.sock'}"

@@ -4,9 +4,6 @@ request may still ask for fp16."""
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import grpc
 import mlx.core as mx
 import mlx_lm
@@ -15,7 +12,7 @@ from mlx_lm.generate import generate_step
 
 from services.core.kv import KVCacheSettings, make_kv_cache
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
-from tests.helpers import Workers, spawn, stop, wait_serving
+from tests.helpers import Workers, short_dir, spawn, stop, wait_serving
 
 SETTINGS = KVCacheSettings(recent_window=8)  # compresses all but the newest 8-71 tokens
 PROMPT = [(i * 37) % 5000 + 200 for i in range(150)]
@@ -23,7 +20,7 @@ PROMPT = [(i * 37) % 5000 + 200 for i in range(150)]
 
 @pytest.fixture(scope="module")
 def core(tiny_models):
-    workdir = Path(tempfile.mkdtemp(prefix="mm-", dir="/tmp"))
+    workdir = short_dir()
     split = tiny_models.split("qwen3_moe", None)
     workers = Workers(split, workdir, ["0-7"]).start()
     address = f"unix:{workdir / 'core.sock'}"
