@@ -1,11 +1,15 @@
 """Where one expert layer call's time goes, part by part, for a one-token decode step.
 
     python bench/layer_call.py [--model qwen3-30b-a3b-4layer|demo|PATH] [--dtype float32] [--calls 500]
+        [--worker-only]
 
 Prints one JSON object with p50/p99 microseconds of:
   in_graph_compute         the layer's expert module on device-resident inputs (what monolithic pays)
   host_round_trip          hidden to host bytes and [k, H] back into an MLX array (no network)
   worker_run               ExpertCompute.run on a wire message: decode, validate, compute, encode
+  worker_parts_back_to_back  that call's own timers (decode + checks, compute, reply encoding),
+  worker_parts_after_compute calls back to back, and each right after the experts ran in-graph
+                           (caches cold, as after core's turn in a decode step)
   dispatcher_call          the real thing: core's dispatcher -> worker process -> back (over the
                            worker's frame socket, as core does on one host)
   dispatcher_worker_side   the worker's own decode + compute + encode within that call
@@ -89,6 +93,7 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-30b-a3b-4layer")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--worker-only", action="store_true", help="stop after the in-process worker parts")
     args = parser.parse_args()
 
     split = resolve_split(str(checkpoint(args.model, args.dtype)))
@@ -125,6 +130,22 @@ def main() -> None:
         call_id=1, layer=layer.layer, hidden=tensor_codec.encode(hidden), expert_ids=tensor_codec.encode(ids)
     )
     report["worker_run"] = timed(lambda: compute.run(call), args.calls)
+
+    def worker_parts(after_compute: bool) -> dict:
+        parts: dict[str, list[float]] = {"decode_us": [], "compute_us": [], "encode_us": []}
+        for _ in range(args.calls):
+            if after_compute:
+                mx.eval(module(hidden, ids))
+            stats = compute.run(call).stats
+            for name, samples in parts.items():
+                samples.append(getattr(stats, name))
+        return {name: percentiles(samples) for name, samples in parts.items()}
+
+    report["worker_parts_back_to_back"] = worker_parts(after_compute=False)
+    report["worker_parts_after_compute"] = worker_parts(after_compute=True)
+    if args.worker_only:
+        print(json.dumps(report, indent=1))
+        return
 
     workdir = Path(tempfile.mkdtemp(prefix="mm-lc-", dir="/tmp"))
     servers = []

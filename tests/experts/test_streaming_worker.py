@@ -26,7 +26,7 @@ from services.common.synthetic_model import TINY_CONFIGS, build_random_checkpoin
 from services.core.split import split_checkpoint
 from services.experts.streaming_store import expert_bytes
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc, expert_pb2, expert_pb2_grpc
-from tests.helpers import REPO, short_dir, spawn, stop, wait_serving
+from tests.helpers import REPO, spawn, stop, wait_serving
 
 # What a streaming worker needs besides its expert budget, measured on this Linux VM: ~95 MB for
 # Python, MLX, numpy, gRPC and the expert module skeleton, plus the call's activations and the
@@ -61,21 +61,14 @@ def describe(address: str) -> expert_pb2.DescribeResponse:
         return expert_pb2_grpc.ExpertWorkerStub(channel).Describe(expert_pb2.DescribeRequest(), timeout=10)
 
 
-@pytest.fixture
-def workdir():
-    path = short_dir()
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def test_rss_stays_under_budget_through_256_tokens_with_experts_4x_the_budget(tmp_path, workdir):
+def test_rss_stays_under_budget_through_256_tokens_with_experts_4x_the_budget(tmp_path, short_tmp):
     checkpoint = build_random_checkpoint(tmp_path / "ckpt", BIG_EXPERTS)
     split = tmp_path / "split"
     manifest = split_checkpoint(checkpoint, split, progress=False)
     experts_total = sum(expert_bytes(layer) * layer.num_experts for layer in manifest.layers)
     assert experts_total >= 4 * BUDGET_GB * 1e9
 
-    worker_address, core_address = f"unix:{workdir / 'w.sock'}", f"unix:{workdir / 'core.sock'}"
+    worker_address, core_address = f"unix:{short_tmp / 'w.sock'}", f"unix:{short_tmp / 'core.sock'}"
     worker = spawn(
         [
             "expert",
@@ -88,16 +81,16 @@ def test_rss_stays_under_budget_through_256_tokens_with_experts_4x_the_budget(tm
             "--io",
             "direct",
         ],
-        workdir / "w.log",
+        short_tmp / "w.log",
     )
     core = None
     try:
-        wait_serving(worker_address, worker, log_path=workdir / "w.log")
+        wait_serving(worker_address, worker, log_path=short_tmp / "w.log")
         core = spawn(
             ["core", "--split", str(split), "--listen", core_address, "--worker", worker_address],
-            workdir / "core.log",
+            short_tmp / "core.log",
         )
-        wait_serving(core_address, core, log_path=workdir / "core.log")
+        wait_serving(core_address, core, log_path=short_tmp / "core.log")
         request = core_pb2.GenerateRequest(
             token_ids=core_pb2.TokenIds(ids=PROMPT),
             sampling=core_pb2.SamplingParams(temperature=0),
@@ -132,7 +125,7 @@ def test_rss_stays_under_budget_through_256_tokens_with_experts_4x_the_budget(tm
 
 
 @pytest.mark.parametrize("segment_kb", [None, "4"])  # whole records; two segments per record
-def test_damaged_layer_file_at_start_and_while_serving(tiny_models, tmp_path, workdir, segment_kb):
+def test_damaged_layer_file_at_start_and_while_serving(tiny_models, tmp_path, short_tmp, segment_kb):
     split = tmp_path / "split"
     shutil.copytree(tiny_models.split("qwen3_moe", 4), split)
     manifest = Manifest.load(split)
@@ -157,14 +150,14 @@ def test_damaged_layer_file_at_start_and_while_serving(tiny_models, tmp_path, wo
 
     # Truncated while serving: the call needing a lost expert fails naming it; the worker stays up.
     layer_file.write_bytes(original)
-    address = f"unix:{workdir / 'w.sock'}"
+    address = f"unix:{short_tmp / 'w.sock'}"
     segments = ["--io-segment-kb", segment_kb] if segment_kb else []
     worker = spawn(
         ["expert", "--split", str(split), "--listen", address, "--memory-gb", budget, *segments],
-        workdir / "w.log",
+        short_tmp / "w.log",
     )
     try:
-        wait_serving(address, worker, log_path=workdir / "w.log")
+        wait_serving(address, worker, log_path=short_tmp / "w.log")
         with open(layer_file, "r+b") as f:
             f.truncate(6 * layer.record_size + 4096)  # expert 6 keeps its first page; 7 is gone
         hidden = mx.array(np.random.RandomState(0).normal(size=(1, manifest.hidden_size)).astype(np.float32))

@@ -49,9 +49,9 @@ def _stored_attention(
     Decode steps (L <= 8, the queries at the end) take `decode_attention`: one compiled
     graph that scores straight from the codes. Longer query runs (prefill) over a
     compressed run take `prefill_attention.chunked_attention` (query chunks composed from
-    key scores and value sums, no decompressed copy) on a GPU backend, and `blockwise_attention` (an online softmax
-    decoding one block at a time) on the twin when the run is longer than BLOCK_TOKENS.
-    Otherwise they run in the
+    key scores and value sums, no decompressed copy) on a GPU backend, and
+    `blockwise_attention` (an online softmax decoding one block at a time) on the twin when
+    the run is longer than BLOCK_TOKENS. Otherwise they run in the
     rotated domain through one fused mx.fast.scaled_dot_product_attention call: the
     query is rotated once, compressed keys are decoded for this call into the
     estimated key |k| (c + qjl_scale |r| S^T sign(S r)) (one dot product with the

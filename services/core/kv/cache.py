@@ -262,6 +262,12 @@ class TurboQuantKVCache(_BaseCache):
     def compressed_length(self) -> int:
         return _length(self.compressed_key_buffer)
 
+    @property
+    def kv_heads(self) -> int:
+        """KV heads, from whichever run holds tokens (the attention paths need it for GQA)."""
+        exact = self.sink_keys if self.sink_keys is not None else self.recent_keys
+        return exact.shape[1] if exact is not None else self.compressed_keys.norm.shape[1]
+
     def __deepcopy__(self, memo):
         # Arrays are immutable here and codecs are shared constants: a shallow copy is
         # a full, independent copy as far as any later update or trim is concerned.

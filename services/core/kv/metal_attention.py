@@ -87,8 +87,7 @@ def composed_attention(
     summed from their codes in the rotated domain. The scores are [B, Hq, L, offset] floats;
     no decompressed copy of the cache is made here (`kernels` decides how it reads codes)."""
     B, n_q_heads, L, D = queries.shape
-    exact = cache.sink_keys if cache.sink_keys is not None else cache.recent_keys
-    n_kv_heads = exact.shape[1] if exact is not None else cache.compressed_keys.norm.shape[1]
+    n_kv_heads = cache.kv_heads
     rep = n_q_heads // n_kv_heads
     q = (queries.astype(mx.float32) * scale).reshape(B, n_kv_heads, rep * L, D)
     runs = [

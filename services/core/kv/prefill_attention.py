@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from services.core.kv import metal_attention
 from services.core.kv.metal_attention import composed_attention
 
 # float32 scores one query chunk may hold ([B, Hq, queries, offset]); bounds the transient
@@ -32,8 +33,7 @@ def blockwise_attention(
     block = block or BLOCK_TOKENS
     B, n_q_heads, L, D = queries.shape
     key_codec, value_codec = cache.key_codec, cache.value_codec
-    exact = cache.sink_keys if cache.sink_keys is not None else cache.recent_keys
-    n_kv_heads = exact.shape[1] if exact is not None else cache.compressed_keys.norm.shape[1]
+    n_kv_heads = cache.kv_heads
     rep = n_q_heads // n_kv_heads
     q = (queries.astype(mx.float32) * scale).reshape(B, n_kv_heads, rep * L, D)
     rotated_q = key_codec.rotate_queries(q)
@@ -68,7 +68,6 @@ def blockwise_attention(
     for a in range(0, run.length, block):
         b = min(a + block, run.length)
         keys_block, values_block = run.tokens(a, b), value_run.tokens(a, b)
-
         estimated = key_codec.estimated_keys(keys_block)  # QJL folded in: one score matmul
         absorb(
             rotated_q @ estimated.swapaxes(-1, -2),
@@ -109,7 +108,5 @@ def chunked_attention(kernels, queries: mx.array, cache, scale: float, start: in
 
 def prefill_kernels():
     """The device's kernel backend where it scores codes directly (GPUs), else None."""
-    from services.core.kv.metal_attention import kernel_backend
-
-    kernels = kernel_backend()
+    kernels = metal_attention.kernel_backend()
     return kernels if kernels is not None and hasattr(kernels, "key_scores") else None
