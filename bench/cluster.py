@@ -30,12 +30,12 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode import timed_decode
+from bench.workdir import bench_workdir
 from services.common.manifest import Manifest
 from services.up import expert_ranges, resolve_split
 from tests.cluster.netns import NetnsLab, netns_unavailable
@@ -153,7 +153,7 @@ def main() -> None:
     from services.core.model_loader import load_core_tokenizer
 
     prompt = load_core_tokenizer(split, manifest).encode(PROMPT)
-    workdir = Path(tempfile.mkdtemp(prefix="mm-bench-", dir="/tmp"))
+    workdir = bench_workdir("mm-bench-")
     result: dict = {
         "bench": "cluster",
         "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.system()}",

@@ -25,7 +25,6 @@ import json
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,6 +34,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode import checkpoint, log
+from bench.workdir import bench_workdir
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 from services.up import resolve_split
 from tests.helpers import Workers, spawn, stop, wait_serving
@@ -180,7 +180,7 @@ async def run_model(address: str, tokens: int, rounds: int, extras: bool) -> dic
 
 def bench_model(name: str, tokens: int, rounds: int, budget: int, extras: bool) -> dict:
     split = resolve_split(str(checkpoint(name, "float32")) if name != "demo" else None)
-    workdir = Path(tempfile.mkdtemp(prefix="mm-bench-", dir="/tmp"))
+    workdir = bench_workdir("mm-bench-")
     workers = Workers(split, workdir, ["0-3", "4-7"] if name == "demo" else ["0-63", "64-127"]).start()
     address = f"unix:{workdir / 'core.sock'}"
     core_log = workdir / "core.log"

@@ -18,7 +18,6 @@ import linecache
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -27,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode import PROMPT, checkpoint, spin_as_up, split_system, timed_decode
+from bench.workdir import bench_workdir
 from services.up import resolve_split
 
 # frames that wait for the workers' answers; source lines that make MLX compute
@@ -63,7 +63,7 @@ def main() -> None:
     split = resolve_split(str(path))
     _, tokenizer = mlx_lm.load(str(path), lazy=True)
     prompt = tokenizer.encode(PROMPT)
-    workdir = Path(tempfile.mkdtemp(prefix="mm-prof-", dir="/tmp"))
+    workdir = bench_workdir("mm-prof-")
     profile = workdir / "profile.txt"
     spin_us = spin_as_up(args.workers)
     with split_system(split, workdir, args.workers, spin_us, args.core_flag) as (address, core):

@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +35,7 @@ import mlx_lm
 from mlx_lm.generate import generate_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.workdir import bench_workdir
 from services.common.frames import spin_for
 from services.common.manifest import Manifest
 from services.common.model_build import expert_modules, replace_modules
@@ -189,7 +188,7 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str) -> dict:
         prompt = tokenizer.encode(PROMPT)
     else:  # random weights: the prompt's meaning is irrelevant, its length is what counts
         prompt = list(range(1000, 1000 + 24))
-    workdir = Path(tempfile.mkdtemp(prefix="mm-bench-", dir="/tmp"))
+    workdir = bench_workdir("mm-bench-")
     results: dict = {"monolithic": [], "synced_local": [], **{name: [] for name in SPLIT_VARIANTS}}
     reference = None
     for round_index in range(rounds):  # interleaved, so drift in machine speed hits every variant alike

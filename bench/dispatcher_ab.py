@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -27,6 +26,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.decode import checkpoint
 from bench.layer_call import interleaved, percentiles
+from bench.workdir import bench_workdir
 from services.common.manifest import Manifest
 from services.core.expert_client import ExpertDispatcher
 from services.up import expert_ranges, resolve_split
@@ -79,7 +79,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     ids = mx.array(rng.choice(layer.num_experts, size=(1, k), replace=False).astype(np.int32))
     mx.eval(hidden, ids)
-    workdir = Path(tempfile.mkdtemp(prefix="mm-ab-", dir="/tmp"))
+    workdir = bench_workdir("mm-ab-")
     base_class = dispatcher_class_at(args.base, workdir)
     workers = Workers(split, workdir, expert_ranges(manifest.num_experts, args.workers)).start()
     dispatchers = {}

@@ -14,7 +14,6 @@ import argparse
 import contextlib
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,7 +21,7 @@ import mlx_lm
 from mlx_lm.generate import generate_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.workdir import bench_workdir
 from services.common.synthetic_model import TINY_CONFIGS, build_random_checkpoint
 from services.core.model_loader import load_core_model
 from services.core.split import split_checkpoint
@@ -38,7 +37,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--bits", type=int, default=4, help="0 keeps float weights")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="mm-eq-", dir="/tmp"))
+    work = bench_workdir("mm-eq-")
     with contextlib.redirect_stdout(sys.stderr):  # mlx-lm prints while quantizing; stdout is for JSON
         source = build_random_checkpoint(
             work / "src", TINY_CONFIGS[args.arch], bits=args.bits or None, dtype=getattr(mx, args.dtype)

@@ -29,12 +29,12 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.workdir import bench_workdir
 
 BODY = {"model": "paced", "messages": [{"role": "user", "content": "go"}], "stream": True}
 
@@ -197,7 +197,7 @@ def main() -> None:
 
     import uvloop
 
-    workdir = Path(tempfile.mkdtemp(prefix="mm-bench-gw-"))
+    workdir = bench_workdir("mm-bench-gw-")
     address = f"unix:{workdir / 'core.sock'}"
     port = free_port()
     url = f"http://127.0.0.1:{port}"

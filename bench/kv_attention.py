@@ -12,7 +12,10 @@ where MLX has no fast float16 path). Best of `--repeats`; prints one JSON object
 
 With `--prefill-chunk N`, each row also times one prefill chunk of N new tokens at that
 context: stored (fp16: mlx-lm's KVCache, in place; TurboQuant: its own update, which
-compresses what ages) and attended causally.
+compresses what ages) and attended causally. With `--prefill-paths` too, the chunk's
+attention alone (the cache already updated) is also timed on each TurboQuant prefill path:
+the decoded run under one fused call (taken while the copy fits the budget) and block by
+block (taken past it), with their largest difference from the fused one.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from mlx_lm.models.cache import KVCache
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kv import kernel_backend_name
-from services.core.kv import KVCacheSettings, TurboQuantKVCache, turboquant_attention
+from services.core.kv import KVCacheSettings, TurboQuantKVCache, prefill_attention, turboquant_attention
+from services.core.kv.prefill_attention import blockwise_attention, prefill_dtype
 
 
 def best_ms(fn, repeats: int, inner: int = 10) -> float:
@@ -71,10 +75,45 @@ def prefill_row(cache, keys, values, args, dtype, scale) -> dict:
             start = time.perf_counter()
             fn()
             times[name] = min(times.get(name, float("inf")), time.perf_counter() - start)
-    return {
+    row = {
         "prefill_fp16_ms": round(times["fp16"] * 1e3, 2),
         "prefill_turboquant_ms": round(times["turboquant"] * 1e3, 2),
         "prefill_speed_ratio": round(times["fp16"] / times["turboquant"], 3),
+    }
+    if args.prefill_paths:
+        row.update(prefill_paths(cache, new_k, new_v, queries, plain, args, scale))
+    return row
+
+
+def prefill_paths(cache, new_k, new_v, queries, plain, args, scale) -> dict:
+    """Attention only, for a chunk already stored: fp16's fused call, and TurboQuant's fused
+    path (the run decoded for the call) and block-by-block path (prefill_attention)."""
+    stored = copy.copy(cache)
+    stored.update_and_fetch(new_k, new_v)
+    keys, values = plain.update_and_fetch(new_k, new_v)
+    mx.eval(stored.state, keys, values)
+    start = stored.offset - queries.shape[2]
+    fused = lambda: turboquant_attention(queries, stored, scale)  # noqa: E731 (within the budget)
+    blockwise = lambda: blockwise_attention(queries, stored, scale, start, dtype=prefill_dtype(queries))  # noqa: E731
+    assert prefill_attention.DECODED_BUDGET_BYTES >= prefill_attention.decoded_run_bytes(stored, mx.float32)
+    ms = {
+        "fp16": best_ms(
+            lambda: mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal"),
+            args.repeats,
+            inner=3,
+        ),
+        "fused": best_ms(fused, args.repeats, inner=3),
+        "blockwise": best_ms(blockwise, args.repeats, inner=3),
+    }
+    difference = mx.abs(blockwise().astype(mx.float32) - fused().astype(mx.float32)).max().item()
+    plain.trim(queries.shape[2])
+    return {
+        "attend_fp16_ms": round(ms["fp16"], 3),
+        "attend_fused_ms": round(ms["fused"], 3),
+        "attend_blockwise_ms": round(ms["blockwise"], 3),
+        "attend_fused_ratio": round(ms["fp16"] / ms["fused"], 3),
+        "attend_blockwise_ratio": round(ms["fp16"] / ms["blockwise"], 3),
+        "blockwise_max_abs_difference": round(difference, 6),
     }
 
 
@@ -86,6 +125,9 @@ def main() -> None:
     parser.add_argument("--q-heads", type=int, default=9)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prefill-chunk", type=int, default=0, help="also time a prefill chunk (0: no)")
+    parser.add_argument(
+        "--prefill-paths", action="store_true", help="with --prefill-chunk: also time each prefill path"
+    )
     args = parser.parse_args()
     dtype = mx.float32 if mx.default_device() == mx.cpu else mx.float16
     settings = KVCacheSettings()

@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -43,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode import checkpoint
 from bench.grpc_echo import EchoLink, start_echo_server
+from bench.workdir import bench_workdir
 from services.common import tensor_codec
 from services.common.manifest import Manifest
 from services.core.expert_client import ExpertDispatcher
@@ -147,7 +147,7 @@ def main() -> None:
         print(json.dumps(report, indent=1))
         return
 
-    workdir = Path(tempfile.mkdtemp(prefix="mm-lc-", dir="/tmp"))
+    workdir = bench_workdir("mm-lc-")
     servers = []
     try:
         with linked_dispatcher(split, workdir, [f"0-{layer.num_experts - 1}"]) as (workers, dispatcher, _):

@@ -22,13 +22,13 @@ import platform
 import socket
 import struct
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.grpc_echo import _busy
+from bench.workdir import bench_workdir
 
 CALLS = 2000
 _HEADER = struct.Struct("<I")
@@ -55,7 +55,7 @@ def _serve(path: str, busy_s: float) -> None:
 
 
 def measure(payload_bytes: int, busy_s: float) -> dict:
-    path = os.path.join(tempfile.mkdtemp(prefix="moe-mesh-floor-"), "echo.sock")
+    path = str(bench_workdir("mm-floor-") / "echo.sock")
     server = multiprocessing.get_context("spawn").Process(target=_serve, args=(path, busy_s), daemon=True)
     server.start()
     try:

@@ -23,13 +23,13 @@ import json
 import os
 import platform
 import sys
-import tempfile
 from pathlib import Path
 from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode import PROMPT, checkpoint, spin_as_up, split_system, timed_decode
+from bench.workdir import bench_workdir
 from services.up import resolve_split
 
 
@@ -47,7 +47,7 @@ def variants(compare: str, workers: int) -> dict[str, tuple[int, list[str]]]:
 def one_run(
     split: Path, prompt: list[int], workers: int, spin_us: int, core_flags: list[str], tokens: int
 ) -> dict:
-    workdir = Path(tempfile.mkdtemp(prefix="mm-ab-", dir="/tmp"))
+    workdir = bench_workdir("mm-ab-")
     with split_system(split, workdir, workers, spin_us, core_flags) as (address, _):
         _, stamps, calls = timed_decode(address, prompt, tokens)
     return {

@@ -39,13 +39,13 @@ import platform
 import shutil
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.stream_replay import prefetch_bound, replay_policies, replay_read_paths, zipf_trace
 from bench.stream_rounds import PACED, PACED_GAP_S, QUEUE_DEPTHS, decode_rounds, spread
+from bench.workdir import bench_workdir
 from services.common.manifest import Manifest
 from services.common.synthetic_model import QWEN3_30B_A3B_SHAPE, build_random_checkpoint
 from services.experts.io import DEFAULT_IO_THREADS, DEFAULT_MIN_SEGMENT_BYTES
@@ -146,7 +146,7 @@ def main() -> None:
     log(f"{split}: {experts_total / 1e9:.2f} GB of experts, record {manifest.layers[0].record_size} bytes")
 
     load_before = os.getloadavg()[0]  # this box is shared: say how busy it was
-    workdir = Path(tempfile.mkdtemp(prefix="mm-stream-", dir="/tmp"))
+    workdir = bench_workdir("mm-stream-")
     runs: list[tuple[dict, dict]] = []  # (summary, raw rounds and probes)
 
     def decode(fraction: float, io: str, policy: str, **kwargs) -> None:

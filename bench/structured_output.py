@@ -29,9 +29,9 @@ import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from mlx_lm.tokenizer_utils import load
 
+from bench.workdir import bench_workdir
 from services.common.synthetic_model import qwen3_tokenizer_dir
 from services.core.structured_output import (
     GrammarConstraint,
@@ -126,7 +126,6 @@ def run(vocabulary, grammar: str, tokens: int, seed: int, eos: set[int]) -> dict
 
 def e2e(tokens: int, rounds: int) -> dict:
     """Decode ms/token through a real core: unconstrained vs constrained, interleaved."""
-    import tempfile
 
     import grpc
 
@@ -135,7 +134,7 @@ def e2e(tokens: int, rounds: int) -> dict:
     from services.proto.moemesh.v1 import core_pb2_grpc
     from tests.helpers import Workers, spawn, stop, wait_serving
 
-    workdir = Path(tempfile.mkdtemp(prefix="mm-bench-", dir="/tmp"))
+    workdir = bench_workdir("mm-bench-")
     build_random_checkpoint(workdir / "ckpt", TINY_CONFIGS["qwen3_moe"], bits=None)
     split_checkpoint(workdir / "ckpt", workdir / "split", progress=False)
     workers = Workers(workdir / "split", workdir, ["0-7"]).start()

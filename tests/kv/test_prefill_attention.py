@@ -1,6 +1,6 @@
-"""Prefill over a long compressed run without a decompressed copy of the cache computes the
-twin's numbers: the block-by-block online softmax (long runs on the twin) and query chunks
-composed from key_scores and weighted_values (a GPU-style backend: every prefill there)."""
+"""Prefill over a compressed run whose decoded copy would pass the budget computes the same
+numbers block by block (an online softmax), in float32 and in a GPU's half type, and the
+budget decides which path a prefill takes."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from services.core.kv import (
     turboquant_attention,
 )
 from services.core.kv.codec import TurboQuantCodec
-from services.core.kv.prefill_attention import blockwise_attention, chunked_attention
+from services.core.kv.prefill_attention import block_tokens, blockwise_attention, decoded_run_bytes
 from tests.kv.test_fast_paths import reference_attention
 from tests.kv.test_metal_kernels import TwinBackend
 
@@ -48,17 +48,26 @@ def test_blockwise_prefill_equals_softmax_over_the_estimates(qjl, block, padding
     assert mx.allclose(got[:, :, :21], reference_attention(queries[:, :, :21], cache, 0.2), atol=1e-4).item()
 
 
-@pytest.mark.parametrize("qjl", [True, False])
-@pytest.mark.parametrize("budget", [64 << 20, 6 * 4 * 110 * 4])
-def test_query_chunks_composed_from_kernels_equal_softmax_over_the_estimates(qjl, budget, monkeypatch):
-    """budget 6*4*110*4 bytes: 4 queries' scores at a time, so 21 queries run as 6 chunks, the
-    last one padded."""
-    monkeypatch.setattr(prefill_attention, "SCORES_BUDGET_BYTES", budget)
-    cache = prefilled(qjl, new_tokens=21)
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_blockwise_prefill_in_half_precision_stays_close(dtype):
+    """A GPU runs the block matmuls in the model's half type; softmax statistics stay float32."""
+    cache = prefilled(True, new_tokens=21)
     queries = mx.random.normal((1, 6, 21, 48))
-    got = chunked_attention(TwinBackend(), queries, cache, 0.2, start=cache.offset - 21)
-    assert got.shape == queries.shape
-    assert mx.allclose(got, reference_attention(queries, cache, 0.2), atol=1e-4).item()
+    got = blockwise_attention(
+        queries.astype(dtype), cache, 0.2, start=cache.offset - 21, block=16, dtype=dtype
+    )
+    assert got.dtype == dtype
+    want = reference_attention(queries, cache, 0.2)
+    assert mx.allclose(got.astype(mx.float32), want, atol=0.05).item()
+
+
+def test_blocks_fit_the_budget_with_their_scores(monkeypatch):
+    cache = prefilled(True, new_tokens=21)
+    queries = mx.random.normal((1, 6, 21, 48))
+    per_token = decoded_run_bytes(cache, mx.float32) // cache.compressed_length  # 2 heads x (64 + 64) x 4
+    assert per_token == 2 * 128 * 4
+    monkeypatch.setattr(prefill_attention, "DECODED_BUDGET_BYTES", 10 * (per_token + 4 * 6 * 21))
+    assert block_tokens(cache, queries, mx.float32) == 10
 
 
 def counting(monkeypatch, owner, name: str) -> list:
@@ -86,9 +95,9 @@ def decoded_key_lengths(monkeypatch) -> list[int]:
     return lengths
 
 
-def test_a_run_longer_than_a_block_is_read_block_by_block_on_the_twin(monkeypatch):
+def test_a_run_whose_decoded_copy_passes_the_budget_is_read_block_by_block(monkeypatch):
     monkeypatch.setattr(metal_attention, "kernel_backend", lambda: None)  # the twin
-    monkeypatch.setattr(prefill_attention, "BLOCK_TOKENS", 16)
+    monkeypatch.setattr(prefill_attention, "DECODED_BUDGET_BYTES", 16 * (2 * 128 * 4 + 4 * 6 * 12))
     blockwise = counting(monkeypatch, attention, "blockwise_attention")
     lengths = decoded_key_lengths(monkeypatch)
     cache = prefilled(qjl=True, new_tokens=12)
@@ -98,26 +107,15 @@ def test_a_run_longer_than_a_block_is_read_block_by_block_on_the_twin(monkeypatc
     assert mx.allclose(got, reference_attention(queries, cache, 0.2), atol=1e-4).item()
 
 
-def test_a_run_within_a_block_keeps_the_fused_path_on_the_twin(monkeypatch):
-    monkeypatch.setattr(metal_attention, "kernel_backend", lambda: None)
+@pytest.mark.parametrize("backend", [None, TwinBackend()], ids=["twin", "gpu-style kernels"])
+def test_a_run_within_the_budget_takes_one_fused_call(backend, monkeypatch):
+    """Whatever kernels the device has: a prefill over a run whose decoded copy fits the budget
+    decodes it once and runs one fused attention call (the fastest path on every device)."""
+    monkeypatch.setattr(metal_attention, "kernel_backend", lambda: backend)
     lengths = decoded_key_lengths(monkeypatch)
+    fused = counting(monkeypatch, mx.fast, "scaled_dot_product_attention")
     cache = prefilled(qjl=True, new_tokens=12)
     queries = mx.random.normal((1, 6, 12, 48))
     got = turboquant_attention(queries, cache, scale=0.2)
-    assert lengths == [cache.compressed_length]  # ~80 compressed tokens: far below BLOCK_TOKENS
+    assert lengths == [cache.compressed_length] and len(fused) == 1
     assert mx.allclose(got, reference_attention(queries, cache, 0.2), atol=1e-4).item()
-
-
-def test_a_gpu_backend_prefills_from_the_codes(monkeypatch):
-    """A backend with key_scores (Metal, CUDA) serves every prefill: the compressed run is
-    never decoded into keys, and padding rows past the cache's end (a batch's) are harmless."""
-    backend = TwinBackend()
-    monkeypatch.setattr(metal_attention, "kernel_backend", lambda: backend)
-    scored = counting(monkeypatch, TwinBackend, "key_scores")
-    lengths = decoded_key_lengths(monkeypatch)
-    cache = prefilled(qjl=True, new_tokens=14)
-    queries = mx.random.normal((1, 6, 16, 48))
-    got = turboquant_attention(queries, cache, scale=0.2, query_start=cache.offset - 14)
-    assert scored and not lengths
-    assert mx.allclose(got[:, :, :14], reference_attention(queries[:, :, :14], cache, 0.2), atol=1e-4).item()
-    assert not mx.isnan(got).any().item()

@@ -19,7 +19,7 @@ from services.core.kv import prefill_attention
 from services.core.kv.cache import TurboQuantKVCache
 from services.core.kv.decode_attention import decode_attention
 from services.core.kv.metal_attention import kernel_attention, kernels_ready
-from services.core.kv.prefill_attention import blockwise_attention, chunked_attention, prefill_kernels
+from services.core.kv.prefill_attention import blockwise_attention, decoded_run_bytes, prefill_dtype
 
 _HOOK_MARK = "_moe_mesh_turboquant"
 
@@ -47,16 +47,14 @@ def _stored_attention(
     every key (their rows are padding in a batch and are never read).
 
     Decode steps (L <= 8, the queries at the end) take `decode_attention`: one compiled
-    graph that scores straight from the codes. Longer query runs (prefill) over a
-    compressed run take `prefill_attention.chunked_attention` (query chunks composed from
-    key scores and value sums, no decompressed copy) on a GPU backend, and
-    `blockwise_attention` (an online softmax decoding one block at a time) on the twin when
-    the run is longer than BLOCK_TOKENS. Otherwise they run in the
+    graph that scores straight from the codes. Longer query runs (prefill) run in the
     rotated domain through one fused mx.fast.scaled_dot_product_attention call: the
     query is rotated once, compressed keys are decoded for this call into the
     estimated key |k| (c + qjl_scale |r| S^T sign(S r)) (one dot product with the
     rotated query is the unbiased estimate), compressed values into |v| c, exact runs
-    are rotated (a few hundred tokens), and the output is rotated back once."""
+    are rotated (a few hundred tokens), and the output is rotated back once. Where that
+    transient copy would exceed prefill_attention.DECODED_BUDGET_BYTES, `blockwise_attention`
+    reads the run one block at a time under an online softmax instead."""
     B, n_q_heads, L, D = queries.shape
     if cache.offset == 0:
         return mx.zeros_like(queries)
@@ -67,12 +65,10 @@ def _stored_attention(
             return out
     if L <= 8 and start + L == cache.offset:
         return decode_attention(queries, cache, scale)
-    if cache.compressed_length and (kernels := prefill_kernels()) is not None:
-        return chunked_attention(kernels, queries, cache, scale, start)  # from the codes
-    if cache.compressed_length > prefill_attention.BLOCK_TOKENS:
-        return blockwise_attention(queries, cache, scale, start)  # one decoded block at a time
+    dtype = prefill_dtype(queries)
+    if cache.compressed_length and decoded_run_bytes(cache, dtype) > prefill_attention.DECODED_BUDGET_BYTES:
+        return blockwise_attention(queries, cache, scale, start, dtype=dtype)  # a block at a time
     keys_codec, values_codec = cache.key_codec, cache.value_codec
-    dtype = queries.dtype
     q = keys_codec.rotate_queries(queries).astype(dtype)
     keys, values = [], []
     for exact_k, exact_v, packed_k, packed_v in (

@@ -1,36 +1,57 @@
-"""Prefill attention over a long compressed run without a decompressed copy of the cache.
+"""Prefill attention over a compressed run whose decoded copy would be too large.
 
-The twin's prefill path (`attention._stored_attention`) decodes the whole compressed run
-for each call and runs MLX's fused attention over it: fast, but the transient copy grows
-with the context (at 128K tokens, 128-wide heads and 8 KV heads, 512 MB per layer in fp16).
-On a GPU backend a prefill chunk is split into query chunks whose scores fit
-`SCORES_BUDGET_BYTES`, each composed from the kernels' key_scores and weighted_values
-(`metal_attention.composed_attention`), straight from the codes. On the twin, a run longer
-than BLOCK_TOKENS is read one block at a time under an online softmax (`blockwise_attention`).
+A prefill chunk normally runs through one fused mx.fast.scaled_dot_product_attention over
+the run decoded for that call into the rotated domain (`attention._stored_attention`): on
+a GPU that is 3-10x faster than any composition that keeps the scores in memory (H200, one
+layer, 2048 queries over 16K tokens, d128: 3.0 ms fused, 23-33 ms block by block, 190 ms
+scored from the codes by the kernels; `bench/results/prefill_paths-h200.json`). The
+decoded copy is transient, one layer at a time, but grows with the context, so a run whose
+copy would exceed DECODED_BUDGET_BYTES is read block by block under an online softmax
+(`blockwise_attention`), each block no larger than the budget.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from services.core.kv import metal_attention
-from services.core.kv.metal_attention import composed_attention
+# the most transient memory a prefill call's decoded copy of one layer's compressed run may
+# take (keys and values; block by block, with the block's float32 scores): 512 MB holds the
+# decoded run of 64K tokens of 8 KV heads x 128 dims in float16
+DECODED_BUDGET_BYTES = 512 << 20
 
-# float32 scores one query chunk may hold ([B, Hq, queries, offset]); bounds the transient
-SCORES_BUDGET_BYTES = 64 << 20
-# compressed tokens the twin decodes at a time; runs up to this long keep the fused path
-BLOCK_TOKENS = 4096
+
+def prefill_dtype(queries: mx.array):
+    """The dtype a prefill decodes into: the model's on a GPU (its matrix units), float32 on
+    a CPU (where MLX has no fast half-precision matmul)."""
+    return mx.float32 if mx.default_device() == mx.cpu else queries.dtype
+
+
+def decoded_run_bytes(cache, dtype) -> int:
+    """Bytes of one call's decoded copy of the compressed run (keys and values) in `dtype`."""
+    batch, heads = cache.compressed_keys.norm.shape[:2]
+    per_token = batch * heads * (cache.key_codec.padded + cache.value_codec.padded) * dtype.size
+    return per_token * cache.compressed_length
+
+
+def block_tokens(cache, queries: mx.array, dtype) -> int:
+    """Compressed tokens per block such that a block's decoded keys and values and its float32
+    scores for `queries` fit DECODED_BUDGET_BYTES."""
+    decoded = decoded_run_bytes(cache, dtype) // max(1, cache.compressed_length)
+    scores = 4 * queries.shape[0] * queries.shape[1] * queries.shape[2]
+    return max(1, DECODED_BUDGET_BYTES // (decoded + scores))
 
 
 def blockwise_attention(
-    queries: mx.array, cache, scale: float, start: int, block: int | None = None
+    queries: mx.array, cache, scale: float, start: int, block: int | None = None, dtype=mx.float32
 ) -> mx.array:
-    """The twin's attention for queries [B, Hq, L, D] at positions start.., with the compressed
-    run decoded `block` tokens at a time (default BLOCK_TOKENS): an online softmax walks the
+    """Attention for queries [B, Hq, L, D] at positions start.., with the compressed run
+    decoded `block` tokens at a time (default: `block_tokens`): an online softmax walks the
     runs in token order (sinks, compressed blocks, recent window), keeping each row's running
     max, sum and value sums (compressed values summed rotated, rotated back once), so only one
-    decoded block and its [rows, block] scores exist at a time, and each block is decoded once."""
-    block = block or BLOCK_TOKENS
+    decoded block and its [rows, block] scores exist at a time, and each block is decoded once.
+    The score and value matmuls run in `dtype` (a GPU's half type reaches its matrix units;
+    softmax statistics and sums stay float32)."""
+    block = block or block_tokens(cache, queries, dtype)
     B, n_q_heads, L, D = queries.shape
     key_codec, value_codec = cache.key_codec, cache.value_codec
     n_kv_heads = cache.kv_heads
@@ -45,6 +66,7 @@ def blockwise_attention(
 
     def absorb(scores, first: int, values, domain: str) -> None:
         nonlocal running_max, total
+        scores = scores.astype(mx.float32)
         positions = first + mx.arange(scores.shape[-1])[None]
         visible = (query_pos >= positions) | (query_pos >= cache.offset)  # padding rows see all
         scores = mx.where(visible, scores, lowest)
@@ -55,58 +77,32 @@ def blockwise_attention(
         for name in sums:
             if sums[name] is not None:
                 sums[name] = sums[name] * correction
-        term = values(weights)
+        term = values(weights.astype(dtype)).astype(mx.float32)
         sums[domain] = term if sums[domain] is None else sums[domain] + term
         running_max = new_max
 
+    q, rotated_q = q.astype(dtype), rotated_q.astype(dtype)
     n_sinks = 0 if cache.sink_keys is None else cache.sink_keys.shape[2]
     if n_sinks:
-        keys, values = cache.sink_keys.astype(mx.float32), cache.sink_values.astype(mx.float32)
+        keys, values = cache.sink_keys.astype(dtype), cache.sink_values.astype(dtype)
         absorb(q @ keys.swapaxes(-1, -2), 0, lambda w, v=values: w @ v, "exact")
     run = cache.compressed_keys
     value_run = cache.compressed_values
     for a in range(0, run.length, block):
         b = min(a + block, run.length)
         keys_block, values_block = run.tokens(a, b), value_run.tokens(a, b)
-        estimated = key_codec.estimated_keys(keys_block)  # QJL folded in: one score matmul
+        estimated = key_codec.estimated_keys(keys_block, dtype)  # QJL folded in: one score matmul
         absorb(
             rotated_q @ estimated.swapaxes(-1, -2),
             n_sinks + a,
-            lambda w, v=value_codec.decode_rotated(values_block): w @ v,
+            lambda w, v=value_codec.decode_rotated(values_block).astype(dtype): w @ v,
             "rotated",
         )
     recent = cache.recent_keys
     if recent is not None and recent.shape[2]:
-        keys, values = recent.astype(mx.float32), cache.recent_values.astype(mx.float32)
+        keys, values = recent.astype(dtype), cache.recent_values.astype(dtype)
         absorb(q @ keys.swapaxes(-1, -2), n_sinks + run.length, lambda w, v=values: w @ v, "exact")
     out = value_codec.unrotate(sums["rotated"])
     if sums["exact"] is not None:
         out = out + sums["exact"]
     return (out / total).reshape(B, n_q_heads, L, -1).astype(queries.dtype)
-
-
-def chunked_attention(kernels, queries: mx.array, cache, scale: float, start: int) -> mx.array:
-    """softmax(q k^T scale + causal mask) v for queries [B, Hq, L, D] at positions start..,
-    in query chunks whose float32 scores stay within SCORES_BUDGET_BYTES.
-
-    Chunks hold a power of two of queries and the last one is padded with zero queries (at
-    positions past the cache's end, whose rows are dropped): GPU kernels are compiled per
-    query count, so a handful of counts serve every prompt length and context."""
-    B, n_q_heads, L, D = queries.shape
-    fits = max(1, SCORES_BUDGET_BYTES // (4 * B * n_q_heads * max(cache.offset, 1)))
-    step = min(1 << (fits.bit_length() - 1), 1 << (L - 1).bit_length())
-    padded = -(-L // step) * step
-    if padded > L:
-        queries = mx.concatenate([queries, mx.zeros((B, n_q_heads, padded - L, D), queries.dtype)], axis=2)
-    outs = [
-        composed_attention(kernels, queries[:, :, i : i + step], cache, scale, start + i)
-        for i in range(0, padded, step)
-    ]
-    out = mx.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]
-    return out[:, :, :L] if padded > L else out
-
-
-def prefill_kernels():
-    """The device's kernel backend where it scores codes directly (GPUs), else None."""
-    kernels = metal_attention.kernel_backend()
-    return kernels if kernels is not None and hasattr(kernels, "key_scores") else None
