@@ -49,6 +49,9 @@ SETTINGS = {
     "K2+QJL/V2, window 128": KVCacheSettings(key_bits=2, value_bits=2, **W128),
     "K4+QJL/V4, window 128": KVCacheSettings(key_bits=4, value_bits=4, **W128),
     "K3+QJL/V3, window 384": KVCacheSettings(recent_window=384),
+    # control: TurboQuant's attention path with nothing compressed (every prompt fits the window),
+    # so any answer that moves here moves through the path's arithmetic, not through compression
+    "TurboQuant path, nothing compressed (control)": KVCacheSettings(recent_window=1 << 20),
 }
 # --windows: each of these bit settings at each recent window (the smallest window that keeps a
 # setting under the 3 % bar is what the default window is chosen from)
