@@ -16,7 +16,7 @@ from services.core.kv import (
     turboquant_attention,
 )
 from services.core.kv.codec import TurboQuantCodec
-from services.core.kv.prefill_attention import block_tokens, blockwise_attention, decoded_run_bytes
+from services.core.kv.prefill_attention import block_tokens, blockwise_attention, decoded_bytes_per_token
 from tests.kv.test_fast_paths import reference_attention
 from tests.kv.test_metal_kernels import TwinBackend
 
@@ -64,7 +64,7 @@ def test_blockwise_prefill_in_half_precision_stays_close(dtype):
 def test_blocks_fit_the_budget_with_their_scores(monkeypatch):
     cache = prefilled(True, new_tokens=21)
     queries = mx.random.normal((1, 6, 21, 48))
-    per_token = decoded_run_bytes(cache, mx.float32) // cache.compressed_length  # 2 heads x (64 + 64) x 4
+    per_token = decoded_bytes_per_token(cache, mx.float32)  # 2 heads x (64 + 64) x 4
     assert per_token == 2 * 128 * 4
     monkeypatch.setattr(prefill_attention, "DECODED_BUDGET_BYTES", 10 * (per_token + 4 * 6 * 21))
     assert block_tokens(cache, queries, mx.float32) == 10

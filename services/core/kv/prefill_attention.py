@@ -26,19 +26,17 @@ def prefill_dtype(queries: mx.array):
     return mx.float32 if mx.default_device() == mx.cpu else queries.dtype
 
 
-def decoded_run_bytes(cache, dtype) -> int:
-    """Bytes of one call's decoded copy of the compressed run (keys and values) in `dtype`."""
+def decoded_bytes_per_token(cache, dtype) -> int:
+    """Bytes a call's decoded copy of the compressed run takes per token (keys and values)."""
     batch, heads = cache.compressed_keys.norm.shape[:2]
-    per_token = batch * heads * (cache.key_codec.padded + cache.value_codec.padded) * dtype.size
-    return per_token * cache.compressed_length
+    return batch * heads * (cache.key_codec.padded + cache.value_codec.padded) * dtype.size
 
 
 def block_tokens(cache, queries: mx.array, dtype) -> int:
     """Compressed tokens per block such that a block's decoded keys and values and its float32
     scores for `queries` fit DECODED_BUDGET_BYTES."""
-    decoded = decoded_run_bytes(cache, dtype) // max(1, cache.compressed_length)
     scores = 4 * queries.shape[0] * queries.shape[1] * queries.shape[2]
-    return max(1, DECODED_BUDGET_BYTES // (decoded + scores))
+    return max(1, DECODED_BUDGET_BYTES // (decoded_bytes_per_token(cache, dtype) + scores))
 
 
 def blockwise_attention(
