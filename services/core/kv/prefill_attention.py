@@ -16,7 +16,7 @@ import mlx.core as mx
 
 # the most transient memory a prefill call's decoded copy of one layer's compressed run may
 # take (keys and values; block by block, with the block's float32 scores): 512 MB holds the
-# decoded run of 64K tokens of 8 KV heads x 128 dims in float16
+# decoded run of 128K tokens of 8 KV heads x 128 dims in float16
 DECODED_BUDGET_BYTES = 512 << 20
 
 
