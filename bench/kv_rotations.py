@@ -1,7 +1,8 @@
-"""Does TurboQuant's rotation or its seed move the quality? Perplexity per (rotation, seed).
+"""Does TurboQuant's rotation, its seed or one knob move the quality? Perplexity per (rotation, seed).
 
     python bench/kv_rotations.py --rotations hd haar hdhd --seeds 0 100 200
     python bench/kv_rotations.py --settings "K3+QJL/V3 (default)" --seeds 0 100 200
+    python bench/kv_rotations.py --also sink_tokens=64 --also center_keys=1   # each setting changed so, too
 
 hd: the randomized Walsh-Hadamard transform moe-mesh uses (services/core/kv/rotation.py);
 haar: a Haar-random orthogonal matrix (the paper's rotation); hdhd: two randomized
@@ -65,23 +66,37 @@ def main() -> None:
     parser.add_argument("--rotations", nargs="+", default=["hd"], choices=["hd", "haar", "hdhd"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS, choices=sorted(SETTINGS))
+    parser.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="FIELD=INT[,FIELD=INT]",
+        help="also run every setting with this KVCacheSettings field changed (repeatable)",
+    )
     args = parser.parse_args()
     model, tokenizer, path = load_bench_model(args.model, args.dtype)
     ids = tokenizer.encode(TEXT.read_text())[: args.tokens + 1]
     base = perplexity(model, ids, make_kv_cache(model, "fp16"))
+    changes = [{}] + [
+        {k: int(v) for k, v in (pair.split("=", 1) for pair in item.split(","))} for item in args.also
+    ]
+    variants = [(name, change) for name in args.settings for change in changes]
     rows = []
     for seed in args.seeds:
         for kind in args.rotations:
             use_rotation(kind)
-            for name in args.settings:
-                settings = SETTINGS[name].__class__(**{**SETTINGS[name].__dict__, "seed": seed})
-                ppl = perplexity(model, ids, make_kv_cache(model, "turboquant", settings))
-                row = {"setting": name, "rotation": kind, "seed": seed, "ppl": round(ppl, 4)}
+            for name, change in variants:
+                fields = {**SETTINGS[name].__dict__, **change, "seed": seed}
+                ppl = perplexity(
+                    model, ids, make_kv_cache(model, "turboquant", type(SETTINGS[name])(**fields))
+                )
+                label = name + "".join(f", {k}={v}" for k, v in change.items())
+                row = {"setting": label, "rotation": kind, "seed": seed, "ppl": round(ppl, 4)}
                 row["increase_pct"] = round(100 * (ppl / base - 1), 2)
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
     summary = {}
-    for name in args.settings:
+    for name in dict.fromkeys(r["setting"] for r in rows):
         for kind in args.rotations:
             values = [r["increase_pct"] for r in rows if r["setting"] == name and r["rotation"] == kind]
             summary[f"{name} / {kind}"] = {
