@@ -61,6 +61,10 @@ BATCH_REQUEST_IDS: contextvars.ContextVar[tuple[str, ...]] = contextvars.Context
     "batch_request_ids", default=()
 )
 RECONNECT_BACKOFF_S = (0.1, 5.0)  # first retry, cap; doubles in between
+# How long past a call's deadline the engine waits for the I/O loop's answer. The loop answers
+# every call by its deadline; one that has not answered by then is lost (a bug, or a loop that
+# is stuck), and the engine fails that layer call instead of waiting forever.
+REPLY_GRACE_S = 5.0
 CORE_LINK_ID = f"core-{socket.gethostname()}-{os.getpid()}"
 
 
@@ -436,7 +440,12 @@ class ExpertDispatcher:
             if results is None:  # a connection broke, or an answer the gRPC path must handle
                 self._grpc_start(pending)
         if results is None:
-            ok, results = pending.replies.get()
+            try:
+                ok, results = pending.replies.get(
+                    timeout=max(0.0, pending.deadline - time.monotonic()) + REPLY_GRACE_S
+                )
+            except queue.Empty:
+                ok, results = False, self._lost(pending)
             if not ok:
                 expert_metrics.LAYER_CALL_FAILURES.labels(results.code.name).inc()
                 raise results
@@ -538,6 +547,20 @@ class ExpertDispatcher:
             frames = self.links[part.link].frames
             if frames is not None:
                 frames.close()
+
+    def _lost(self, pending: _Pending) -> ExpertCallError:
+        """The error for a gRPC call that never answered; its links' streams are reset, so that
+        a late answer cannot be read as the next call's and the next call opens a fresh stream."""
+        links = [self.links[part.link] for part in pending.plan]
+        for link in links:
+            self.loop.call_soon_threadsafe(link.reset)
+        addresses = ", ".join(dict.fromkeys(link.address for link in links))
+        log.error("expert_call_lost", layer=pending.layer, workers=addresses)
+        return ExpertCallError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"layer {pending.layer}: no answer from {addresses} within {self.call_timeout_s:g} s "
+            "(the call was lost; its streams were reset)",
+        )
 
     def _abandon(self, pending: _Pending) -> None:
         """Forget a call nobody will read (its forward failed). A frame answer still on its way

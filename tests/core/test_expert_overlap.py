@@ -4,11 +4,15 @@ evaluated. Real worker processes on Unix sockets, over frames and over gRPC."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import grpc
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from services.core import expert_client
 from services.core.expert_client import ExpertCallError, ExpertDispatcher
 from services.core.in_flight import drop_pending, settle_pending
 from services.core.step_merge import expert_call, run_side_by_side
@@ -159,3 +163,30 @@ def test_a_graph_built_before_a_host_write_into_the_placeholder_sees_it(dtype):
     pending.slot[...] = np.array(wire)
     expected = (answer.reshape(-1, 64) @ weight).sum(axis=0)
     assert mx.allclose(built_before, expected).item()
+
+
+def test_a_call_the_io_loop_never_answers_fails_instead_of_hanging(split, tmp_path, monkeypatch):
+    """Whatever goes wrong on the I/O loop, the engine thread waits at most the call deadline plus
+    a grace: the layer call fails with UNAVAILABLE naming the worker, and the next call works."""
+    monkeypatch.setattr(expert_client, "REPLY_GRACE_S", 0.2)
+    with linked_dispatcher(split, tmp_path, ["0-7"], call_timeout_s=1.0, frames=False) as (
+        workers,
+        dispatcher,
+        manifest,
+    ):
+        layer = manifest.layer_indices[0]
+        hidden, ids = _inputs(manifest)
+        expected = np.array(dispatcher.call(layer, hidden, ids))
+
+        async def never_answers(*args):
+            await asyncio.sleep(3600)
+
+        monkeypatch.setattr(dispatcher, "_roundtrip", never_answers)
+        started = time.monotonic()
+        with pytest.raises(ExpertCallError) as failure:
+            dispatcher.call(layer, hidden, ids)
+        assert time.monotonic() - started < 5
+        assert failure.value.code == grpc.StatusCode.UNAVAILABLE
+        assert workers.addresses[0] in str(failure.value) and "lost" in str(failure.value)
+        monkeypatch.undo()
+        np.testing.assert_array_equal(np.array(dispatcher.call(layer, hidden, ids)), expected)
