@@ -95,10 +95,9 @@ def prefill_paths(cache, new_k, new_v, queries, plain, args, scale) -> dict:
     start = stored.offset - queries.shape[2]
     fused = lambda: turboquant_attention(queries, stored, scale)  # noqa: E731 (within the budget)
     blockwise = lambda: blockwise_attention(queries, stored, scale, start, dtype=prefill_dtype(queries))  # noqa: E731
-    decoded = stored.compressed_length * prefill_attention.decoded_bytes_per_token(
-        stored, prefill_dtype(queries)
+    assert prefill_attention.decoded_run_fits(stored, prefill_dtype(queries)), (
+        "fused would take the block path"
     )
-    assert decoded <= prefill_attention.DECODED_BUDGET_BYTES, "the fused timing would take the block path"
     ms = {
         "fp16": best_ms(
             lambda: mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal"),

@@ -14,6 +14,7 @@ bench/kv_quality.py; prints one JSON object (progress lines on stderr).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -86,10 +87,8 @@ def main() -> None:
         for kind in args.rotations:
             use_rotation(kind)
             for name, change in variants:
-                fields = {**SETTINGS[name].__dict__, **change, "seed": seed}
-                ppl = perplexity(
-                    model, ids, make_kv_cache(model, "turboquant", type(SETTINGS[name])(**fields))
-                )
+                settings = dataclasses.replace(SETTINGS[name], **change, seed=seed)
+                ppl = perplexity(model, ids, make_kv_cache(model, "turboquant", settings))
                 label = name + "".join(f", {k}={v}" for k, v in change.items())
                 row = {"setting": label, "rotation": kind, "seed": seed, "ppl": round(ppl, 4)}
                 row["increase_pct"] = round(100 * (ppl / base - 1), 2)

@@ -157,6 +157,9 @@ class _Pending:
         self.replies: queue.SimpleQueue = queue.SimpleQueue()  # the gRPC path answers here
         self.slot: np.ndarray | None = None
 
+    def seconds_left(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
     def make_slot(self, dtype: mx.Dtype) -> mx.array:
         """The placeholder the answer will be written into: a [T, k, H] array in the model dtype,
         NaN until then; self.slot is a writable numpy view of its bytes. Made from host memory,
@@ -415,7 +418,7 @@ class ExpertDispatcher:
 
     def _grpc_start(self, pending: _Pending) -> None:
         """Hand the call to the gRPC streams (the I/O loop); its answer arrives in pending.replies."""
-        budget = pending.deadline - time.monotonic()
+        budget = pending.seconds_left()
         # The coroutine object is made here; the loop only has to start it.
         roundtrip = self._roundtrip(
             pending.layer,
@@ -441,9 +444,7 @@ class ExpertDispatcher:
                 self._grpc_start(pending)
         if results is None:
             try:
-                ok, results = pending.replies.get(
-                    timeout=max(0.0, pending.deadline - time.monotonic()) + REPLY_GRACE_S
-                )
+                ok, results = pending.replies.get(timeout=pending.seconds_left() + REPLY_GRACE_S)
             except queue.Empty:
                 ok, results = False, self._lost(pending)
             if not ok:
@@ -571,7 +572,7 @@ class ExpertDispatcher:
             self._close_frames(pending)
             return
         try:
-            pending.replies.get(timeout=max(0.0, pending.deadline - time.monotonic()))
+            pending.replies.get(timeout=pending.seconds_left())
         except queue.Empty:
             pass
 

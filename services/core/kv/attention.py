@@ -15,11 +15,10 @@ import sys
 import mlx.core as mx
 from mlx_lm.models import base as mlx_base
 
-from services.core.kv import prefill_attention
 from services.core.kv.cache import TurboQuantKVCache
 from services.core.kv.decode_attention import decode_attention
 from services.core.kv.metal_attention import kernel_attention, kernels_ready
-from services.core.kv.prefill_attention import blockwise_attention, decoded_bytes_per_token, prefill_dtype
+from services.core.kv.prefill_attention import blockwise_attention, decoded_run_fits, prefill_dtype
 
 _HOOK_MARK = "_moe_mesh_turboquant"
 
@@ -66,8 +65,7 @@ def _stored_attention(
     if L <= 8 and start + L == cache.offset:
         return decode_attention(queries, cache, scale)
     dtype = prefill_dtype(queries)
-    decoded = cache.compressed_length and cache.compressed_length * decoded_bytes_per_token(cache, dtype)
-    if decoded > prefill_attention.DECODED_BUDGET_BYTES:
+    if not decoded_run_fits(cache, dtype):
         return blockwise_attention(queries, cache, scale, start, dtype=dtype)  # a block at a time
     keys_codec, values_codec = cache.key_codec, cache.value_codec
     q = keys_codec.rotate_queries(queries).astype(dtype)

@@ -32,6 +32,14 @@ def decoded_bytes_per_token(cache, dtype) -> int:
     return batch * heads * (cache.key_codec.padded + cache.value_codec.padded) * dtype.size
 
 
+def decoded_run_fits(cache, dtype) -> bool:
+    """Whether a call's decoded copy of the whole compressed run fits DECODED_BUDGET_BYTES (the
+    fused path), or the run must be read block by block."""
+    if not cache.compressed_length:
+        return True
+    return cache.compressed_length * decoded_bytes_per_token(cache, dtype) <= DECODED_BUDGET_BYTES
+
+
 def block_tokens(cache, queries: mx.array, dtype) -> int:
     """Compressed tokens per block such that a block's decoded keys and values and its float32
     scores for `queries` fit DECODED_BUDGET_BYTES."""
