@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kv import kernel_backend_name
 from services.core.kv import KVCacheSettings, TurboQuantKVCache, prefill_attention, turboquant_attention
+from services.core.kv.metal_attention import kernel_backend
 from services.core.kv.prefill_attention import blockwise_attention, prefill_dtype
 
 
@@ -109,7 +110,7 @@ def prefill_paths(cache, new_k, new_v, queries, plain, args, scale) -> dict:
     }
     difference = mx.abs(blockwise().astype(mx.float32) - fused().astype(mx.float32)).max().item()
     plain.trim(queries.shape[2])
-    return {
+    row = {
         "attend_fp16_ms": round(ms["fp16"], 3),
         "attend_fused_ms": round(ms["fused"], 3),
         "attend_blockwise_ms": round(ms["blockwise"], 3),
@@ -117,6 +118,25 @@ def prefill_paths(cache, new_k, new_v, queries, plain, args, scale) -> dict:
         "attend_blockwise_ratio": round(ms["fp16"] / ms["blockwise"], 3),
         "blockwise_max_abs_difference": round(difference, 6),
     }
+    return row | decode_run_ms(stored, prefill_dtype(queries), args.repeats)
+
+
+def decode_run_ms(cache, dtype, repeats: int) -> dict:
+    """The compressed run's decode for one prefill call alone: the backend's kernel (where the
+    device has one) against the twin's array ops, and how far apart their numbers are."""
+    kc, vc = cache.key_codec, cache.value_codec
+    keys, values = cache.compressed_keys, cache.compressed_values
+    twin = lambda: (kc.estimated_keys(keys, dtype), vc.decode_rotated(values).astype(dtype))  # noqa: E731
+    row = {"decode_run_twin_ms": round(best_ms(twin, repeats, inner=3), 3)}
+    fused = getattr(kernel_backend(), "decoded_run", None)
+    if fused is not None:
+        kernel = lambda: fused(kc, vc, keys, values, dtype)  # noqa: E731
+        row["decode_run_kernel_ms"] = round(best_ms(kernel, repeats, inner=3), 3)
+        row["decode_run_max_abs_difference"] = max(
+            mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
+            for a, b in zip(kernel(), twin(), strict=True)
+        )
+    return row
 
 
 def main() -> None:

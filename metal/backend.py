@@ -56,12 +56,18 @@ KERNELS = {
         False,
     ),
     "decode_combine": (["part_m", "part_l", "part_acc", "lengths", "v_rotation"], ["out"], True),
+    "decode_run": (
+        ["k_norm", "k_codes", "k_rnorm", "k_signs", "v_norm", "v_codes", "k_centroids", "v_centroids", "qjl_scale"],
+        ["keys", "k_sign", "values"],
+        True,
+    ),
 }
 
 ROWS = 8  # query rows one thread scores (or sums values for) per token it decodes
 CHUNK = 256  # tokens one block of the values kernel sums
 TOKENS_PER_BLOCK = 256  # tokens (and threads) of one decode_partial block
 MAX_DECODE_QUERIES = 8  # decode_attention serves L <= 8, like the twin's decode path
+RUN_THREADS = 256  # threads of one decode_run block (one per coordinate)
 
 
 @lru_cache(maxsize=64)
@@ -95,6 +101,9 @@ class KernelBackend:
       pack(codec, x): x [..., D] -> (norm, codes, residual_norm, signs) as codec.encode stores them
       key_scores(codec, rotated_queries [B, H, L, P], tokens) -> [B, H, L, T], as codec.key_scores
       weighted_values(codec, w [B, H, L, T], tokens) -> sum_t w_t |v_t| c(v_t), rotated, [B, H, L, P]
+      decoded_run(key_codec, value_codec, keys, values, dtype) -> (estimated keys, rotated values),
+        [B, H, T, P] of dtype, as codec.estimated_keys and codec.decode_rotated: a prefill's
+        transient copy of the compressed run in one kernel (plus one matmul for QJL keys)
       decode_attention(queries [B, Hq, L, D], cache, scale, start) -> softmax(q k^T scale) v over
         everything a TurboQuantKVCache holds (query row i at position start + i), straight
         from the codes in two kernels, or None where the fused kernel does not fit (more
@@ -208,6 +217,45 @@ class KernelBackend:
             output_dtypes=[mx.float32],
         )
         return partial.sum(axis=1).reshape(B, H, L, p)
+
+    # ---- a compressed run decoded for one prefill call -----------------------------------
+
+    def decoded_run(self, key_codec, value_codec, keys, values, dtype):
+        B, H, T = keys.norm.shape
+        p, G = key_codec.padded, B * H
+        if value_codec.padded != p:
+            return None
+        qjl = key_codec.qjl
+        grid = -(-T * p // RUN_THREADS) * RUN_THREADS  # whole blocks; the kernel skips the tail
+        k_out, k_sign, v_out = self.kernel("decode_run")(
+            inputs=[
+                keys.norm.reshape(G, T),
+                keys.codes.reshape(G, T, -1),
+                keys.residual_norm.reshape(G, T) if qjl else _placeholder((1, 1), mx.float16),
+                keys.qjl_signs.reshape(G, T, -1) if qjl else _placeholder((1,), mx.uint8),
+                values.norm.reshape(G, T),
+                values.codes.reshape(G, T, -1),
+                key_codec.centroids,
+                value_codec.centroids,
+                _params(key_codec.qjl_scale if qjl else 0.0, 0.0),
+            ],
+            template=[
+                ("P", p),
+                ("KBITS", key_codec.bits),
+                ("VBITS", value_codec.bits),
+                ("QJL", int(qjl)),
+                ("KCODE_BYTES", packed_bytes(key_codec.bits, p)),
+                ("VCODE_BYTES", packed_bytes(value_codec.bits, p)),
+                ("OT", dtype),
+            ],
+            grid=(grid, G, 1),
+            threadgroup=(RUN_THREADS, 1, 1),
+            output_shapes=[(G, T, p), (G, T, p) if qjl else (1,), (G, T, p)],
+            output_dtypes=[dtype, dtype, dtype],
+        )
+        if qjl:  # |k| qjl_scale |r| sign(S r)^T S: the QJL term folded into the key, one matmul
+            k_out = mx.addmm(k_out, k_sign, key_codec.qjl_matrix_in(dtype))
+        return k_out.reshape(B, H, T, p), v_out.reshape(B, H, T, p)
 
     # ---- the whole decode step ----------------------------------------------------------
 

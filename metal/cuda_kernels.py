@@ -25,6 +25,7 @@ pack = _BACKEND.pack
 key_scores = _BACKEND.key_scores
 weighted_values = _BACKEND.weighted_values
 decode_attention = _BACKEND.decode_attention
+decoded_run = _BACKEND.decoded_run
 
 
 def sections() -> dict[str, str]:

@@ -24,6 +24,7 @@ pack = _BACKEND.pack
 key_scores = _BACKEND.key_scores
 weighted_values = _BACKEND.weighted_values
 decode_attention = _BACKEND.decode_attention
+decoded_run = _BACKEND.decoded_run
 
 
 def _sections() -> dict[str, str]:

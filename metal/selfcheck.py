@@ -72,7 +72,25 @@ def codec_kernels_match(backend, seed: int, failures: list[str]) -> bool:
         error = _max_error(backend.weighted_values(codec, w, twin), expected)
         if error > 2e-3 * max(1.0, mx.max(mx.abs(expected)).item()):
             failures.append(f"weighted_values {case} L{n_queries}: error {error}")
+        if hasattr(backend, "decoded_run"):
+            decoded_run_matches(backend, codec, twin, case, failures)
     return not failures
+
+
+def decoded_run_matches(backend, key_codec, keys, case: str, failures: list[str]) -> None:
+    """decoded_run against the twin's estimated keys and decoded values, in float32 and float16
+    (the values reuse the keys' codes under a codec without QJL)."""
+    from services.core.kv.codec import TurboQuantCodec
+
+    value_codec = TurboQuantCodec(key_codec.dim, key_codec.bits, False, seed=key_codec.bits)
+    expected = (key_codec.estimated_keys(keys), value_codec.decode_rotated(keys))
+    for dtype, tolerance in ((mx.float32, 2e-3), (mx.float16, 1e-2)):
+        got = backend.decoded_run(key_codec, value_codec, keys, keys, dtype)
+        for name, a, want in zip(("keys", "values"), got, expected, strict=True):
+            if a.shape != want.shape or a.dtype != dtype:
+                failures.append(f"decoded_run {case} {name}: {a.shape} {a.dtype} != {want.shape} {dtype}")
+            elif _max_error(a, want) > tolerance * max(1.0, mx.max(mx.abs(want)).item()):
+                failures.append(f"decoded_run {case} {name} {dtype}: error {_max_error(a, want)}")
 
 
 def filled_cache(settings, keys: mx.array, values: mx.array, compressed: int):

@@ -375,3 +375,30 @@ if (j < (unsigned)D) {
     for (unsigned k = 0; k < (unsigned)P; ++k) y += rotated_s[k] * v_rotation[j * P + k];
     out[((size_t)g * R + r) * D + j] = static_cast<OT>(y / total);
 }
+
+//// decode_run
+// A compressed run decoded into the rotated domain for one prefill call (the twin:
+// codec.estimated_keys / decode_rotated), one thread per coordinate:
+//   keys[g, t, j]   = |k| c_k[idx_j]                      (the MSE part of the key)
+//   k_sign[g, t, j] = |k| qjl_scale |r| (+1 | -1)          (QJL: the caller adds k_sign @ S)
+//   values[g, t, j] = |v| c_v[idx_j]
+// Inputs: k_norm, k_rnorm, v_norm [G, T] half; k_codes [G, T, KCODE_BYTES], k_signs
+// [G, T, P/8], v_codes [G, T, VCODE_BYTES] uint8; k_centroids, v_centroids float;
+// qjl_scale [1] float. Outputs [G, T, P] of OT. Grid (T * P, G, 1), threadgroup 256.
+// Template: P, KBITS, VBITS, QJL, KCODE_BYTES, VCODE_BYTES, OT.
+size_t tid = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+unsigned g = blockIdx.y;
+size_t T = k_norm_shape[1];
+if (tid >= T * P) return;
+size_t t = tid / P;
+unsigned j = (unsigned)(tid % P);
+size_t row = (size_t)g * T + t;
+size_t at = row * P + j;
+float kn = __half2float(k_norm[row]);
+keys[at] = static_cast<OT>(kn * k_centroids[tq_index(k_codes + row * KCODE_BYTES, j, KBITS, P)]);
+if (QJL) {
+    bool up = (k_signs[row * (P / 8) + (j >> 3)] >> (j & 7u)) & 1u;
+    float a = kn * __half2float(k_rnorm[row]) * qjl_scale[0];
+    k_sign[at] = static_cast<OT>(up ? a : -a);
+}
+values[at] = static_cast<OT>(__half2float(v_norm[row]) * v_centroids[tq_index(v_codes + row * VCODE_BYTES, j, VBITS, P)]);

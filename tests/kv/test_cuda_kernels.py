@@ -68,6 +68,11 @@ _CALLS = {
         },
     ),
     "decode_combine": ("fffif", "h", {"P": 128, "D": 128, "R": 8, "TB": 256, "OT": "__half"}),
+    "decode_run": (
+        "hbhbhbfff",
+        "hhh",
+        {"P": 128, "KBITS": 3, "VBITS": 3, "QJL": 1, "KCODE_BYTES": 48, "VCODE_BYTES": 48, "OT": "__half"},
+    ),
 }
 
 

@@ -51,6 +51,10 @@ class TwinBackend:
 
         return decode_attention(queries, cache, scale)
 
+    def decoded_run(self, key_codec, value_codec, keys, values, dtype):
+        estimated = key_codec.estimated_keys(keys, dtype)
+        return estimated, value_codec.decode_rotated(values).astype(dtype)
+
 
 class InvertedSigns(TwinBackend):
     def pack(self, codec, x):
@@ -73,6 +77,13 @@ class DecodeWithoutSinks(TwinBackend):
         return super().decode_attention(queries, without, scale, start)
 
 
+class RunWithoutQJL(TwinBackend):
+    def decoded_run(self, key_codec, value_codec, keys, values, dtype):
+        _, decoded = super().decoded_run(key_codec, value_codec, keys, values, dtype)
+        mse_only = key_codec.decode_rotated(keys).astype(dtype)  # the QJL term forgotten
+        return mse_only, decoded
+
+
 class DecodeNotServed(TwinBackend):
     def decode_attention(self, queries, cache, scale, start):
         return None
@@ -86,6 +97,7 @@ def test_the_self_check_accepts_the_twin_and_names_what_a_wrong_kernel_breaks():
     for broken, check, what in (
         (InvertedSigns(), codec_kernels_match, "pack"),
         (ValuesMissLastToken(), codec_kernels_match, "weighted_values"),
+        (RunWithoutQJL(), codec_kernels_match, "decoded_run"),
         (DecodeWithoutSinks(), decode_matches, "decode"),
         (DecodeNotServed(), decode_matches, "decode"),
     ):

@@ -95,8 +95,20 @@ def decoded_key_lengths(monkeypatch) -> list[int]:
     return lengths
 
 
-def test_a_run_whose_decoded_copy_passes_the_budget_is_read_block_by_block(monkeypatch):
-    monkeypatch.setattr(metal_attention, "kernel_backend", lambda: None)  # the twin
+class RecordingBackend(TwinBackend):
+    """GPU-style kernels that note the tokens of every run they decode."""
+
+    def __init__(self):
+        self.decoded: list[int] = []
+
+    def decoded_run(self, key_codec, value_codec, keys, values, dtype):
+        self.decoded.append(keys.length)
+        return super().decoded_run(key_codec, value_codec, keys, values, dtype)
+
+
+@pytest.mark.parametrize("backend", [None, RecordingBackend()], ids=["twin", "gpu-style kernels"])
+def test_a_run_whose_decoded_copy_passes_the_budget_is_read_block_by_block(backend, monkeypatch):
+    monkeypatch.setattr(metal_attention, "kernel_backend", lambda: backend)
     monkeypatch.setattr(prefill_attention, "DECODED_BUDGET_BYTES", 16 * (2 * 128 * 4 + 4 * 6 * 12))
     blockwise = counting(monkeypatch, attention, "blockwise_attention")
     lengths = decoded_key_lengths(monkeypatch)
@@ -104,10 +116,12 @@ def test_a_run_whose_decoded_copy_passes_the_budget_is_read_block_by_block(monke
     queries = mx.random.normal((1, 6, 12, 48))
     got = turboquant_attention(queries, cache, scale=0.2)
     assert blockwise and len(lengths) >= 5 and max(lengths) <= 16
+    if backend is not None:  # every block decoded by the backend's kernel
+        assert backend.decoded == lengths
     assert mx.allclose(got, reference_attention(queries, cache, 0.2), atol=1e-4).item()
 
 
-@pytest.mark.parametrize("backend", [None, TwinBackend()], ids=["twin", "gpu-style kernels"])
+@pytest.mark.parametrize("backend", [None, RecordingBackend()], ids=["twin", "gpu-style kernels"])
 def test_a_run_within_the_budget_takes_one_fused_call(backend, monkeypatch):
     """Whatever kernels the device has: a prefill over a run whose decoded copy fits the budget
     decodes it once and runs one fused attention call (the fastest path on every device)."""
@@ -118,4 +132,6 @@ def test_a_run_within_the_budget_takes_one_fused_call(backend, monkeypatch):
     queries = mx.random.normal((1, 6, 12, 48))
     got = turboquant_attention(queries, cache, scale=0.2)
     assert lengths == [cache.compressed_length] and len(fused) == 1
+    if backend is not None:
+        assert backend.decoded == lengths
     assert mx.allclose(got, reference_attention(queries, cache, 0.2), atol=1e-4).item()

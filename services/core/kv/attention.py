@@ -17,7 +17,7 @@ from mlx_lm.models import base as mlx_base
 
 from services.core.kv.cache import TurboQuantKVCache
 from services.core.kv.decode_attention import decode_attention
-from services.core.kv.metal_attention import kernel_attention, kernels_ready
+from services.core.kv.metal_attention import decoded_run, kernel_attention, kernels_ready
 from services.core.kv.prefill_attention import blockwise_attention, decoded_run_fits, prefill_dtype
 
 _HOOK_MARK = "_moe_mesh_turboquant"
@@ -79,8 +79,9 @@ def _stored_attention(
             keys.append(keys_codec.rotation.forward(exact_k).astype(dtype))
             values.append(values_codec.rotation.forward(exact_v).astype(dtype))
         elif packed_k is not None:
-            keys.append(keys_codec.estimated_keys(packed_k, dtype))
-            values.append(values_codec.decode_rotated(packed_v).astype(dtype))
+            run_keys, run_values = decoded_run(keys_codec, values_codec, packed_k, packed_v, dtype)
+            keys.append(run_keys)
+            values.append(run_values)
     keys = mx.concatenate(keys, axis=2) if len(keys) > 1 else keys[0]
     values = mx.concatenate(values, axis=2) if len(values) > 1 else values[0]
 

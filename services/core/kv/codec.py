@@ -44,6 +44,7 @@ class TurboQuantCodec:
             self.qjl_matrix_t = mx.array(s.T.astype(np.float32))  # r @ S^T = (S r)^T
             self.qjl_matrix = mx.array(s.astype(np.float32))
             self.qjl_scale = qjl_scale(self.padded)
+        self._qjl_matrix_as: dict = {}
 
     @property
     def qjl_scale(self) -> float:
@@ -110,6 +111,15 @@ class TurboQuantCodec:
             residual = self.scaled_signs(tokens) @ self.qjl_matrix  # rows: sign^T S
             keys = keys + residual * tokens.residual_norm.astype(mx.float32)[..., None]
         return (keys * tokens.norm.astype(mx.float32)[..., None]).astype(dtype)
+
+    def qjl_matrix_in(self, dtype) -> mx.array:
+        """S in `dtype` (made once per dtype: a cast per prefill call would be one more op)."""
+        matrix = self._qjl_matrix_as.get(dtype)
+        if matrix is None:
+            matrix = self.qjl_matrix.astype(dtype)
+            mx.eval(matrix)  # a constant, never a lazy node shared between threads
+            self._qjl_matrix_as[dtype] = matrix
+        return matrix
 
     def key_scores(self, rotated_queries: mx.array, tokens: CompressedTokens) -> mx.array:
         """<q, k> estimates, [B, H, L, T], for rotated queries [B, H, L, P]."""

@@ -63,6 +63,18 @@ def kernels_ready() -> bool:
     return kernel_backend() is not None
 
 
+def decoded_run(key_codec, value_codec, keys, values, dtype) -> tuple[mx.array, mx.array]:
+    """A compressed run decoded into the rotated domain for one prefill call: (estimated keys,
+    values), [B, H, T, P] of `dtype`. One kernel (and one matmul for QJL keys) where the
+    backend has one; the twin's ~25 array ops otherwise (what a GPU prefill spent most of its
+    time over fp16 on, bench/kv_attention.py --prefill-paths)."""
+    fused = getattr(kernel_backend(), "decoded_run", None)
+    out = None if fused is None else fused(key_codec, value_codec, keys, values, dtype)
+    if out is not None:
+        return out
+    return key_codec.estimated_keys(keys, dtype), value_codec.decode_rotated(values).astype(dtype)
+
+
 def kernel_attention(
     queries: mx.array, cache: TurboQuantKVCache, scale: float, start: int
 ) -> mx.array | None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from services.core.kv.metal_attention import decoded_run
+
 # the most transient memory a prefill call's decoded copy of one layer's compressed run may
 # take (keys and values; block by block, with the block's float32 scores): 512 MB holds the
 # decoded run of 128K tokens of 8 KV heads x 128 dims in float16
@@ -96,14 +98,9 @@ def blockwise_attention(
     value_run = cache.compressed_values
     for a in range(0, run.length, block):
         b = min(a + block, run.length)
-        keys_block, values_block = run.tokens(a, b), value_run.tokens(a, b)
-        estimated = key_codec.estimated_keys(keys_block, dtype)  # QJL folded in: one score matmul
-        absorb(
-            rotated_q @ estimated.swapaxes(-1, -2),
-            n_sinks + a,
-            lambda w, v=value_codec.decode_rotated(values_block).astype(dtype): w @ v,
-            "rotated",
-        )
+        # QJL folded into the estimated keys: one score matmul
+        estimated, decoded = decoded_run(key_codec, value_codec, run.tokens(a, b), value_run.tokens(a, b), dtype)
+        absorb(rotated_q @ estimated.swapaxes(-1, -2), n_sinks + a, lambda w, v=decoded: w @ v, "rotated")
     recent = cache.recent_keys
     if recent is not None and recent.shape[2]:
         keys, values = recent.astype(dtype), cache.recent_values.astype(dtype)
