@@ -57,7 +57,17 @@ KERNELS = {
     ),
     "decode_combine": (["part_m", "part_l", "part_acc", "lengths", "v_rotation"], ["out"], True),
     "decode_run": (
-        ["k_norm", "k_codes", "k_rnorm", "k_signs", "v_norm", "v_codes", "k_centroids", "v_centroids", "qjl_scale"],
+        [
+            "k_norm",
+            "k_codes",
+            "k_rnorm",
+            "k_signs",
+            "v_norm",
+            "v_codes",
+            "k_centroids",
+            "v_centroids",
+            "qjl_scale",
+        ],
         ["keys", "k_sign", "values"],
         True,
     ),

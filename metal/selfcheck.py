@@ -78,13 +78,14 @@ def codec_kernels_match(backend, seed: int, failures: list[str]) -> bool:
 
 
 def decoded_run_matches(backend, key_codec, keys, case: str, failures: list[str]) -> None:
-    """decoded_run against the twin's estimated keys and decoded values, in float32 and float16
-    (the values reuse the keys' codes under a codec without QJL)."""
+    """decoded_run against the twin's estimated keys and decoded values in float16, the type a
+    GPU prefill decodes into (one more kernel to JIT-compile per case; the values reuse the
+    keys' codes under a codec without QJL)."""
     from services.core.kv.codec import TurboQuantCodec
 
     value_codec = TurboQuantCodec(key_codec.dim, key_codec.bits, False, seed=key_codec.bits)
     expected = (key_codec.estimated_keys(keys), value_codec.decode_rotated(keys))
-    for dtype, tolerance in ((mx.float32, 2e-3), (mx.float16, 1e-2)):
+    for dtype, tolerance in ((mx.float16, 1e-2),):
         got = backend.decoded_run(key_codec, value_codec, keys, keys, dtype)
         for name, a, want in zip(("keys", "values"), got, expected, strict=True):
             if a.shape != want.shape or a.dtype != dtype:

@@ -1,6 +1,11 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# Tests compare float32 results at 1e-4; MLX's CUDA backend would round float32 matmuls through
+# TF32 (~1e-3) unless told not to, before MLX is first imported (the services below import it).
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 import pytest
 

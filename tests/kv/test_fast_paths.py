@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from services.core.kv import KVCacheSettings, TurboQuantKVCache, turboquant_attention
+from services.core.kv import cache as kv_cache
 from services.core.kv.codec import TurboQuantCodec
 from services.core.kv.packing import lookup_decode, lookup_table, pack_indices, unpack_indices
 from services.core.kv.token_buffer import TokenBuffer
@@ -112,9 +113,9 @@ def test_decode_steps_encode_only_the_block_that_ages(monkeypatch):
     keys = mx.random.normal((1, 2, 100, 32))
     cache.update_and_fetch(keys[:, :, :60], keys[:, :, :60])
     encoded = []
-    original = TurboQuantCodec.encode
+    original = kv_cache._encode  # the codec's encode, or a GPU backend's pack kernel
     monkeypatch.setattr(
-        TurboQuantCodec, "encode", lambda self, x: encoded.append(x.shape[2]) or original(self, x)
+        kv_cache, "_encode", lambda codec, x: encoded.append(x.shape[2]) or original(codec, x)
     )
     for t in range(60, 100):
         cache.update_and_fetch(keys[:, :, t : t + 1], keys[:, :, t : t + 1])

@@ -99,7 +99,9 @@ def blockwise_attention(
     for a in range(0, run.length, block):
         b = min(a + block, run.length)
         # QJL folded into the estimated keys: one score matmul
-        estimated, decoded = decoded_run(key_codec, value_codec, run.tokens(a, b), value_run.tokens(a, b), dtype)
+        estimated, decoded = decoded_run(
+            key_codec, value_codec, run.tokens(a, b), value_run.tokens(a, b), dtype
+        )
         absorb(rotated_q @ estimated.swapaxes(-1, -2), n_sinks + a, lambda w, v=decoded: w @ v, "rotated")
     recent = cache.recent_keys
     if recent is not None and recent.shape[2]:
