@@ -7,6 +7,7 @@ from pathlib import Path
 # TF32 (~1e-3) unless told not to, before MLX is first imported (the services below import it).
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
+import mlx.core as mx
 import pytest
 
 from services.common.synthetic_model import TINY_CONFIGS, build_random_checkpoint
@@ -20,16 +21,24 @@ class TinyModels:
     def __init__(self, root: Path):
         self.root = root
 
-    def checkpoint(self, arch: str, bits: int | None) -> Path:
-        path = self.root / f"{arch}-{bits or 'f32'}"
+    # weight variants: (matrices' dtype, 1-D parameters' dtype)
+    DTYPES = {None: (mx.float32, mx.float32), "bf16-f32-norms": (mx.bfloat16, mx.float32)}
+
+    def checkpoint(self, arch: str, bits: int | None, dtypes: str | None = None) -> Path:
+        path = self.root / f"{arch}-{bits or 'f32'}{'-' + dtypes if dtypes else ''}"
         if not (path / "config.json").exists():
-            build_random_checkpoint(path, TINY_CONFIGS[arch], bits=bits)
+            dtype, vector_dtype = self.DTYPES[dtypes]
+            build_random_checkpoint(
+                path, TINY_CONFIGS[arch], bits=bits, dtype=dtype, vector_dtype=vector_dtype
+            )
         return path
 
-    def split(self, arch: str, bits: int | None) -> Path:
-        path = self.root / f"{arch}-{bits or 'f32'}-split"
+    def split(self, arch: str, bits: int | None, dtypes: str | None = None) -> Path:
+        path = self.checkpoint(arch, bits, dtypes).with_name(
+            self.checkpoint(arch, bits, dtypes).name + "-split"
+        )
         if not (path / "manifest.json").exists():
-            split_checkpoint(self.checkpoint(arch, bits), path, progress=False)
+            split_checkpoint(self.checkpoint(arch, bits, dtypes), path, progress=False)
         return path
 
 

@@ -56,6 +56,19 @@ def expert_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield path, module
 
 
+def expert_width(module: nn.Module) -> int | None:
+    """The width of the vectors an expert module takes and returns: the output width of its last
+    projection (mlx-lm's SwitchGLU `down_proj`, SwitchMLP `fc2`; quantization packs only the
+    input side of a weight, so its output side reads as is). Usually the model's hidden size, but
+    not where a model projects into a latent space around its experts (nemotron_h's
+    `moe_latent_size`). None for a module with neither projection."""
+    for name in ("down_proj", "fc2"):
+        weight = getattr(getattr(module, name, None), "weight", None)
+        if weight is not None:
+            return int(weight.shape[-2])
+    return None
+
+
 def replace_modules(model: nn.Module, replacements: Mapping[str, nn.Module]) -> None:
     """Swap modules at dotted paths (list indices included), before weights load."""
     for path, new in replacements.items():

@@ -129,6 +129,44 @@ TINY_CONFIGS.update(
             "residual_multiplier": 1.0,
             "attention_bias": False,
         },
+        "phixtral": {  # names its width `model_dim` (no hidden_size key), SwitchMLP experts
+            "model_type": "phixtral",
+            "num_vocab": 4096,
+            "model_dim": 64,
+            "num_heads": 4,
+            "num_layers": 2,
+            "rotary_dim": 8,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+        },
+        "nemotron_h_latent": {  # Mamba2 hybrid whose experts work in a latent width (32, not 64)
+            **_COMMON,
+            "model_type": "nemotron_h",
+            "hybrid_override_pattern": ["M", "E", "*", "E"],
+            "intermediate_size": 64,
+            "moe_intermediate_size": 32,
+            "moe_shared_expert_intermediate_size": 32,
+            "moe_latent_size": 32,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 1.0,
+            "head_dim": 16,
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 16,
+            "mamba_proj_bias": False,
+            "ssm_state_size": 16,
+            "conv_kernel": 4,
+            "n_groups": 1,
+            "mlp_bias": False,
+            "attention_bias": False,
+            "layer_norm_epsilon": 1e-5,
+            "use_bias": False,
+            "use_conv_bias": True,
+        },
     }
 )
 
@@ -165,13 +203,17 @@ def build_random_checkpoint(
     group_size: int = 32,
     seed: int = 0,
     dtype: mx.Dtype = mx.float32,
+    vector_dtype: mx.Dtype | None = None,
 ) -> Path:
     """Write a random-weight checkpoint of `config`'s architecture to `out_dir`.
 
     Weights are float32 by default because MLX's CPU GatherMM is float32-only;
     `bits` quantizes with mlx-lm's own `quantize_model` (the architecture's
-    quant_predicate applies, e.g. Qwen3.5 routers stay 8-bit).
+    quant_predicate applies, e.g. Qwen3.5 routers stay 8-bit). `vector_dtype` stores
+    the 1-D parameters (norms, biases) in another dtype than the matrices, as
+    checkpoints that keep their norms in float32 do.
     """
+    vector_dtype = vector_dtype or dtype
     out_dir = Path(out_dir)
     config = {k: (dict(v) if isinstance(v, dict) else v) for k, v in config.items()}
     mx.random.seed(seed)
@@ -180,7 +222,7 @@ def build_random_checkpoint(
     # Scale weights so activations stay in a sane range through random layers.
     model.update(
         nn.utils.tree_map(
-            lambda p: (p * 2.0).astype(dtype) if p.ndim > 1 else p.astype(dtype), model.parameters()
+            lambda p: (p * 2.0).astype(dtype) if p.ndim > 1 else p.astype(vector_dtype), model.parameters()
         )
     )
     if bits is not None:

@@ -146,5 +146,17 @@ def decode(tensor: tensor_pb2.Tensor, field: str, max_bytes: int, ndim: int | No
     return array
 
 
+# hidden states on the host, in their wire form -> their MLX dtype (bf16 travels as its uint16 bits)
+_HIDDEN_BY_HOST = {np.dtype("<f4"): mx.float32, np.dtype("<f2"): mx.float16, np.dtype("<u2"): mx.bfloat16}
+
+
+def hidden_dtype_of(host: np.ndarray) -> mx.Dtype:
+    """The MLX dtype of a host copy of hidden states in their wire form (see `numpy_view`)."""
+    dtype = _HIDDEN_BY_HOST.get(host.dtype)
+    if dtype is None:
+        raise TypeError(f"hidden states of numpy dtype {host.dtype} are not float32, float16 or bfloat16")
+    return dtype
+
+
 def wire_dtype_of(array_dtype: mx.Dtype) -> int:
     return _FROM_MLX[array_dtype]

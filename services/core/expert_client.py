@@ -151,6 +151,8 @@ class _Pending:
 
     def __init__(self, layer, plan, hidden, ids, started, deadline):
         self.layer, self.plan, self.hidden, self.ids = layer, plan, hidden, ids
+        # the states' own dtype, both ways: the experts compute in what the model hands them
+        self.dtype = tensor_codec.hidden_dtype_of(hidden)
         self.started, self.deadline = started, deadline
         self.request_ids: tuple[str, ...] = ()
         self.frame_calls: list | None = None  # sent as frames: the calls whose answers are due
@@ -160,11 +162,11 @@ class _Pending:
     def seconds_left(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
 
-    def make_slot(self, dtype: mx.Dtype) -> mx.array:
-        """The placeholder the answer will be written into: a [T, k, H] array in the model dtype,
+    def make_slot(self) -> mx.array:
+        """The placeholder the answer will be written into: a [T, k, H] array in the call's dtype,
         NaN until then; self.slot is a writable numpy view of its bytes. Made from host memory,
         so it costs a copy and no evaluation."""
-        tokens, k = self.ids.shape
+        tokens, k, dtype = *self.ids.shape, self.dtype
         nan = tensor_codec.nan_of(dtype)
         wire = mx.array(np.full((tokens, k, self.hidden.shape[-1]), nan, dtype=nan.dtype))
         self.slot = np.asarray(wire)
@@ -229,7 +231,6 @@ class ExpertDispatcher:
         self.routes: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._sole_owner: dict[int, int] = {}  # layer -> the one link holding all of it
         self._rebuild_routes()
-        self.hidden_dtype = tensor_codec.MLX_DTYPE_BY_NAME[manifest.dtype]
         self.timings = LayerCallTimings()
         self._call_ids = itertools.count(1)
         self._rotation = itertools.count()
@@ -374,7 +375,7 @@ class ExpertDispatcher:
             return self.call(layer, hidden, expert_ids)
         settle_pending()
         pending = self._start(layer, hidden, expert_ids)
-        slot = pending.make_slot(self.hidden_dtype)
+        slot = pending.make_slot()
         IN_FLIGHT.call = (self, pending)
         return slot
 
@@ -382,7 +383,7 @@ class ExpertDispatcher:
         started = time.perf_counter()
         ids = np.asarray(expert_ids)  # evaluated int32 (RemoteExperts made it so): a view, no sync
         host_hidden = tensor_codec.numpy_view(hidden)
-        if self.overlap and tensor_codec.has_nan(host_hidden, self.hidden_dtype):
+        if self.overlap and tensor_codec.has_nan(host_hidden, tensor_codec.hidden_dtype_of(host_hidden)):
             self._overlap_failed(layer)
         sole = self._sole_owner.get(layer)
         if sole is not None:
@@ -468,7 +469,7 @@ class ExpertDispatcher:
         array = None
         if slot is None:
             array = mx.array((results[0][1] if out is None else out).reshape(tokens, k, hidden_size))
-            if self.hidden_dtype == mx.bfloat16:
+            if pending.dtype == mx.bfloat16:
                 array = array.view(mx.bfloat16)
         stats = [r[2] for r in results]
         worker_us = max(s.decode_us + s.compute_us + s.encode_us for s in stats)
@@ -580,7 +581,8 @@ class ExpertDispatcher:
         self, layer: int, hidden: np.ndarray, ids: np.ndarray, request_ids
     ) -> expert_pb2.ExpertCall:
         call = expert_pb2.ExpertCall(call_id=next(self._call_ids), layer=layer, request_ids=request_ids)
-        tensor_codec.encode_numpy(hidden, tensor_codec.wire_dtype_of(self.hidden_dtype), call.hidden)
+        wire_dtype = tensor_codec.wire_dtype_of(tensor_codec.hidden_dtype_of(hidden))
+        tensor_codec.encode_numpy(hidden, wire_dtype, call.hidden)
         tensor_codec.encode_numpy(ids, tensor_pb2.DType.INT32, call.expert_ids)
         return call
 

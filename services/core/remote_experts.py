@@ -27,8 +27,9 @@ class RemoteExperts(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         hidden_size, k = x.shape[-1], indices.shape[-1]
         # Evaluate the hidden states in their wire form (bf16 as uint16) so the dispatcher reads
-        # bytes without another sync.
-        flat_x = tensor_codec.wire_form(x.reshape(-1, hidden_size).astype(self._dispatcher.hidden_dtype))
+        # bytes without another sync. They go in their own dtype, which need not be the weights'
+        # (bf16 states meet float32 norms and leave them float32), as mlx-lm's experts see them.
+        flat_x = tensor_codec.wire_form(x.reshape(-1, hidden_size))
         flat_ids = indices.reshape(-1, k).astype(mx.int32)  # routers give uint32; the wire wants int32
         # The previous layer's answer may still be on its way (ExpertDispatcher.call): it
         # lands in the graph before anything is evaluated.

@@ -27,7 +27,7 @@ from mlx_lm.utils import load_model
 from services.common import tensor_codec
 from services.common.logging import get_logger
 from services.common.manifest import Manifest, ManifestError, MoeLayer, record_layout
-from services.common.model_build import UnsupportedModelError, expert_modules, model_classes
+from services.common.model_build import UnsupportedModelError, expert_modules, expert_width, model_classes
 from services.common.progress import Progress
 from services.common.tensor_codec import dtype_name
 
@@ -93,11 +93,45 @@ def split_checkpoint(model_path: Path, out_dir: Path, progress: bool = True) -> 
             f"{model_path.name} ({config['model_type']}) is a dense model: it has no routed experts to split"
         )
 
+    _remove_abandoned_staging(out_dir)
     staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        manifest = _write_split(model_path, model, config, experts, staging, progress)
+    except BaseException:  # a refusal, a crash, Ctrl-C: leave nothing half-written beside OUT
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    staging.rename(out_dir)
+    log.info("split_done", out=str(out_dir), layers=len(manifest.layers), experts=manifest.num_experts)
+    return manifest
+
+
+def _remove_abandoned_staging(out_dir: Path) -> None:
+    """Staging folders of earlier splits into OUT whose process is gone (killed outright, so no
+    cleanup ran); a split still running into the same OUT keeps its own."""
+    for staging in out_dir.parent.glob(f".{out_dir.name}.partial-*"):
+        pid = staging.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def _write_split(
+    model_path: Path, model, config: dict, experts: list, staging: Path, progress: bool
+) -> Manifest:
+    """Experts, core weights, config and manifest into `staging`; return the manifest."""
     (staging / "experts").mkdir(parents=True)
     (staging / "core").mkdir()
-
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     bar = Progress("split", len(experts) + 1, "layers", enabled=progress)
     layers, expert_paths = [], set()
@@ -128,7 +162,7 @@ def split_checkpoint(model_path: Path, out_dir: Path, progress: bool = True) -> 
         fingerprint=digest.hexdigest()[:32],
         model_type=config["model_type"],
         config=config,
-        hidden_size=int(_hidden_size(config)),
+        hidden_size=_hidden_size(config, first),
         num_experts=int(layers[0].num_experts),
         layers=layers,
         source=str(model_path),
@@ -136,19 +170,19 @@ def split_checkpoint(model_path: Path, out_dir: Path, progress: bool = True) -> 
         extra={"expert_class": type(first).__name__},
     )
     manifest.save(staging / "manifest.json")
-
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    staging.rename(out_dir)
-    log.info("split_done", out=str(out_dir), layers=len(layers), experts=manifest.num_experts)
     return manifest
 
 
-def _hidden_size(config: dict) -> int:
+def _hidden_size(config: dict, expert_module) -> int:
+    """The model's hidden size: the config's (top level or text_config), or where a config names
+    it otherwise (phixtral's `model_dim`), the width its experts take."""
     for source in (config, config.get("text_config") or {}):
         if "hidden_size" in source:
-            return source["hidden_size"]
-    raise UnsupportedModelError("config has no hidden_size")
+            return int(source["hidden_size"])
+    width = expert_width(expert_module)
+    if width is None:
+        raise UnsupportedModelError("config has no hidden_size and the expert module shows no width")
+    return width
 
 
 def _activation_dtype(core_weights: dict[str, mx.array]) -> str:

@@ -18,12 +18,19 @@ from mlx.utils import tree_unflatten
 
 from services.common import tensor_codec
 from services.common.manifest import Manifest
-from services.common.model_build import TensorSpec, build_skeleton, find_module, quantize_like_mlx_lm
+from services.common.model_build import (
+    TensorSpec,
+    build_skeleton,
+    expert_width,
+    find_module,
+    quantize_like_mlx_lm,
+)
 from services.common.tensor_codec import TensorDecodeError
 from services.experts.store import ExpertStore
 from services.proto.moemesh.v1 import expert_pb2, tensor_pb2
 
 DEFAULT_MAX_CALL_BYTES = 256 * 1024 * 1024
+HIDDEN_WIRE_DTYPES = (tensor_pb2.DType.FLOAT32, tensor_pb2.DType.FLOAT16, tensor_pb2.DType.BFLOAT16)
 
 
 class CallRejected(ValueError):
@@ -37,9 +44,8 @@ class ExpertCompute:
         self.store = store
         self.manifest: Manifest = store.manifest
         self.max_call_bytes = max_call_bytes
-        self.hidden_dtype = tensor_codec.MLX_DTYPE_BY_NAME[self.manifest.dtype]
-        self.hidden_wire_dtype = tensor_codec.wire_dtype_of(self.hidden_dtype)
         self._modules: dict[int, nn.Module] = {}
+        self._widths: dict[int, int] = {}  # what each layer's experts take: hidden (or latent) size
         self._local_index: dict[int, np.ndarray] = {}
         skeleton = build_skeleton(self.manifest.config)
         served = [self.manifest.layer(index) for index in store.owned]
@@ -57,6 +63,7 @@ class ExpertCompute:
             module.update(tree_unflatten(list(store.weights(layer.layer).items())))
             module.eval()
             self._modules[layer.layer] = module
+            self._widths[layer.layer] = expert_width(module) or self.manifest.hidden_size
             local = np.full(layer.num_experts, -1, dtype=np.int32)
             experts = store.owned[layer.layer]
             local[experts] = np.arange(len(experts), dtype=np.int32)
@@ -71,10 +78,10 @@ class ExpertCompute:
         local_index = self._local_index[call.layer]
         try:
             ids = tensor_codec.decode_numpy(call.expert_ids, "expert_ids", self.max_call_bytes, ndim=2)
-            if call.hidden.dtype != self.hidden_wire_dtype:
+            if call.hidden.dtype not in HIDDEN_WIRE_DTYPES:
                 raise CallRejected(
                     "hidden.dtype",
-                    f"{tensor_pb2.DType.Name(call.hidden.dtype)} given, the model's hidden states are {self.manifest.dtype}",
+                    f"{tensor_pb2.DType.Name(call.hidden.dtype)} given; hidden states are FLOAT32, FLOAT16 or BFLOAT16",
                 )
             hidden = tensor_codec.decode(call.hidden, "hidden", self.max_call_bytes, ndim=2)
         except TensorDecodeError as error:
@@ -82,9 +89,10 @@ class ExpertCompute:
         if call.expert_ids.dtype != tensor_pb2.DType.INT32:
             raise CallRejected("expert_ids.dtype", "must be INT32")
         tokens, hidden_size = hidden.shape
-        if hidden_size != self.manifest.hidden_size:
+        if hidden_size != self._widths[call.layer]:
             raise CallRejected(
-                "hidden.shape", f"hidden size {hidden_size}, the model's is {self.manifest.hidden_size}"
+                "hidden.shape",
+                f"hidden size {hidden_size}, layer {call.layer}'s experts take {self._widths[call.layer]}",
             )
         if ids.shape[0] != tokens:
             raise CallRejected("expert_ids.shape", f"{ids.shape[0]} rows for {tokens} tokens in hidden")
@@ -124,14 +132,16 @@ class ExpertCompute:
                 rows, cols = np.nonzero(asked)
                 pairs = module(hidden[mx.array(rows)], mx.array(slot[rows, cols])[:, None])
                 out = pairs.reshape(-1, hidden_size)
-            wire = tensor_codec.wire_form(out.astype(self.hidden_dtype))  # replies are in the model dtype
+            # replies come in the dtype the call came in: core's model computes in it (mlx-lm
+            # promotes bf16 states through float32 norms to float32, for instance)
+            wire = tensor_codec.wire_form(out.astype(hidden.dtype))
             mx.eval(wire)  # the one synchronisation of the call on the worker side
             reply = np.asarray(wire)
         else:
             reply = self._run_in_groups(call.layer, module, hidden, ids, asked, groups)
         t2 = time.perf_counter()
         result = expert_pb2.ExpertResult(call_id=call.call_id)
-        tensor_codec.encode_numpy(reply, self.hidden_wire_dtype, result.output)
+        tensor_codec.encode_numpy(reply, call.hidden.dtype, result.output)
         t3 = time.perf_counter()
         stats = result.stats
         stats.decode_us, stats.compute_us, stats.encode_us = (
@@ -154,7 +164,7 @@ class ExpertCompute:
             slot_of = self.store.load(layer, group)
             rows, cols = np.nonzero(asked & np.isin(ids, group))
             pairs = module(hidden[mx.array(rows)], mx.array(slot_of[ids[rows, cols]])[:, None])
-            wire = tensor_codec.wire_form(pairs.reshape(-1, hidden.shape[1]).astype(self.hidden_dtype))
+            wire = tensor_codec.wire_form(pairs.reshape(-1, hidden.shape[1]).astype(hidden.dtype))
             mx.eval(wire)
             part = np.asarray(wire)
             if reply is None:

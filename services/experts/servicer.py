@@ -2,7 +2,7 @@
 
 A malformed call is answered in-band (`ExpertResult.error`, INVALID_ARGUMENT naming
 the field) so the long-lived stream survives it; a failure of the store (a bad
-read) is answered the same way with INTERNAL. The worker never dies of a call.
+read) or of the math is answered the same way with INTERNAL. The worker never dies of a call.
 """
 
 from __future__ import annotations
@@ -88,6 +88,11 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         except ExpertFileError as error:
             log.error("expert_read_failed", call_id=call.call_id, layer=call.layer, error=str(error))
             return _error(call.call_id, grpc.StatusCode.INTERNAL, str(error))
+        except Exception as error:  # the math itself failed (e.g. MLX has no kernel for it)
+            # answered in-band like the rest: the stream, and every other call on it, carries on
+            log.exception("call_failed", call_id=call.call_id, layer=call.layer)
+            message = f"layer {call.layer}: the experts' computation failed: {type(error).__name__}: {error}"
+            return _error(call.call_id, grpc.StatusCode.INTERNAL, message)
 
     def _log_new_requests(self, call) -> None:
         for request_id in call.request_ids:

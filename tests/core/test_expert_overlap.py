@@ -153,8 +153,12 @@ def test_a_graph_built_before_a_host_write_into_the_placeholder_sees_it(dtype):
     """The device property overlap rests on (run this file on a GPU host to check one)."""
     from services.core.expert_client import _Pending
 
-    pending = _Pending(0, [], np.zeros((3, 64), np.float32), np.zeros((3, 8), np.int32), 0.0, 0.0)
-    slot = pending.make_slot(dtype)
+    from services.common.tensor_codec import numpy_view
+
+    hidden = numpy_view(mx.zeros((3, 64), dtype))  # the call's states, in their wire form
+    pending = _Pending(0, [], hidden, np.zeros((3, 8), np.int32), 0.0, 0.0)
+    slot = pending.make_slot()
+    assert slot.dtype == dtype
     weight = mx.random.normal((64, 64), key=mx.random.key(0)).astype(dtype)
     built_before = (slot.reshape(-1, 64) @ weight).sum(axis=0)
     answer = mx.random.normal((3, 8, 64), key=mx.random.key(1)).astype(dtype)

@@ -1,8 +1,10 @@
 """Architectures no issue names: the split and the remote experts need no per-architecture code.
 
 deepseek_v3 (MLA, shared expert, a dense first layer), gpt_oss (experts under `experts`, biased
-SwitchGLU with its own activation), olmoe, phimoe, granitemoe — each with its experts spread over
-three real worker processes, against mlx-lm on the original checkpoint.
+SwitchGLU with its own activation), olmoe, phimoe, granitemoe, phixtral (no `hidden_size` in its
+config), nemotron_h with a latent expert width, and a checkpoint whose norms stay float32 beside
+bf16 weights (its hidden states reach the experts in float32, as in mlx-lm) — each with its
+experts spread over three real worker processes, against mlx-lm on the original checkpoint.
 """
 
 from __future__ import annotations
@@ -15,13 +17,22 @@ from mlx_lm.generate import generate_step
 from services.core.model_loader import load_core_model
 from tests.helpers import linked_dispatcher
 
-CASES = [("deepseek_v3", 4), ("gpt_oss", 4), ("olmoe", 4), ("phimoe", 4), ("granitemoe", None)]
+CASES = [
+    ("deepseek_v3", 4, None),
+    ("gpt_oss", 4, None),
+    ("olmoe", 4, None),
+    ("phimoe", 4, None),
+    ("granitemoe", None, None),
+    ("phixtral", 4, None),
+    ("nemotron_h_latent", None, None),
+    ("qwen3_moe", 4, "bf16-f32-norms"),
+]
 
 
-@pytest.mark.parametrize("arch, bits", CASES, ids=[a for a, _ in CASES])
-def test_split_model_matches_mlx_lm(tiny_models, short_tmp, arch, bits):
-    reference, _ = mlx_lm.load(str(tiny_models.checkpoint(arch, bits)))
-    split = tiny_models.split(arch, bits)
+@pytest.mark.parametrize("arch, bits, dtypes", CASES, ids=[a + (f"-{d}" if d else "") for a, _, d in CASES])
+def test_split_model_matches_mlx_lm(tiny_models, short_tmp, arch, bits, dtypes):
+    reference, _ = mlx_lm.load(str(tiny_models.checkpoint(arch, bits, dtypes)))
+    split = tiny_models.split(arch, bits, dtypes)
     prompt = mx.array(list(range(1000, 1016)))
     with linked_dispatcher(split, short_tmp, ["0-2", "3-5", "6-7"]) as (_, dispatcher, manifest):
         core = load_core_model(split, manifest, dispatcher)

@@ -131,3 +131,21 @@ def test_hugging_face_per_expert_layout_splits_like_the_stacked_one(tiny_models,
             np.fromfile(tmp_path / "a" / layer.file, dtype=np.uint8),
             np.fromfile(tmp_path / "b" / layer.file, dtype=np.uint8),
         )
+
+
+def test_a_split_that_fails_leaves_nothing_beside_out(tiny_models, tmp_path, monkeypatch):
+    """Whatever stops a split after it began writing (a refusal, a crash, Ctrl-C), nothing
+    half-written stays beside OUT; and a staging folder a killed split left is removed by the
+    next split into the same OUT."""
+    from services.core import split as split_module
+
+    abandoned = tmp_path / ".out.partial-999999999"  # no such process
+    (abandoned / "experts").mkdir(parents=True)
+
+    def fail(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(split_module, "_activation_dtype", fail)  # after every layer is written
+    with pytest.raises(KeyboardInterrupt):
+        split_checkpoint(tiny_models.checkpoint("qwen3_moe", None), tmp_path / "out", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

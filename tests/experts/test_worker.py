@@ -56,7 +56,7 @@ def malformed_calls():
         tensor_codec.encode(mx.array([[2, -7]] * 3, dtype=mx.int32))
     )
     variant(
-        "hidden.dtype", lambda c: c.hidden.CopyFrom(tensor_codec.encode(mx.zeros((3, H), dtype=mx.float16)))
+        "hidden.dtype", lambda c: c.hidden.CopyFrom(tensor_codec.encode(mx.zeros((3, H), dtype=mx.int32)))
     )
     variant("hidden", lambda c: setattr(c.hidden, "data", c.hidden.data[:-4]))  # byte count off
     variant("hidden", lambda c: c.hidden.shape.extend([1]))  # wrong rank
@@ -105,6 +105,27 @@ async def test_forward_matches_mlx_lm_expert_module(worker, tiny_models):
     )
     assert mx.array_equal(got, want).item()
     assert result.stats.pairs == 8 and result.stats.compute_us > 0
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+async def test_a_call_is_computed_and_answered_in_its_own_dtype(worker, tiny_models, dtype):
+    """Hidden states travel in the dtype core's model computes them in, whatever the weights
+    are stored in: the experts see what mlx-lm's own expert module would see."""
+    workers, _ = worker
+    model, _ = mlx_lm.load(str(tiny_models.checkpoint("qwen3_moe", None)))
+    switch = dict(expert_modules(model))["model.layers.1.mlp.switch_mlp"]
+    call = good_call(2, tokens=4)
+    hidden = tensor_codec.decode(call.hidden, "h", 1 << 30).astype(dtype)
+    call.hidden.CopyFrom(tensor_codec.encode(hidden))
+    async with grpc.aio.insecure_channel(workers.addresses[0]) as channel:
+        stream = expert_pb2_grpc.ExpertWorkerStub(channel).Forward()
+        await stream.write(call)
+        result = await stream.read()
+        await stream.done_writing()
+    assert not result.HasField("error") and result.output.dtype == call.hidden.dtype
+    got = tensor_codec.decode(result.output, "output", 1 << 30).reshape(4, 2, H)
+    want = switch(hidden, tensor_codec.decode(call.expert_ids, "e", 1 << 30)).astype(dtype)
+    assert got.dtype == dtype and mx.array_equal(got, want).item()
 
 
 @pytest.mark.parametrize("name", list(malformed_calls()))
@@ -158,3 +179,24 @@ def test_bad_ranges_are_refused_in_one_line(tiny_models, short_tmp, flags, messa
     )
     assert result.returncode != 0
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+class _FailingCompute:
+    """An ExpertCompute whose math raises, as MLX does for an op it has no kernel for."""
+
+    manifest = None
+
+    def run(self, call):
+        raise RuntimeError("[GatherMM::eval] Currently only supports float32.")
+
+
+def test_a_call_whose_math_fails_is_answered_internal_in_band():
+    """Forward and the frame socket both answer through `answer()`: a failure of the math is an
+    INTERNAL result for that call, not an exception that would end the stream (and, with it,
+    core's link to a worker that can serve every other call)."""
+    from services.experts.servicer import ExpertWorkerServicer
+
+    servicer = ExpertWorkerServicer(_FailingCompute(), worker_id="w")
+    result = servicer.answer(good_call(9))
+    assert result.call_id == 9 and result.error.code == grpc.StatusCode.INTERNAL.value[0]
+    assert "layer 1" in result.error.message and "GatherMM" in result.error.message
