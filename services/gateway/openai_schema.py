@@ -23,9 +23,37 @@ UINT64_MAX = 2**64 - 1
 
 
 class ApiModel(BaseModel):
-    """Base for every request model: extra fields are accepted and dropped."""
+    """Base for every request model: extra fields are accepted and dropped; every string in a
+    field must be valid Unicode."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _encodable_text(cls, value: Any) -> Any:
+        _check_encodable(value)
+        return value
+
+
+def _check_encodable(value: Any) -> None:
+    """JSON may escape a lone UTF-16 surrogate ("\\ud800"), which Python decodes to a string no
+    UTF-8 encoder (protobuf's, the tokenizer's) accepts: refuse it here, a 400 naming the field,
+    rather than a 500 later. Nested models check their own fields."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ValueError(
+                f"text holds a lone UTF-16 surrogate (U+{ord(value[error.start]):04X}) at index "
+                f"{error.start}: not valid Unicode"
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_encodable(key)
+            _check_encodable(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _check_encodable(item)
 
 
 class TextContentPart(ApiModel):

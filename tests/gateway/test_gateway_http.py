@@ -62,6 +62,39 @@ def test_n_message_is_clear(gateway_url: str, core: CoreDouble) -> None:
     assert "n=1" in error["message"]
 
 
+LONE_SURROGATE = "a\\ud800b"  # valid JSON; decodes to a str no UTF-8 encoder takes
+
+
+@pytest.mark.parametrize(
+    ("route", "raw", "where"),
+    [
+        (CHAT, f'{{"messages":[{{"role":"user","content":"{LONE_SURROGATE}"}}]}}', "messages"),
+        (CHAT, f'{{"messages":[{{"role":"user","content":"Hi"}}],"stop":["{LONE_SURROGATE}"]}}', "stop"),
+        (CHAT, f'{{"model":"{LONE_SURROGATE}","messages":[{{"role":"user","content":"Hi"}}]}}', "model"),
+        ("/v1/completions", f'{{"prompt":"{LONE_SURROGATE}"}}', "prompt"),
+        (
+            "/v1/messages",
+            f'{{"max_tokens":4,"messages":[{{"role":"user","content":"{LONE_SURROGATE}"}}]}}',
+            "messages",
+        ),
+        (
+            "/v1/messages/count_tokens",
+            f'{{"messages":[{{"role":"user","content":"{LONE_SURROGATE}"}}]}}',
+            "messages",
+        ),
+    ],
+)
+def test_a_lone_surrogate_is_a_400_not_a_500(gateway_url: str, core: CoreDouble, route, raw, where) -> None:
+    response = httpx.post(
+        gateway_url + route, content=raw.encode(), headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 400, response.text
+    body = response.json()
+    message = body["error"]["message"]
+    assert "surrogate" in message and where in json.dumps(body)
+    assert core.requests == []
+
+
 @pytest.mark.parametrize("raw", [b"{not json", b"", b'{"model": "x", "messages": [', "ü".encode("latin-1")])
 def test_malformed_json_is_400(gateway_url: str, core: CoreDouble, raw: bytes) -> None:
     response = httpx.post(gateway_url + CHAT, content=raw, headers={"Content-Type": "application/json"})
