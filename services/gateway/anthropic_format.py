@@ -36,6 +36,18 @@ def tool_input(arguments: str) -> dict[str, Any]:
     return parsed if isinstance(parsed, dict) else {"arguments": parsed}
 
 
+def input_usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[str, int]:
+    """Anthropic's usage counters. Its three input counters are disjoint (the prompt is their
+    sum): `input_tokens` counts only what was computed, the prefix-cache hits go under
+    `cache_read_input_tokens`."""
+    return {
+        "input_tokens": prompt_tokens - cached_tokens,
+        "output_tokens": output_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached_tokens,
+    }
+
+
 class AnthropicFormatter:
     """Renders one Anthropic message, streamed or whole."""
 
@@ -48,11 +60,7 @@ class AnthropicFormatter:
         self._index = -1
 
     def _usage(self) -> dict[str, int]:
-        return {
-            "input_tokens": self.state.prompt_tokens,
-            "output_tokens": self.state.completion_tokens,
-            "cache_read_input_tokens": self.state.cached_prompt_tokens,
-        }
+        return input_usage(self.state.prompt_tokens, self.state.cached_prompt_tokens, self.state.completion_tokens)
 
     def _stop(self) -> tuple[str, str | None]:
         """(stop_reason, stop_sequence) once the stream has ended."""
@@ -94,11 +102,7 @@ class AnthropicFormatter:
     def opening(self, first: core_pb2.GenerateChunk) -> list[bytes]:
         start = self._message([], None)
         # Core puts the prompt's token counts on its first chunk (and again on the last).
-        start["usage"] = {
-            "input_tokens": first.usage.prompt_tokens,
-            "output_tokens": 0,
-            "cache_read_input_tokens": first.usage.cached_prompt_tokens,
-        }
+        start["usage"] = input_usage(first.usage.prompt_tokens, first.usage.cached_prompt_tokens, 0)
         return [sse_named("message_start", {"type": "message_start", "message": start})]
 
     def on_chunk(self, chunk: core_pb2.GenerateChunk) -> list[bytes]:

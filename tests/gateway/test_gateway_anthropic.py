@@ -42,6 +42,20 @@ def test_create(gateway_url: str, core: CoreDouble) -> None:
     assert sent.stopping.max_tokens == 64 and list(sent.stopping.stop) == ["\n\n"]
 
 
+def test_cached_prompt_tokens_are_reported_apart_from_input_tokens(
+    gateway_url: str, core: CoreDouble
+) -> None:
+    """Anthropic's input counters are disjoint: input_tokens + cache_read_input_tokens is the prompt
+    (clients sum them for context meters and costs)."""
+    core.script.cached_prompt_tokens = 5
+    whole = client(gateway_url).messages.create(model=MODEL_ID, max_tokens=64, messages=QUESTION)
+    with client(gateway_url).messages.stream(model=MODEL_ID, max_tokens=64, messages=QUESTION) as stream:
+        final = stream.get_final_message()  # (message_start's counts: test_gateway_live, real core)
+    for usage in (whole.usage, final.usage):
+        assert (usage.input_tokens, usage.cache_read_input_tokens) == (6 - 5, 5)
+        assert usage.cache_creation_input_tokens == 0
+
+
 def test_max_tokens_stop_reason(gateway_url: str, core: CoreDouble) -> None:
     message = client(gateway_url).messages.create(model=MODEL_ID, max_tokens=2, messages=QUESTION)
     assert message.stop_reason == "max_tokens" and message.content[0].text == "The capital"
