@@ -64,7 +64,7 @@ class RequestPreparer:
         """Tokens of a GenerateRequest's or CountTokensRequest's input."""
         kind = request.WhichOneof("input")
         if kind == "chat":
-            return self._render(*self._chat_inputs(request.chat), generation_prompt=True)
+            return self._render_chat(request.chat, self._chat_inputs(request.chat))
         if kind == "prompt":
             if not request.prompt:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
@@ -144,18 +144,53 @@ class RequestPreparer:
             ) from None
         return messages, tools or None, kwargs
 
+    def _render_chat(self, chat: core_pb2.ChatInput, inputs: tuple[list[dict], list | None, dict]) -> list[int]:
+        """The prompt of a chat: its messages, then the assistant's new turn opened, or with
+        `continue_final_message` the final assistant message left open to carry on from."""
+        if chat.continue_final_message:
+            return self._continuation(*inputs)
+        return self._render(*inputs, generation_prompt=True)
+
+    def _continuation(self, messages: list[dict], tools: list | None, kwargs: dict) -> list[int]:
+        """The conversation rendered up to the end of the final assistant message's text, as
+        Hugging Face's `continue_final_message` does it: render the whole conversation as text,
+        cut right after the last occurrence of that text (the template's end-of-turn goes), then
+        tokenize. Done here rather than by the template call because not every tokenizer wrapper
+        takes that flag."""
+        final = messages[-1]
+        if final["role"] != "assistant":
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"chat.continue_final_message: the last message is a {final['role']} turn, not an assistant turn",
+            )
+        text = (final["content"] or "").strip()
+        if not text:  # nothing to carry on from: an empty prefill is a new turn
+            return self._render(messages[:-1], tools, kwargs, generation_prompt=True)
+        rendered = self._template(messages, tools, kwargs, generation_prompt=False, tokenize=False)
+        end = rendered.rfind(text)
+        if end < 0:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "chat.continue_final_message: this model's chat template does not render the final "
+                "assistant message's text as given, so it cannot be continued",
+            )
+        return list(self.tokenizer.encode(rendered[: end + len(text)], add_special_tokens=False))
+
     def _render(
         self, messages: list[dict], tools: list | None, kwargs: dict, generation_prompt: bool
     ) -> list[int]:
-        try:
-            tokens = self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=True, **kwargs
-            )
-        except Exception as error:  # noqa: BLE001 - jinja raises anything for conversations the template refuses
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"chat template: {error}") from None
+        tokens = self._template(messages, tools, kwargs, generation_prompt=generation_prompt, tokenize=True)
         if isinstance(tokens, dict) or hasattr(tokens, "input_ids"):
             tokens = tokens["input_ids"]
         return list(tokens)
+
+    def _template(self, messages, tools, kwargs, generation_prompt: bool, tokenize: bool):
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=tokenize, **kwargs
+            )
+        except Exception as error:  # noqa: BLE001 - jinja raises anything for conversations the template refuses
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"chat template: {error}") from None
 
     def prepare(self, request: core_pb2.GenerateRequest, time_remaining: float | None) -> PreparedRequest:
         if request.model and request.model != self.model_id:
@@ -164,7 +199,7 @@ class RequestPreparer:
                 f"model {request.model!r} is not served here (serving {self.model_id!r})",
             )
         chat = self._chat_inputs(request.chat) if request.WhichOneof("input") == "chat" else None
-        prompt = self._render(*chat, generation_prompt=True) if chat else self.prompt_tokens(request)
+        prompt = self._render_chat(request.chat, chat) if chat else self.prompt_tokens(request)
         if not prompt:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, "input: the prompt is empty after tokenization"

@@ -82,9 +82,12 @@ def _assistant_turn(message: Message) -> core_pb2.ChatMessage:
 def chat_input(request: MessagesInput) -> core_pb2.ChatInput:
     choice = request.tool_choice
     mode = TOOL_CHOICE_MODES[choice.type] if choice else core_pb2.ToolChoice.AUTO
+    messages = core_messages(request)
     chat = core_pb2.ChatInput(
-        messages=core_messages(request),
+        messages=messages,
         add_generation_prompt=True,
+        # a final assistant turn is a prefill: the answer continues it (and does not repeat it)
+        continue_final_message=messages[-1].role == "assistant",
         tool_choice=core_pb2.ToolChoice(
             mode=mode, function_name=choice.name or "" if choice and choice.type == "tool" else ""
         ),

@@ -86,6 +86,7 @@ def build_chat_request(request: ChatCompletionRequest, request_id: str) -> core_
     chat = core_pb2.ChatInput(
         messages=[chat_message(message) for message in request.messages],
         add_generation_prompt=True,
+        continue_final_message=request.continue_final_message,
         tool_choice=tool_choice(request.tool_choice),
     )
     # tool_choice "none": the model must not call tools; core also gets the mode, so a template

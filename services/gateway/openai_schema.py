@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
@@ -238,6 +238,20 @@ class ChatCompletionRequest(GenerationOptions):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension, e.g. {"enable_thinking": false}
+    # vLLM extensions: continue the final assistant message (a prefill) instead of opening a new turn
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _continuation_is_consistent(self) -> ChatCompletionRequest:
+        if self.continue_final_message:
+            if self.messages[-1].role != "assistant":
+                raise ValueError("continue_final_message needs the last message to be an assistant message")
+            if self.add_generation_prompt:
+                raise ValueError("continue_final_message needs add_generation_prompt=false")
+        elif not self.add_generation_prompt:
+            raise ValueError("add_generation_prompt=false is served only with continue_final_message=true")
+        return self
 
     @field_validator("tool_choice")
     @classmethod

@@ -85,6 +85,21 @@ def test_demo_answers_paris_streamed(up):
     assert "Paris" in text
 
 
+def test_anthropic_prefill_is_continued(up):
+    """An assistant turn at the end (Anthropic's prefill) is carried on from, not answered anew:
+    the demo model finishes the sentence, and the reply does not repeat the prefill."""
+    import anthropic
+
+    _, url, _ = up
+    client = anthropic.Anthropic(base_url=url.removesuffix("/v1"), api_key="unused", max_retries=0)
+    prefill = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    reply = client.messages.create(
+        model="smollm2-135m-moe8", max_tokens=8, messages=prefill, extra_body={"temperature": 0}
+    )
+    text = reply.content[0].text
+    assert "Paris" in text and not text.lstrip().startswith("The capital"), text
+
+
 def test_sigterm_stops_everything_and_removes_sockets(up):
     proc, _, workdir = up
     children = children_of(proc.pid)

@@ -258,3 +258,12 @@ def test_count_tokens(gateway_url: str, core: CoreDouble) -> None:
     assert counted.input_tokens == 2 + 6  # the double counts words of the mapped messages
     response = httpx.post(gateway_url + "/v1/messages/count_tokens", json={"model": MODEL_ID, "messages": []})
     assert response.status_code == 400 and response.json()["type"] == "error"
+
+
+def test_a_final_assistant_turn_is_a_prefill_core_continues(gateway_url: str, core: CoreDouble) -> None:
+    prefill = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    client(gateway_url).messages.create(model=MODEL_ID, max_tokens=8, messages=prefill)
+    client(gateway_url).messages.create(model=MODEL_ID, max_tokens=8, messages=QUESTION)
+    continued, answered = core.requests
+    assert continued.chat.continue_final_message and continued.chat.messages[-1].role == "assistant"
+    assert not answered.chat.continue_final_message

@@ -225,3 +225,29 @@ def test_developer_role_is_system(gateway_url: str, core: CoreDouble) -> None:
         messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
     )
     assert [m.role for m in core.requests[0].chat.messages] == ["system", "user"]
+
+
+def test_continue_final_message_reaches_core(gateway_url: str, core: CoreDouble) -> None:
+    """vLLM's extension for a prefill: the last (assistant) message is continued."""
+    prefill = [*MESSAGES, {"role": "assistant", "content": "The capital of France is"}]
+    sync_client(gateway_url).chat.completions.create(
+        model=MODEL_ID,
+        messages=prefill,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert core.requests[-1].chat.continue_final_message
+
+
+@pytest.mark.parametrize(
+    "extra, last_role",
+    [
+        ({"continue_final_message": True, "add_generation_prompt": False}, "user"),
+        ({"continue_final_message": True}, "assistant"),  # add_generation_prompt defaults to true
+        ({"add_generation_prompt": False}, "assistant"),  # only served with a continuation
+    ],
+)
+def test_inconsistent_continuation_flags_are_400(gateway_url: str, core: CoreDouble, extra, last_role) -> None:
+    messages = MESSAGES if last_role == "user" else [*MESSAGES, {"role": "assistant", "content": "It is"}]
+    with pytest.raises(openai.BadRequestError):
+        sync_client(gateway_url).chat.completions.create(model=MODEL_ID, messages=messages, extra_body=extra)
+    assert core.requests == []
