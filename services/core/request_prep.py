@@ -144,7 +144,9 @@ class RequestPreparer:
             ) from None
         return messages, tools or None, kwargs
 
-    def _render_chat(self, chat: core_pb2.ChatInput, inputs: tuple[list[dict], list | None, dict]) -> list[int]:
+    def _render_chat(
+        self, chat: core_pb2.ChatInput, inputs: tuple[list[dict], list | None, dict]
+    ) -> list[int]:
         """The prompt of a chat: its messages, then the assistant's new turn opened, or with
         `continue_final_message` the final assistant message left open to carry on from."""
         if chat.continue_final_message:

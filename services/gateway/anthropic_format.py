@@ -60,7 +60,9 @@ class AnthropicFormatter:
         self._index = -1
 
     def _usage(self) -> dict[str, int]:
-        return input_usage(self.state.prompt_tokens, self.state.cached_prompt_tokens, self.state.completion_tokens)
+        return input_usage(
+            self.state.prompt_tokens, self.state.cached_prompt_tokens, self.state.completion_tokens
+        )
 
     def _stop(self) -> tuple[str, str | None]:
         """(stop_reason, stop_sequence) once the stream has ended."""

@@ -53,7 +53,9 @@ def test_without_the_flag_a_final_assistant_turn_is_closed_and_a_new_one_opened(
 
 def test_an_empty_prefill_opens_the_turn(preparer):
     continued = chat(("user", "Hi"), ("assistant", "  "), continue_final=True)
-    assert preparer.prompt_tokens(continued) == preparer.prompt_tokens(chat(("user", "Hi"), continue_final=False))
+    assert preparer.prompt_tokens(continued) == preparer.prompt_tokens(
+        chat(("user", "Hi"), continue_final=False)
+    )
 
 
 def test_continuing_a_user_turn_is_refused(preparer):

@@ -246,7 +246,9 @@ def test_continue_final_message_reaches_core(gateway_url: str, core: CoreDouble)
         ({"add_generation_prompt": False}, "assistant"),  # only served with a continuation
     ],
 )
-def test_inconsistent_continuation_flags_are_400(gateway_url: str, core: CoreDouble, extra, last_role) -> None:
+def test_inconsistent_continuation_flags_are_400(
+    gateway_url: str, core: CoreDouble, extra, last_role
+) -> None:
     messages = MESSAGES if last_role == "user" else [*MESSAGES, {"role": "assistant", "content": "It is"}]
     with pytest.raises(openai.BadRequestError):
         sync_client(gateway_url).chat.completions.create(model=MODEL_ID, messages=messages, extra_body=extra)
