@@ -318,10 +318,7 @@ class Engine:
                     if sequence.prefill_started_at is None:
                         sequence.prefill_started_at = started
                     self._emit(sequence, response)
-        self.kv_cache_bytes = sum(g.prompt_cache_nbytes for g in self._generators.values())
-        self._in_batch = sum(
-            len(g._generation_batch) + len(g._prompt_batch) for g in self._generators.values()
-        )
+        self._refresh_gauges()
         now = time.monotonic()
         for sequence in list(self._active.values()):
             if sequence.request.deadline is not None and now > sequence.request.deadline:
@@ -436,6 +433,14 @@ class Engine:
             caches = generator.remove([sequence.uid], return_prompt_caches=keep)
             for cache, tokens in caches.values():
                 self.prefix_cache.store(sequence.kind, tokens[:], cache)
+            self._refresh_gauges()  # a cancel between steps: no step follows to do it
+
+    def _refresh_gauges(self) -> None:
+        """KV bytes and sequences in the batches, as GetStats and /metrics report them."""
+        self.kv_cache_bytes = sum(g.prompt_cache_nbytes for g in self._generators.values())
+        self._in_batch = sum(
+            len(g._generation_batch) + len(g._prompt_batch) for g in self._generators.values()
+        )
 
     def _fail_all(self, code: grpc.StatusCode, message: str) -> None:
         """A step failed midway: every sequence in flight is lost; start clean batches."""

@@ -194,12 +194,15 @@ class RequestPreparer:
         except Exception as error:  # noqa: BLE001 - jinja raises anything for conversations the template refuses
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"chat template: {error}") from None
 
-    def prepare(self, request: core_pb2.GenerateRequest, time_remaining: float | None) -> PreparedRequest:
-        if request.model and request.model != self.model_id:
+    def check_model(self, model: str) -> None:
+        """A request naming a model must name the served one (empty: whatever is served)."""
+        if model and model != self.model_id:
             raise RequestError(
-                grpc.StatusCode.NOT_FOUND,
-                f"model {request.model!r} is not served here (serving {self.model_id!r})",
+                grpc.StatusCode.NOT_FOUND, f"model {model!r} is not served here (serving {self.model_id!r})"
             )
+
+    def prepare(self, request: core_pb2.GenerateRequest, time_remaining: float | None) -> PreparedRequest:
+        self.check_model(request.model)
         chat = self._chat_inputs(request.chat) if request.WhichOneof("input") == "chat" else None
         prompt = self._render_chat(request.chat, chat) if chat else self.prompt_tokens(request)
         if not prompt:

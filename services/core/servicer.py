@@ -78,6 +78,7 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
 
     async def CountTokens(self, request: core_pb2.CountTokensRequest, context):
         try:
+            self.preparer.check_model(request.model)
             return core_pb2.CountTokensResponse(count=len(self.preparer.prompt_tokens(request)))
         except RequestError as error:
             await context.abort(error.code, str(error))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, StrictBool, ValidationInfo, field_validator
 
 from services.gateway.openai_schema import UINT32_MAX, ApiModel
 
@@ -32,7 +32,7 @@ class ToolResultBlock(ApiModel):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock] = ""
-    is_error: bool = False
+    is_error: StrictBool = False
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
@@ -72,7 +72,7 @@ class ToolSpec(ApiModel):
 class ToolChoice(ApiModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
-    disable_parallel_tool_use: bool = False
+    disable_parallel_tool_use: StrictBool = False
 
 
 class ThinkingConfig(ApiModel):
@@ -129,7 +129,7 @@ class MessagesRequest(MessagesInput):
 
     max_tokens: int = Field(ge=1, le=UINT32_MAX)
     stop_sequences: list[str] | None = Field(default=None, max_length=16)
-    stream: bool = False
+    stream: StrictBool = False
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0, le=2**31 - 1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import Field, StrictBool, field_validator
 
 from services.gateway.openai_schema import UINT32_MAX, GenerationOptions
 
@@ -24,7 +24,7 @@ class CompletionRequest(GenerationOptions):
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1, le=UINT32_MAX)
-    echo: bool = False
+    echo: StrictBool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None

@@ -66,10 +66,11 @@ class CoreClient:
         )
         return list(response.models)
 
-    async def count_tokens(self, chat: core_pb2.ChatInput, request_id: str) -> int:
-        """Prompt tokens of `chat` after the model's chat template (tools included)."""
+    async def count_tokens(self, chat: core_pb2.ChatInput, request_id: str, model: str = "") -> int:
+        """Prompt tokens of `chat` after the model's chat template (tools included); NOT_FOUND
+        when `model` is given and not the served one."""
         response = await self._core.CountTokens(
-            core_pb2.CountTokensRequest(chat=chat),
+            core_pb2.CountTokensRequest(chat=chat, model=model),
             metadata=self._metadata(request_id),
             timeout=self.config.unary_timeout_s,
         )

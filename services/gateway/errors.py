@@ -114,6 +114,8 @@ def error_from_grpc(error: grpc.aio.AioRpcError | grpc.RpcError) -> OpenAIError:
         message = _SAFE_MESSAGE_BY_HTTP_STATUS.get(status, f"request failed ({code.name.lower()})")
     if status == 400 and details.startswith(CONTEXT_LENGTH_EXCEEDED):
         return OpenAIError(status, message, param="messages", code=CONTEXT_LENGTH_EXCEEDED)
+    if code == grpc.StatusCode.NOT_FOUND and details.startswith("model "):  # core's check_model
+        return OpenAIError(status, message, param="model", code="model_not_found")  # OpenAI's names
     return OpenAIError(status, message, code=code.name.lower())
 
 

@@ -16,7 +16,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
@@ -85,6 +93,15 @@ class ChatMessage(ApiModel):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
+    @model_validator(mode="after")
+    def _required_parts(self) -> ChatMessage:
+        # as OpenAI: only an assistant turn may go without content (it calls tools instead)
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content is required in a {self.role} message")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool_call_id is required in a tool message")
+        return self
+
     def core_role(self) -> str:
         """OpenAI's newer `developer` role is the system prompt for open-weight chat templates."""
         return "system" if self.role == "developer" else self.role
@@ -119,7 +136,7 @@ class NamedToolChoice(ApiModel):
 
 
 class StreamOptions(ApiModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class TextResponseFormat(ApiModel):
@@ -135,7 +152,7 @@ class JsonSchemaSpec(ApiModel):
     description: str = ""
     # `schema` shadows a BaseModel attribute, hence the alias.
     json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class JsonSchemaResponseFormat(ApiModel):
@@ -169,8 +186,15 @@ class GenerationOptions(ApiModel):
     """Sampling and stopping fields shared by chat and text completions (OpenAI plus vLLM's extensions)."""
 
     model: str = ""  # empty: core serves its one model
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_a_stream(cls, options: StreamOptions | None, info: ValidationInfo):
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return options
 
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -185,7 +209,7 @@ class GenerationOptions(ApiModel):
     max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=UINT32_MAX)]] | None = None  # vLLM extension
-    ignore_eos: bool = False  # vLLM extension, handy for benchmarks
+    ignore_eos: StrictBool = False  # vLLM extension, handy for benchmarks
     # moe-mesh extension: this request's KV cache kind ("fp16" | "turboquant"); core validates it.
     kv_cache: str | None = Field(default=None, max_length=32)
 
@@ -235,12 +259,12 @@ class ChatCompletionRequest(GenerationOptions):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension, e.g. {"enable_thinking": false}
     # vLLM extensions: continue the final assistant message (a prefill) instead of opening a new turn
-    continue_final_message: bool = False
-    add_generation_prompt: bool = True
+    continue_final_message: StrictBool = False
+    add_generation_prompt: StrictBool = True
 
     @model_validator(mode="after")
     def _continuation_is_consistent(self) -> ChatCompletionRequest:

@@ -36,7 +36,7 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
 async def count_tokens(body: MessagesInput, request: Request) -> dict[str, int]:
     core: CoreClient = request.app.state.core
     try:
-        count = await core.count_tokens(chat_input(body), request.state.request_id)
+        count = await core.count_tokens(chat_input(body), request.state.request_id, model=body.model)
     except grpc.aio.AioRpcError as error:
         raise error_from_grpc(error) from None
     return {"input_tokens": count}

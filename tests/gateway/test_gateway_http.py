@@ -48,6 +48,14 @@ def assert_envelope(response: httpx.Response, status: int, param: str | None = N
         ({**VALID_BODY, "tool_choice": "required"}, "tool_choice"),
         ({**VALID_BODY, "top_logprobs": 2}, "top_logprobs"),
         ([VALID_BODY], None),
+        ({**VALID_BODY, "messages": [{"role": "user"}]}, "messages[0]"),
+        ({**VALID_BODY, "messages": [{"role": "user", "content": None}]}, "messages[0]"),
+        (
+            {**VALID_BODY, "messages": [*VALID_BODY["messages"], {"role": "tool", "content": "4"}]},
+            "messages[1]",
+        ),
+        ({**VALID_BODY, "stream": "yes"}, "stream"),  # no lax coercion of strings into booleans
+        ({**VALID_BODY, "stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )
 def test_invalid_requests_are_400_naming_the_field(gateway_url: str, core: CoreDouble, body, param) -> None:

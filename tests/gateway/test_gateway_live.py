@@ -183,8 +183,11 @@ def test_qwen3_errors(qwen3: LiveStack) -> None:
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(model=qwen3.model, messages=QUESTION, max_tokens=10**7)
     assert raised.value.code == "context_length_exceeded"
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError) as not_found:
         client.chat.completions.create(model="not-this-one", messages=QUESTION, max_tokens=2)
+    assert (not_found.value.code, not_found.value.param) == ("model_not_found", "model")  # OpenAI's names
+    with pytest.raises(anthropic.NotFoundError):  # counting names the model as generating does
+        qwen3.anthropic().messages.count_tokens(model="not-this-one", messages=QUESTION)
     with pytest.raises(anthropic.BadRequestError) as anthropic_error:
         qwen3.anthropic().messages.create(model=qwen3.model, max_tokens=10**7, messages=QUESTION)
     assert anthropic_error.value.body["error"]["type"] == "invalid_request_error"

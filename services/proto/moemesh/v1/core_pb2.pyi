@@ -275,12 +275,14 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class CountTokensRequest(_message.Message):
-    __slots__ = ("chat", "prompt")
+    __slots__ = ("chat", "prompt", "model")
     CHAT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     chat: ChatInput
     prompt: str
-    def __init__(self, chat: _Optional[_Union[ChatInput, _Mapping]] = ..., prompt: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, chat: _Optional[_Union[ChatInput, _Mapping]] = ..., prompt: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class CountTokensResponse(_message.Message):
     __slots__ = ("count",)
