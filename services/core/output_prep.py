@@ -68,12 +68,28 @@ def template_tools(chat: core_pb2.ChatInput) -> list[dict]:
     return [] if chat.tool_choice.mode == Mode.NONE else tools
 
 
+def hidden_special_ids(tokenizer: TokenizerWrapper) -> frozenset[int]:
+    """The tokenizer's special tokens, less any that a reasoning or tool-call marker is written
+    with (the output router reads those): what the text of an answer leaves out."""
+    markers = [
+        getattr(tokenizer, name, None) or ""
+        for name in ("think_start", "think_end", "tool_call_start", "tool_call_end")
+    ]
+    hidden = set()
+    for token_id in getattr(tokenizer, "all_special_ids", None) or ():
+        text = tokenizer.convert_ids_to_tokens(token_id)
+        if text and not any(text in marker for marker in markers if marker):
+            hidden.add(int(token_id))
+    return frozenset(hidden)
+
+
 class OutputPreparer:
     """Per core: knows the model's markers and holds the grammar engine's vocabulary."""
 
     def __init__(self, tokenizer: TokenizerWrapper, vocab_size: int):
         self.tokenizer = tokenizer
         self.grammar_tokenizer = GrammarTokenizer(tokenizer, vocab_size)
+        self.hidden_ids = hidden_special_ids(tokenizer)
 
     def prepare(self, request: core_pb2.GenerateRequest, prompt: list[int], stop_strings: list[str]):
         """-> (OutputSpec, [logits processors])"""
@@ -113,6 +129,7 @@ class OutputPreparer:
             starts_in_reasoning=in_reasoning,
             tool_calls=tool_format,
             echo=echo,
+            hidden_ids=self.hidden_ids,
         )
         return spec, processors
 

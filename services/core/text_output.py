@@ -49,6 +49,9 @@ class OutputSpec:
     starts_in_reasoning: bool = False  # the prompt opened a thinking block
     tool_calls: ToolCallFormat | None = None  # None: tool calls are not parsed
     echo: str = ""  # sent before the first generated text (completions' echo)
+    # control tokens (<|im_start|>, <|endoftext|>, ...) never written into the text, as vLLM's
+    # skip_special_tokens: their text is no part of an answer and would break stop strings and JSON
+    hidden_ids: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -97,8 +100,9 @@ class TextEmitter:
 
     def add(self, token: int) -> OutputDelta:
         """Feed one token; return what is safe to send now."""
-        self.detokenizer.add_token(token)
-        self.pending += self.detokenizer.last_segment
+        if token not in self.output.hidden_ids:
+            self.detokenizer.add_token(token)
+            self.pending += self.detokenizer.last_segment
         return self._route(final=False)
 
     def finish(self) -> OutputDelta:

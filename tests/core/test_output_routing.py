@@ -356,3 +356,16 @@ def test_other_mlx_lm_tool_formats_parse_through_the_same_emitter(tokenizer):
     assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris", "days": 3})
     assert joined(chunks, "text") == "Checking.\n"
     assert emitter.finish_reason(core_pb2.FinishReason.STOP) == core_pb2.FinishReason.TOOL_CALLS
+
+
+def test_control_tokens_never_reach_the_text(preparer, tokenizer):
+    """Special tokens the model samples (forced by a logit bias, or a confused model) are left out of
+    the answer, as vLLM's skip_special_tokens does; the markers the router reads stay."""
+    text = "Hello<|endoftext|><|im_start|> world<|object_ref_start|>!"
+    assert tokenizer.encode("<|im_start|>", add_special_tokens=False) == [151644]  # one special token
+    chunks, _ = stream(preparer, tokenizer, chat_request(tools=()), text)
+    assert joined(chunks, "text") == "Hello world!"
+    thought, _ = stream(
+        preparer, tokenizer, chat_request(tools=()), "<think>\nhm\n</think>\n\nYes<|im_start|>"
+    )
+    assert (joined(thought, "reasoning"), joined(thought, "text")) == ("\nhm\n", "Yes")
