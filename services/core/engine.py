@@ -35,6 +35,7 @@ from services.core.prefix_cache import PrefixCache
 from services.core.request_prep import PreparedRequest
 from services.core.step_merge import run_side_by_side
 from services.core.text_output import TextEmitter
+from services.core.token_bytes import TokenBytes
 from services.proto.moemesh.v1 import core_pb2
 
 log = get_logger(__name__)
@@ -110,6 +111,7 @@ class Engine:
         event loop) and returns (model, probe_workers, layer_call_timings); probe_workers()
         -> problems, where an empty list means every expert of every layer is reachable."""
         self.tokenizer = tokenizer
+        self.token_bytes = TokenBytes(tokenizer)  # logprobs carry each token's own bytes
         self.config = config
         self._loader = loader
         self.model = None
@@ -410,12 +412,18 @@ class Engine:
             token_id=response.token,
             token=self.tokenizer.decode([response.token]),
             logprob=logprobs[response.token].item(),
+            token_bytes=self.token_bytes.of(response.token),
         )
         if top:
             best = mx.argpartition(-logprobs, kth=top - 1)[:top]
             best = best[mx.argsort(-logprobs[best])]
             for token_id, value in zip(best.tolist(), logprobs[best].tolist(), strict=True):
-                entry.top.add(token_id=token_id, token=self.tokenizer.decode([token_id]), logprob=value)
+                entry.top.add(
+                    token_id=token_id,
+                    token=self.tokenizer.decode([token_id]),
+                    logprob=value,
+                    token_bytes=self.token_bytes.of(token_id),
+                )
 
     def _release(self, sequence: Sequence) -> None:
         sequence.done = True

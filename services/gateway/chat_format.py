@@ -32,14 +32,20 @@ def tool_call_id(call: core_pb2.ToolCall) -> str:
     return call.id or f"call_{uuid.uuid4().hex[:24]}"
 
 
+def token_bytes(item: core_pb2.TokenLogprob | core_pb2.TopLogprob) -> bytes:
+    """The token's own UTF-8 bytes (part of a character, maybe: clients join them), from core; a
+    core that does not send them: the bytes of its decoded text."""
+    return item.token_bytes or item.token.encode("utf-8")
+
+
 def logprobs_json(logprobs: list[core_pb2.TokenLogprob]) -> list[dict[str, Any]]:
     return [
         {
             "token": item.token,
             "logprob": item.logprob,
-            "bytes": list(item.token.encode("utf-8")),
+            "bytes": list(token_bytes(item)),
             "top_logprobs": [
-                {"token": top.token, "logprob": top.logprob, "bytes": list(top.token.encode("utf-8"))}
+                {"token": top.token, "logprob": top.logprob, "bytes": list(token_bytes(top))}
                 for top in item.top
             ],
         }

@@ -8,9 +8,10 @@ prompt as the first chunk's text, without logprobs).
 
 from __future__ import annotations
 
+import codecs
 from typing import Any
 
-from services.gateway.chat_format import finish_reason_name, usage_json
+from services.gateway.chat_format import finish_reason_name, token_bytes, usage_json
 from services.gateway.errors import OpenAIError
 from services.gateway.generation_state import CompletionMeta, GenerationState, sse_data
 from services.proto.moemesh.v1 import core_pb2
@@ -24,16 +25,24 @@ class LegacyLogprobs:
         self.token_logprobs: list[float] = []
         self.top_logprobs: list[dict[str, float]] = []
         self.text_offset: list[int] = []
+        # characters each token completes, from its bytes: a token holding part of a character
+        # completes none (or the one it ends), whatever its lone decoding shows
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def add(self, items: list[core_pb2.TokenLogprob], offset: int) -> dict[str, Any]:
-        """Record `items` whose text starts at character `offset`; returns just their part."""
+    def characters(self, items: list[core_pb2.TokenLogprob]) -> list[int]:
+        """How many characters of text each of `items` adds, in order (call once per item)."""
+        return [len(self._utf8.decode(token_bytes(item))) for item in items]
+
+    def add(self, items: list[core_pb2.TokenLogprob], offset: int, characters: list[int]) -> dict[str, Any]:
+        """Record `items` whose text starts at character `offset` and adds `characters` each
+        (`characters()`); returns just their part."""
         part = LegacyLogprobs()
-        for item in items:
+        for item, count in zip(items, characters, strict=True):
             part.tokens.append(item.token)
             part.token_logprobs.append(item.logprob)
             part.top_logprobs.append({top.token: top.logprob for top in item.top})
             part.text_offset.append(offset)
-            offset += len(item.token)
+            offset += count
         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
             getattr(self, name).extend(getattr(part, name))
         return part.json()
@@ -63,9 +72,10 @@ class CompletionFormatter:
     def _record(self, chunk: core_pb2.GenerateChunk) -> dict[str, Any] | None:
         # The tokens' text ends the chunk's text; anything before it is echoed prompt (core may send
         # the echo in the first token's chunk).
-        tokens_text = sum(len(item.token) for item in chunk.logprobs)
-        start = self._chars + max(len(chunk.text) - tokens_text, 0)
-        part = self._logprobs.add(list(chunk.logprobs), start) if self.with_logprobs else None
+        items = list(chunk.logprobs)
+        counts = self._logprobs.characters(items)
+        start = self._chars + max(len(chunk.text) - sum(counts), 0)
+        part = self._logprobs.add(items, start, counts) if self.with_logprobs else None
         self._chars += len(chunk.text)
         return part
 
@@ -75,10 +85,10 @@ class CompletionFormatter:
         finish = state.require_finished()
         logprobs = None
         if self.with_logprobs:
-            text_before_logprobs = state.full_text()[
-                : len(state.full_text()) - sum(len(item.token) for item in state.logprobs)
-            ]
-            logprobs = LegacyLogprobs().add(state.logprobs, len(text_before_logprobs))
+            logprobs = LegacyLogprobs()
+            counts = logprobs.characters(state.logprobs)
+            echoed = max(len(state.full_text()) - sum(counts), 0)  # the prompt, with echo
+            logprobs = logprobs.add(state.logprobs, echoed, counts)
         return self._object(
             [
                 {

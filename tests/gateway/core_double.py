@@ -13,6 +13,7 @@ clients (the sync `openai` client) without starving it.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import threading
 from dataclasses import dataclass, field
 
@@ -43,6 +44,9 @@ class Script:
     send_finish_chunk: bool = True
     matched_stop: str = ""
     cached_prompt_tokens: int = 0
+    # per token, its raw bytes (instead of `words`): text is sent as a real core does, a character
+    # only once its last byte is in, and each logprob carries the token's bytes
+    token_bytes: list[bytes] | None = None
     queue_seconds: float = 0.002
     prefill_seconds: float = 0.003
 
@@ -89,25 +93,31 @@ class CoreDouble(core_pb2_grpc.CoreServicer):
                     reasoning=thought, token_ids=[token_id], request_id=request.request_id
                 )
             words = list(script.words)
+            if script.token_bytes is not None:
+                words = [b.decode("utf-8", errors="replace") for b in script.token_bytes]
             finish_reason = script.finish_reason
             if request.stopping.HasField("max_tokens") and request.stopping.max_tokens < len(words):
                 words = words[: request.stopping.max_tokens]
                 finish_reason = core_pb2.LENGTH
-            for index, word in enumerate(words):
+            utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            raw = script.token_bytes or [word.encode() for word in words]
+            for index, (word, token_bytes) in enumerate(zip(words, raw, strict=False)):
                 if script.abort_code is not None and index == script.abort_after_chunks:
                     await context.abort(script.abort_code, script.abort_message)
                 if index:
                     await asyncio.sleep(script.delay_per_chunk_s)
                 token_id = FIRST_TOKEN_ID + index
+                text = utf8.decode(token_bytes)
                 chunk = core_pb2.GenerateChunk(
-                    text=echo + word, token_ids=[token_id], request_id=request.request_id
+                    text=echo + text, token_ids=[token_id], request_id=request.request_id
                 )
                 echo = ""
                 if request.logprobs:
                     chunk.logprobs.append(
                         core_pb2.TokenLogprob(
                             token_id=token_id,
-                            token=word,
+                            token=token_bytes.decode("utf-8", errors="replace"),
+                            token_bytes=token_bytes,
                             logprob=-0.5,
                             top=[core_pb2.TopLogprob(token_id=token_id, token=word, logprob=-0.5)][
                                 : request.top_logprobs

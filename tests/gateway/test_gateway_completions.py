@@ -91,3 +91,32 @@ def test_invalid_is_400(gateway_url: str, core: CoreDouble, fields, param) -> No
         sync_client(gateway_url).completions.create(model=MODEL_ID, **fields)
     assert (raised.value.body["param"] or "").startswith(param), raised.value.body
     assert core.requests == []
+
+
+# 日本🚀 as a byte-level BPE model writes it: 日 whole, 本 in two tokens, 🚀 in three
+SPLIT_CHARACTERS = [b"\xe6\x97\xa5", b"\xe6\x9c", b"\xac", b"\xf0\x9f", b"\x9a", b"\x80", b" ok"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_offsets_index_the_text_when_tokens_split_characters(
+    gateway_url: str, core: CoreDouble, stream
+) -> None:
+    core.script.token_bytes = SPLIT_CHARACTERS
+    request = dict(model=MODEL_ID, prompt=PROMPT, echo=True, logprobs=0, max_tokens=50)
+    if stream:
+        chunks = list(sync_client(gateway_url).completions.create(**request, stream=True))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        offsets = [
+            o
+            for c in chunks
+            if c.choices and c.choices[0].logprobs
+            for o in c.choices[0].logprobs.text_offset
+        ]
+    else:
+        choice = sync_client(gateway_url).completions.create(**request).choices[0]
+        text, offsets = choice.text, choice.logprobs.text_offset
+    assert text == PROMPT + "日本🚀 ok"
+    start = len(PROMPT)
+    # each token's offset is where the character it begins or continues sits in the text
+    assert offsets == [start, start + 1, start + 1, start + 2, start + 2, start + 2, start + 3]
+    assert text[offsets[-1] :] == " ok"

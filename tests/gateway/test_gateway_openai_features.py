@@ -253,3 +253,20 @@ def test_inconsistent_continuation_flags_are_400(
     with pytest.raises(openai.BadRequestError):
         sync_client(gateway_url).chat.completions.create(model=MODEL_ID, messages=messages, extra_body=extra)
     assert core.requests == []
+
+
+def test_logprob_bytes_are_the_tokens_own_and_join_into_the_content(
+    gateway_url: str, core: CoreDouble
+) -> None:
+    """A token holding part of a character shows as U+FFFD alone; its bytes are its own, so that
+    clients joining them get the content back (OpenAI's reason for `bytes`)."""
+    from .test_gateway_completions import SPLIT_CHARACTERS
+
+    core.script.token_bytes = SPLIT_CHARACTERS
+    completion = sync_client(gateway_url).chat.completions.create(
+        model=MODEL_ID, messages=MESSAGES, logprobs=True, top_logprobs=1
+    )
+    choice = completion.choices[0]
+    items = choice.logprobs.content
+    assert bytes(b for item in items for b in item.bytes).decode() == choice.message.content == "日本🚀 ok"
+    assert items[1].token == "\ufffd" and items[1].bytes == [0xE6, 0x9C]

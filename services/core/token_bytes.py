@@ -1,0 +1,48 @@
+"""The raw UTF-8 bytes of single tokens, for logprobs.
+
+A token may hold part of a character (CJK, emoji: byte-level BPE and SentencePiece byte
+fallback split them), which `tokenizer.decode([id])` can only show as U+FFFD. OpenAI's logprobs
+carry each token's `bytes` so that clients can rebuild such characters, so core sends the
+token's own bytes, read from its vocabulary piece the way mlx-lm's streaming detokenizers read
+it: byte-level BPE pieces through the GPT-2 byte map, SentencePiece pieces with "▁" as a space
+and "<0xNN>" as a byte.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from mlx_lm.tokenizer_utils import (
+    BPEStreamingDetokenizer,
+    SPMStreamingDetokenizer,
+    TokenizerWrapper,
+    _byte_decoder,
+)
+
+
+class TokenBytes:
+    def __init__(self, tokenizer: TokenizerWrapper):
+        self._tokenizer = tokenizer
+        detokenizer = tokenizer.detokenizer
+        self._kind = (
+            "bpe"
+            if isinstance(detokenizer, BPEStreamingDetokenizer)
+            else "spm"
+            if isinstance(detokenizer, SPMStreamingDetokenizer)
+            else "text"
+        )
+        self._special = set(getattr(tokenizer, "all_special_ids", None) or ())
+        self.of = lru_cache(maxsize=65536)(self._bytes)
+
+    def _bytes(self, token_id: int) -> bytes:
+        piece = self._tokenizer.convert_ids_to_tokens(token_id)
+        if piece is None or token_id in self._special or self._kind == "text":
+            return self._tokenizer.decode([token_id]).encode("utf-8")
+        if self._kind == "spm":
+            if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+                return bytes([int(piece[3:5], 16)])
+            return piece.replace("\u2581", " ").encode("utf-8")
+        table = _byte_decoder()
+        if all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return piece.encode("utf-8")  # an added token written as plain text
