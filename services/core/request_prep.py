@@ -52,6 +52,12 @@ class PreparedRequest:
     created: float = field(default_factory=time.time)
 
 
+# arguments core itself passes to the chat template: a request's template kwargs may not repeat them
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "add_generation_prompt", "continue_final_message", "tokenize"}
+)
+
+
 class RequestPreparer:
     def __init__(self, tokenizer: TokenizerWrapper, model_id: str, context_length: int, vocab_size: int):
         self.tokenizer = tokenizer
@@ -142,6 +148,16 @@ class RequestPreparer:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"chat.template_kwargs_json: {error}"
             ) from None
+        if not isinstance(kwargs, dict):
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT, "chat.template_kwargs_json: must be a JSON object"
+            )
+        reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"chat.template_kwargs_json: {', '.join(reserved)} cannot be set here (the request's own fields set them)",
+            )
         return messages, tools or None, kwargs
 
     def _render_chat(

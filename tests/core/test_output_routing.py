@@ -279,6 +279,23 @@ def test_echo_sends_the_prompt_first(preparer, tokenizer):
             "stop_token_ids",
         ),
         (core_pb2.GenerateRequest(token_ids=core_pb2.TokenIds(ids=[1, VOCAB])), "token_ids"),
+        (
+            core_pb2.GenerateRequest(
+                chat=core_pb2.ChatInput(
+                    messages=[core_pb2.ChatMessage(role="user", content="x")],
+                    template_kwargs_json='{"tools": 5}',
+                )
+            ),
+            "chat.template_kwargs_json: tools cannot be set here",
+        ),
+        (
+            core_pb2.GenerateRequest(
+                chat=core_pb2.ChatInput(
+                    messages=[core_pb2.ChatMessage(role="user", content="x")], template_kwargs_json="[1]"
+                )
+            ),
+            "chat.template_kwargs_json: must be a JSON object",
+        ),
     ],
 )
 def test_bad_requests_are_invalid_argument_naming_the_field(preparer, request_, field):
