@@ -99,8 +99,8 @@ async def concurrency_level(stub, streams: int, tokens: int, round_index: int) -
     }
 
 
-async def interleave(stub) -> dict:
-    """Largest inter-token gap of 4 decoding streams while a ~2K-token prompt is prefilled."""
+async def interleave(stub, prompt: str = LONG_PROMPT) -> dict:
+    """Largest inter-token gap of 4 decoding streams while a long prompt (~2K tokens) is prefilled."""
     arrivals: list[list[float]] = [[] for _ in range(4)]
 
     async def decode(i: int) -> None:
@@ -115,7 +115,7 @@ async def interleave(stub) -> dict:
                 task.result()  # a stream that failed: raise its error instead of waiting forever
         await asyncio.sleep(0.05)
     submitted = time.perf_counter()
-    result = await timed_stream(stub, chat(LONG_PROMPT, 1))
+    result = await timed_stream(stub, chat(prompt, 1))
     first_token = result["arrivals"][0]
     for task in tasks:
         task.cancel()

@@ -44,6 +44,7 @@ def _core(args) -> None:
             max_num_seqs=args.max_num_seqs,
             max_queue=args.max_queue,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            max_step_seconds=args.max_step_seconds,
             prefix_cache_bytes=int(args.prefix_cache_gb * (1 << 30)),
             **kv_engine_kwargs(args),
         ),
@@ -149,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=512,
         help="tokens computed per step: one per decoding sequence plus the prefill chunk",
+    )
+    p.add_argument(
+        "--max-step-seconds",
+        type=float,
+        default=1.0,
+        help="while sequences decode, cut the prefill chunk to what fits this step time (0: tokens only)",
     )
     p.add_argument(
         "--prefix-cache-gb", type=float, default=1.0, help="byte budget of the prefix cache (0 = off)"

@@ -32,6 +32,7 @@ from services.core.engine_metrics import ENGINE_FORWARDS, ENGINE_STEPS
 from services.core.expert_client import BATCH_REQUEST_IDS, ExpertCallError
 from services.core.kv import KV_CACHE_KINDS, make_kv_cache
 from services.core.prefix_cache import PrefixCache
+from services.core.prefill_pacer import PrefillPacer
 from services.core.request_prep import PreparedRequest
 from services.core.step_merge import run_side_by_side
 from services.core.text_output import TextEmitter
@@ -84,6 +85,9 @@ class EngineConfig:
     # Tokens one step computes: one per decoding sequence plus the prefill chunk. Bounding it keeps
     # a long prompt from freezing the streams that decode beside it.
     max_num_batched_tokens: int = 512
+    # While sequences decode, a step's prefill chunk is also cut to what fits this many seconds
+    # (services/core/prefill_pacer.py); 0: tokens only
+    max_step_seconds: float = 1.0
     prefix_cache_bytes: int = 1 << 30  # 0 turns prefix caching off
     kv_cache: str = "fp16"  # the launch default; a request may ask for another kind
     kv_settings: object | None = None  # services.core.kv.KVCacheSettings for turboquant
@@ -113,6 +117,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.token_bytes = TokenBytes(tokenizer)  # logprobs carry each token's own bytes
         self.config = config
+        self.pacer = PrefillPacer(config.max_step_seconds)
+        self._step_plan = (0, 0)  # (prefill tokens, decoding sequences) of the step being run
         self._loader = loader
         self.model = None
         self.probe_workers: Callable[[], list[str]] | None = None
@@ -311,6 +317,7 @@ class Engine:
         if tasks:
             ENGINE_STEPS.inc()
             ENGINE_FORWARDS.inc(len(tasks))
+            self.pacer.observe(time.monotonic() - started, *self._step_plan)
         for kind, (prompt_responses, responses) in outcomes.items():
             generator = self._generators[kind]
             self._after_prefill(kind, generator, prompt_responses, started)
@@ -346,12 +353,15 @@ class Engine:
                 len(generator._unprocessed_sequences),
             )
             prefilling[generator] = len(generator._prompt_batch) + max(joining, 0)
+        self._step_plan = (0, decoding)
         if sum(prefilling.values()):
-            chunk = max(1, (self.config.max_num_batched_tokens - decoding) // sum(prefilling.values()))
+            tokens = self.pacer.budget(self.config.max_num_batched_tokens - decoding, decoding)
+            chunk = max(1, tokens // sum(prefilling.values()))
             for generator, count in prefilling.items():
                 if count:
                     generator.prefill_step_size = chunk
                     generator._prompt_batch.prefill_step_size = chunk
+            self._step_plan = (chunk * sum(prefilling.values()), decoding)
 
     def _after_prefill(self, kind: str, generator: BatchGenerator, prompt_responses, started: float) -> None:
         """Note when each sequence's prefill began, and keep the KV of every prompt whose

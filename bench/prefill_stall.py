@@ -1,0 +1,86 @@
+"""How long decoding streams wait while a long prompt is prefilled beside them, with and without
+core's step-time target (`--max-step-seconds`), in one run.
+
+    python bench/prefill_stall.py                          # demo model, targets 0 (tokens only) and 1 s
+    python bench/prefill_stall.py --targets 0 0.5 2 --rules 90
+
+Per target: a fresh core (and two expert workers) with `--max-num-batched-tokens 512`; 4 greedy
+streams decode, then a prompt of `--rules` rules (~25 tokens each) arrives; reported are its
+prefill time and, for the 4 streams during that prefill, the tokens each got and the largest gap
+between two of their tokens, next to the median gap before the prompt came (bench/concurrency.py's
+`interleave`). Prints one JSON object; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import platform
+import sys
+from pathlib import Path
+
+import grpc
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.concurrency import RULES, interleave
+from bench.decode import log
+from bench.workdir import bench_workdir
+from services.proto.moemesh.v1 import core_pb2_grpc
+from services.up import resolve_split
+from tests.helpers import Workers, spawn, stop, wait_serving
+
+
+async def measure(address: str, prompt: str) -> dict:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await interleave(core_pb2_grpc.CoreStub(channel), prompt)
+
+
+def run_target(split: Path, target: float, prompt: str) -> dict:
+    workdir = bench_workdir("mm-stall-")
+    workers = Workers(split, workdir, ["0-3", "4-7"]).start()
+    address = f"unix:{workdir / 'core.sock'}"
+    core_log = workdir / "core.log"
+    core = spawn(
+        ["core", "--split", str(split), "--listen", address, "--worker", ",".join(workers.addresses),
+         "--max-num-batched-tokens", "512", "--max-step-seconds", str(target)],
+        core_log,
+    )  # fmt: skip
+    try:
+        wait_serving(address, core, timeout_s=600, log_path=core_log)
+        return asyncio.run(measure(address, prompt))
+    finally:
+        stop([core])
+        workers.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--targets", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--rules", type=int, default=45, help="length of the long prompt (~25 tokens a rule)")
+    args = parser.parse_args()
+    from services.common.logging import configure_logging
+
+    configure_logging("bench", "warning")
+    prompt = "You are a careful assistant. " + " ".join(RULES[: args.rules])
+    with contextlib.redirect_stdout(sys.stderr):
+        split = resolve_split(None)  # the demo model
+    result = {
+        "bench": "prefill_stall",
+        "machine": f"{platform.system()} {platform.machine()}, mlx {mx.__version__} on {mx.default_device()}",
+        "model": "demo",
+        "max_num_batched_tokens": 512,
+        "targets": {},
+    }
+    for target in args.targets:
+        log(f"--max-step-seconds {target}")
+        result["targets"][str(target)] = run_target(split, target, prompt)
+        log(json.dumps(result["targets"][str(target)]))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
