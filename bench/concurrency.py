@@ -33,11 +33,10 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.decode import checkpoint, log
+from bench.decode import checkpoint, log, spin_as_up, split_system
 from bench.workdir import bench_workdir
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 from services.up import resolve_split
-from tests.helpers import Workers, spawn, stop, wait_serving
 
 CONCURRENCY = (1, 4, 8, 16)
 TOPICS = [
@@ -133,6 +132,9 @@ async def interleave(stub, prompt: str = LONG_PROMPT) -> dict:
         "prefill_s": round(first_token - submitted, 3),
         "tokens_per_stream_during_prefill": tokens_during,
         "max_gap_during_prefill_s": round(max(during), 3) if during else None,
+        "p50_p90_gap_during_prefill_s": (
+            [round(statistics.quantiles(during, n=10)[i], 3) for i in (4, 8)] if len(during) > 1 else None
+        ),
         "median_gap_before_s": round(statistics.median(before), 3) if before else None,
     }
 
@@ -180,22 +182,10 @@ async def run_model(address: str, tokens: int, rounds: int, extras: bool) -> dic
 
 def bench_model(name: str, tokens: int, rounds: int, budget: int, extras: bool) -> dict:
     split = resolve_split(str(checkpoint(name, "float32")) if name != "demo" else None)
-    workdir = bench_workdir("mm-bench-")
-    workers = Workers(split, workdir, ["0-3", "4-7"] if name == "demo" else ["0-63", "64-127"]).start()
-    address = f"unix:{workdir / 'core.sock'}"
-    core_log = workdir / "core.log"
-    core = spawn(
-        ["core", "--split", str(split), "--listen", address, "--worker", ",".join(workers.addresses),
-         "--max-num-seqs", "16", "--max-num-batched-tokens", str(budget)],
-        core_log,
-    )  # fmt: skip
-    try:
-        wait_serving(address, core, timeout_s=600, log_path=core_log)
+    flags = ["--max-num-seqs", "16", "--max-num-batched-tokens", str(budget)]
+    with split_system(split, bench_workdir("mm-bench-"), 2, spin_as_up(2), flags) as (address, _):
         log(f"{name}: serving")
         return asyncio.run(run_model(address, tokens, rounds, extras))
-    finally:
-        stop([core])
-        workers.stop()
 
 
 def main() -> None:

@@ -27,11 +27,10 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.concurrency import RULES, interleave
-from bench.decode import log
+from bench.decode import log, spin_as_up, split_system
 from bench.workdir import bench_workdir
 from services.proto.moemesh.v1 import core_pb2_grpc
 from services.up import resolve_split
-from tests.helpers import Workers, spawn, stop, wait_serving
 
 
 async def measure(address: str, prompt: str) -> dict:
@@ -40,21 +39,9 @@ async def measure(address: str, prompt: str) -> dict:
 
 
 def run_target(split: Path, target: float, prompt: str) -> dict:
-    workdir = bench_workdir("mm-stall-")
-    workers = Workers(split, workdir, ["0-3", "4-7"]).start()
-    address = f"unix:{workdir / 'core.sock'}"
-    core_log = workdir / "core.log"
-    core = spawn(
-        ["core", "--split", str(split), "--listen", address, "--worker", ",".join(workers.addresses),
-         "--max-num-batched-tokens", "512", "--max-step-seconds", str(target)],
-        core_log,
-    )  # fmt: skip
-    try:
-        wait_serving(address, core, timeout_s=600, log_path=core_log)
+    flags = ["--max-num-batched-tokens", "512", "--max-step-seconds", str(target)]
+    with split_system(split, bench_workdir("mm-stall-"), 2, spin_as_up(2), flags) as (address, _):
         return asyncio.run(measure(address, prompt))
-    finally:
-        stop([core])
-        workers.stop()
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ tokens that fit the target. With nothing decoding, nobody waits: the whole budge
 from __future__ import annotations
 
 PROBE_TOKENS = 32  # the first chunk beside decoding streams, before any cost is known
-MIN_TOKENS = 8  # a prompt always moves on, however tight the target
+MIN_TOKENS = 8  # a prompt always moves on, however tight the target; chunks are multiples of it
 _WEIGHT = 0.3  # of a new observation in the running estimates
 
 
@@ -29,7 +29,8 @@ class PrefillPacer:
         if self.token_s is None:
             return min(tokens, PROBE_TOKENS)
         room = self.target_s - (self.decode_s or 0.0)
-        return max(MIN_TOKENS, min(tokens, int(room / self.token_s)))
+        fits = int(room / self.token_s) // MIN_TOKENS * MIN_TOKENS  # few distinct chunk shapes
+        return max(MIN_TOKENS, min(tokens, fits))
 
     def observe(self, seconds: float, prefill_tokens: int, decoding: int) -> None:
         """A step took `seconds` to prefill `prefill_tokens` beside `decoding` sequences."""

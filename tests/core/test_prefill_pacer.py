@@ -17,7 +17,7 @@ def test_beside_decoding_streams_the_chunk_fits_the_target():
     assert pacer.budget(511, decoding=1) == PROBE_TOKENS  # nothing known yet: a small probe
     pacer.observe(seconds=0.2, prefill_tokens=0, decoding=1)  # a decode-only step
     pacer.observe(seconds=0.2 + 32 * 0.07, prefill_tokens=32, decoding=1)  # 70 ms a prompt token
-    assert pacer.budget(511, decoding=1) == int((1.0 - 0.2) / 0.07)
+    assert pacer.budget(511, decoding=1) == int((1.0 - 0.2) / 0.07) // 8 * 8  # multiples of 8
     # where tokens are cheap (a GPU), the token budget is what binds
     fast = PrefillPacer(target_s=1.0)
     fast.observe(seconds=0.02 + 511 * 1e-4, prefill_tokens=511, decoding=1)
@@ -32,7 +32,7 @@ def test_a_prompt_always_moves_on_and_the_estimates_follow_the_machine():
     for _ in range(20):  # the machine got faster (load went away)
         pacer.observe(seconds=0.1, prefill_tokens=0, decoding=4)
         pacer.observe(seconds=0.1 + 100 * 1e-3, prefill_tokens=100, decoding=4)
-    assert 300 <= pacer.budget(508, decoding=4) <= 400
+    assert 300 <= pacer.budget(508, decoding=4) <= 400 and pacer.budget(508, decoding=4) % MIN_TOKENS == 0
 
 
 def test_no_target_means_tokens_only():
