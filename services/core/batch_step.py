@@ -32,7 +32,7 @@ class GeneratorStep:
         self.tasks: list[Callable[[], object]] = []
         self._decode_task: int | None = None
         self._joining_task: int | None = None
-        self._prompt_tokens = 0
+        self.prompt_tokens = 0
         self.prompt_responses: list = []
         self._plan()
 
@@ -87,7 +87,7 @@ class GeneratorStep:
             response.progress = (seq[1], seq[2])
             self.prompt_responses.append(response)
         if prompts:
-            self._prompt_tokens = sum(len(p) for p in prompts)
+            self.prompt_tokens = sum(len(p) for p in prompts)
             prompt_batch = gen._prompt_batch
             self._add(lambda: prompt_batch.prompt(prompts))
 
@@ -102,5 +102,5 @@ class GeneratorStep:
                 mx.clear_cache()
         if self._joining_task is not None:
             gen._generation_batch.extend(results[self._joining_task])
-        gen._counters.prompt_tokens += self._prompt_tokens
+        gen._counters.prompt_tokens += self.prompt_tokens
         return self.prompt_responses, generation_responses

@@ -31,8 +31,8 @@ from services.core.batch_step import GeneratorStep
 from services.core.engine_metrics import ENGINE_FORWARDS, ENGINE_STEPS
 from services.core.expert_client import BATCH_REQUEST_IDS, ExpertCallError
 from services.core.kv import KV_CACHE_KINDS, make_kv_cache
-from services.core.prefix_cache import PrefixCache
 from services.core.prefill_pacer import PrefillPacer
+from services.core.prefix_cache import PrefixCache
 from services.core.request_prep import PreparedRequest
 from services.core.step_merge import run_side_by_side
 from services.core.text_output import TextEmitter
@@ -118,7 +118,7 @@ class Engine:
         self.token_bytes = TokenBytes(tokenizer)  # logprobs carry each token's own bytes
         self.config = config
         self.pacer = PrefillPacer(config.max_step_seconds)
-        self._step_plan = (0, 0)  # (prefill tokens, decoding sequences) of the step being run
+        self._step_decoding = 0  # sequences decoding in the step being run
         self._loader = loader
         self.model = None
         self.probe_workers: Callable[[], list[str]] | None = None
@@ -317,7 +317,17 @@ class Engine:
         if tasks:
             ENGINE_STEPS.inc()
             ENGINE_FORWARDS.inc(len(tasks))
-            self.pacer.observe(time.monotonic() - started, *self._step_plan)
+            seconds = time.monotonic() - started
+            # the prompt tokens this step really computed (a short prompt takes less than its chunk)
+            prefilled = sum(step.prompt_tokens for step in steps.values())
+            self.pacer.observe(seconds, prefilled, self._step_decoding)
+            if prefilled:
+                log.debug(
+                    "prefill_step",
+                    tokens=prefilled,
+                    decoding=self._step_decoding,
+                    seconds=round(seconds, 3),
+                )
         for kind, (prompt_responses, responses) in outcomes.items():
             generator = self._generators[kind]
             self._after_prefill(kind, generator, prompt_responses, started)
@@ -353,7 +363,7 @@ class Engine:
                 len(generator._unprocessed_sequences),
             )
             prefilling[generator] = len(generator._prompt_batch) + max(joining, 0)
-        self._step_plan = (0, decoding)
+        self._step_decoding = decoding
         if sum(prefilling.values()):
             tokens = self.pacer.budget(self.config.max_num_batched_tokens - decoding, decoding)
             chunk = max(1, tokens // sum(prefilling.values()))
@@ -361,7 +371,6 @@ class Engine:
                 if count:
                     generator.prefill_step_size = chunk
                     generator._prompt_batch.prefill_step_size = chunk
-            self._step_plan = (chunk * sum(prefilling.values()), decoding)
 
     def _after_prefill(self, kind: str, generator: BatchGenerator, prompt_responses, started: float) -> None:
         """Note when each sequence's prefill began, and keep the KV of every prompt whose
