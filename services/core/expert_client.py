@@ -137,6 +137,11 @@ class WorkerLink:
         self.up_metric.set(1 if up else 0)
 
 
+# What a replicated layer's attempt gets past its own deadline (which normally ends it first)
+# before it is abandoned: enough for the deadline's cancellation to land, short against the budget.
+ABANDON_AFTER_S = 0.25
+
+
 class _Part:
     """The pairs of one layer call sent to one worker. `mask` [T, k] marks them (None = all)."""
 
@@ -608,14 +613,15 @@ class ExpertDispatcher:
                 # so the retry still fits in the call's deadline.
                 replicated = self.routes[layer][0].shape[1] > 1
                 budget = remaining / 2 if replicated else remaining
+                attempt = self._attempt_apart if replicated else self._attempt
                 if len(plan) == 1:  # the common case: no gather, no extra task
                     try:
-                        outcomes = [await self._attempt(plan[0], layer, budget, request_ids)]
+                        outcomes = [await attempt(plan[0], layer, budget, request_ids)]
                     except ExpertCallError as error:
                         outcomes = [error]
                 else:
                     outcomes = await asyncio.gather(
-                        *(self._attempt(part, layer, budget, request_ids) for part in plan),
+                        *(attempt(part, layer, budget, request_ids) for part in plan),
                         return_exceptions=True,
                     )
                 failed = []
@@ -662,6 +668,27 @@ class ExpertDispatcher:
             causes = "; ".join(dict.fromkeys(str(error) for _, error in failed))
             raise ExpertCallError(grpc.StatusCode.UNAVAILABLE, f"{causes}; {gap}") from None
         return _plan(owners, hidden, ids)
+
+    async def _attempt_apart(self, part: _Part, layer: int, budget_s: float, request_ids) -> tuple:
+        """`_attempt` for a replicated layer, where a silent worker's pairs must move on in time: the
+        attempt runs as a task of its own and is left behind (cancelled, not awaited) when its
+        budget is spent, so the retry never depends on the cancellation reaching an await inside
+        gRPC. A full-suite run here once lost such a call: the attempt on a SIGSTOPped replica
+        never returned after its cancel, and the other replica was never asked."""
+        inner = asyncio.ensure_future(self._attempt(part, layer, budget_s, request_ids))
+        done, _ = await asyncio.wait({inner}, timeout=budget_s + ABANDON_AFTER_S)
+        if inner in done and not inner.cancelled():
+            return inner.result()  # the answer, or the attempt's own ExpertCallError
+        inner.cancel()
+        inner.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved
+        link = self.links[part.link]
+        link.reset()  # a late reply must not be taken for the next call's
+        self._link_failed(link)
+        expert_metrics.WORKER_ERRORS.labels(link.address, "UNAVAILABLE").inc()
+        raise ExpertCallError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"expert worker {link.address} did not answer layer {layer} within {budget_s:.3g} s",
+        )
 
     async def _attempt(self, part: _Part, layer: int, budget_s: float, request_ids) -> tuple:
         link = self.links[part.link]

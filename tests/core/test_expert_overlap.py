@@ -193,3 +193,34 @@ def test_a_call_the_io_loop_never_answers_fails_instead_of_hanging(split, tmp_pa
         assert workers.addresses[0] in str(failure.value) and "lost" in str(failure.value)
         monkeypatch.undo()
         np.testing.assert_array_equal(np.array(dispatcher.call(layer, hidden, ids)), expected)
+
+
+def test_a_replica_whose_await_swallows_the_cancel_is_left_behind(split, tmp_path, monkeypatch):
+    """A replicated layer's pairs move to the other replica in time even when the silent replica's
+    attempt does not end on its deadline's cancellation (an await inside gRPC that swallows it):
+    the same answer, within the call deadline, not a lost call."""
+    with linked_dispatcher(split, tmp_path, ["0-7", "0-7"], call_timeout_s=4.0, frames=False) as (
+        workers,
+        dispatcher,
+        manifest,
+    ):
+        layer = manifest.layer_indices[0]
+        hidden, ids = _inputs(manifest)
+        expected = np.array(dispatcher.call(layer, hidden, ids))
+        original = dispatcher._one
+        silent = dispatcher.links[0]
+
+        async def deaf_to_cancel(link, *args):
+            if link is not silent:
+                return await original(link, *args)
+            while True:  # a stopped peer, and a cancellation that never surfaces
+                try:
+                    await asyncio.sleep(3600)
+                except asyncio.CancelledError:
+                    continue
+
+        monkeypatch.setattr(dispatcher, "_one", deaf_to_cancel)
+        for _ in range(2):  # whichever replica the rotation picks first
+            started = time.monotonic()
+            np.testing.assert_array_equal(np.array(dispatcher.call(layer, hidden, ids)), expected)
+            assert time.monotonic() - started < 4.0
