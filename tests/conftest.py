@@ -34,11 +34,10 @@ class TinyModels:
         return path
 
     def split(self, arch: str, bits: int | None, dtypes: str | None = None) -> Path:
-        path = self.checkpoint(arch, bits, dtypes).with_name(
-            self.checkpoint(arch, bits, dtypes).name + "-split"
-        )
+        checkpoint = self.checkpoint(arch, bits, dtypes)
+        path = checkpoint.with_name(checkpoint.name + "-split")
         if not (path / "manifest.json").exists():
-            split_checkpoint(self.checkpoint(arch, bits, dtypes), path, progress=False)
+            split_checkpoint(checkpoint, path, progress=False)
         return path
 
 

@@ -223,6 +223,7 @@ class ExpertDispatcher:
         # so they bind to it and to no other loop.
         self.loop = _new_event_loop()
         self._deadlines = AttemptDeadlines(self.loop)
+        self._abandoned: set[asyncio.Task] = set()  # replicated-layer attempts left behind (_attempt_apart)
         self._io_thread = threading.Thread(target=self.loop.run_forever, name="expert-io", daemon=True)
         self._io_thread.start()
         self._addresses = list(dict.fromkeys(worker_addresses))
@@ -679,11 +680,13 @@ class ExpertDispatcher:
         done, _ = await asyncio.wait({inner}, timeout=budget_s + ABANDON_AFTER_S)
         if inner in done and not inner.cancelled():
             return inner.result()  # the answer, or the attempt's own ExpertCallError
+        self._abandoned.add(inner)  # from now on its own bookkeeping is skipped (see _drop)
+        self._deadlines.forget(inner)
         inner.cancel()
+        inner.add_done_callback(self._abandoned.discard)
         inner.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved
         link = self.links[part.link]
-        link.reset()  # a late reply must not be taken for the next call's
-        self._link_failed(link)
+        self._drop(link)
         expert_metrics.WORKER_ERRORS.labels(link.address, "UNAVAILABLE").inc()
         raise ExpertCallError(
             grpc.StatusCode.UNAVAILABLE,
@@ -701,8 +704,7 @@ class ExpertDispatcher:
             if not self._deadlines.expired(task):
                 raise
             task.uncancel()
-            link.reset()  # a late reply must not be taken for the next call's
-            self._link_failed(link)
+            self._drop(link)
             error = ExpertCallError(
                 grpc.StatusCode.UNAVAILABLE,
                 f"expert worker {link.address} did not answer layer {layer} within {budget_s:.3g} s",
@@ -711,8 +713,19 @@ class ExpertDispatcher:
             error = failure
         finally:
             self._deadlines.forget(task)
-        expert_metrics.WORKER_ERRORS.labels(link.address, error.code.name).inc()
+        if task not in self._abandoned:  # (an abandoned attempt was counted when it was left)
+            expert_metrics.WORKER_ERRORS.labels(link.address, error.code.name).inc()
         raise error
+
+    def _drop(self, link: WorkerLink, failed: bool = True) -> None:
+        """Reset the link's stream (a late reply must not be taken for the next call's) and, when
+        `failed`, stop routing to it. Not from an attempt that was abandoned: that was done when it
+        was left, and by now the link may carry a newer call's stream."""
+        if asyncio.current_task() in self._abandoned:
+            return
+        link.reset()
+        if failed:
+            self._link_failed(link)
 
     async def _one(self, link: WorkerLink, layer: int, hidden: np.ndarray, ids: np.ndarray, request_ids):
         call = self._expert_call(layer, hidden, ids, request_ids)
@@ -721,15 +734,13 @@ class ExpertDispatcher:
             await stream.write(call)
             result = await stream.read()
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as error:
-            link.reset()
-            self._link_failed(link)
+            self._drop(link)
             detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
             raise ExpertCallError(
                 grpc.StatusCode.UNAVAILABLE, f"expert worker {link.address} is unavailable: {detail}"
             ) from None
         if result is grpc.aio.EOF:
-            link.reset()
-            self._link_failed(link)
+            self._drop(link)
             raise ExpertCallError(
                 grpc.StatusCode.UNAVAILABLE, f"expert worker {link.address} closed its stream"
             )
@@ -738,7 +749,7 @@ class ExpertDispatcher:
                 _status_code(result.error.code), f"expert worker {link.address}: {result.error.message}"
             )
         if result.call_id != call.call_id:
-            link.reset()
+            self._drop(link, failed=False)
             raise ExpertCallError(
                 grpc.StatusCode.INTERNAL, f"expert worker {link.address} answered out of order"
             )

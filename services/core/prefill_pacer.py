@@ -29,17 +29,19 @@ class PrefillPacer:
         if self.token_s is None:
             return min(tokens, PROBE_TOKENS)
         room = self.target_s - (self.decode_s or 0.0)
-        fits = int(room / self.token_s) // MIN_TOKENS * MIN_TOKENS  # few distinct chunk shapes
-        return max(MIN_TOKENS, min(tokens, fits))
+        fits = min(tokens, room / max(self.token_s, 1e-9))
+        return max(MIN_TOKENS, int(fits) // MIN_TOKENS * MIN_TOKENS)  # few distinct chunk shapes
 
     def observe(self, seconds: float, prefill_tokens: int, decoding: int) -> None:
-        """A step took `seconds` to prefill `prefill_tokens` beside `decoding` sequences."""
-        if prefill_tokens == 0:
-            if decoding:
-                self.decode_s = _blend(self.decode_s, seconds)
+        """A step took `seconds` to prefill `prefill_tokens` beside `decoding` sequences. Only steps
+        that also decode teach the token cost (what `budget` needs it for): a prompt prefilled
+        alone would charge the step's fixed cost to its tokens."""
+        if not decoding:
             return
-        base = (self.decode_s or 0.0) if decoding else 0.0
-        self.token_s = _blend(self.token_s, max(seconds - base, 0.0) / prefill_tokens)
+        if prefill_tokens == 0:
+            self.decode_s = _blend(self.decode_s, seconds)
+        elif self.decode_s is not None:
+            self.token_s = _blend(self.token_s, max(seconds - self.decode_s, 0.0) / prefill_tokens)
 
 
 def _blend(old: float | None, new: float) -> float:

@@ -181,18 +181,27 @@ class RequestPreparer:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"chat.continue_final_message: the last message is a {final['role']} turn, not an assistant turn",
             )
-        text = (final["content"] or "").strip()
+        if final.get("tool_calls"):
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "chat.continue_final_message: the final assistant message calls tools; only text can be continued",
+            )
+        content = final["content"] or ""
+        text = content.strip()
         if not text:  # nothing to carry on from: an empty prefill is a new turn
             return self._render(messages[:-1], tools, kwargs, generation_prompt=True)
         rendered = self._template(messages, tools, kwargs, generation_prompt=False, tokenize=False)
-        end = rendered.rfind(text)
-        if end < 0:
+        start = rendered.rfind(text)
+        if start < 0:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "chat.continue_final_message: this model's chat template does not render the final "
                 "assistant message's text as given, so it cannot be continued",
             )
-        return list(self.tokenizer.encode(rendered[: end + len(text)], add_special_tokens=False))
+        # trailing whitespace stays where the template kept it (as Hugging Face cuts it)
+        kept = content.lstrip()
+        end = start + (len(kept) if rendered[start : start + len(kept)] == kept else len(text))
+        return list(self.tokenizer.encode(rendered[:end], add_special_tokens=False))
 
     def _render(
         self, messages: list[dict], tools: list | None, kwargs: dict, generation_prompt: bool

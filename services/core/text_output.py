@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
 from services.common.logging import get_logger
 from services.proto.moemesh.v1 import core_pb2
@@ -86,6 +86,8 @@ class TextEmitter:
             # a continuation (" Paris" after "The capital of France is"). A placeholder
             # already "sent" keeps every space.
             detokenizer.text, detokenizer.offset = "\0", 1
+        elif isinstance(detokenizer, SPMStreamingDetokenizer):
+            detokenizer.trim_space = False  # the same, for SentencePiece models
         self.output = output
         self.stop_strings = [s for s in output.stop_strings if s]
         self.state = REASONING if output.reasoning_markers and output.starts_in_reasoning else CONTENT

@@ -19,11 +19,13 @@ from mlx_lm.tokenizer_utils import (
     _byte_decoder,
 )
 
+from services.core.output_prep import hidden_special_ids
+
 
 class TokenBytes:
     def __init__(self, tokenizer: TokenizerWrapper):
         self._tokenizer = tokenizer
-        detokenizer = tokenizer.detokenizer
+        self._detokenizer = detokenizer = tokenizer.detokenizer  # (its SPM table is shared, not copied)
         self._kind = (
             "bpe"
             if isinstance(detokenizer, BPEStreamingDetokenizer)
@@ -31,17 +33,19 @@ class TokenBytes:
             if isinstance(detokenizer, SPMStreamingDetokenizer)
             else "text"
         )
+        # control tokens add nothing to an answer's text (TextEmitter leaves them out): no bytes
+        self._hidden = hidden_special_ids(tokenizer)
         self._special = set(getattr(tokenizer, "all_special_ids", None) or ())
         self.of = lru_cache(maxsize=65536)(self._bytes)
 
     def _bytes(self, token_id: int) -> bytes:
+        if token_id in self._hidden:
+            return b""
         piece = self._tokenizer.convert_ids_to_tokens(token_id)
         if piece is None or token_id in self._special or self._kind == "text":
             return self._tokenizer.decode([token_id]).encode("utf-8")
-        if self._kind == "spm":
-            if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
-                return bytes([int(piece[3:5], 16)])
-            return piece.replace("\u2581", " ").encode("utf-8")
+        if self._kind == "spm":  # mlx-lm's own table: "<0xNN>" pieces as their byte
+            return self._detokenizer.tokenmap[token_id].replace(SPMStreamingDetokenizer._sep, b" ")
         table = _byte_decoder()
         if all(c in table for c in piece):
             return bytes(table[c] for c in piece)

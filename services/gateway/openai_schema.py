@@ -60,6 +60,8 @@ def _check_encodable(value: Any) -> None:
             _check_encodable(key)
             _check_encodable(item)
     elif isinstance(value, list | tuple):
+        if value and isinstance(value[0], int | float) and isinstance(value[-1], int | float):
+            return  # token ids, numbers: nothing to encode (and prompts of 100K ids)
         for item in value:
             _check_encodable(item)
 

@@ -62,3 +62,16 @@ def test_continuing_a_user_turn_is_refused(preparer):
     with pytest.raises(RequestError) as caught:
         preparer.prompt_tokens(chat(("user", "Hi"), continue_final=True))
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT and "assistant" in str(caught.value)
+
+
+def test_an_assistant_turn_that_calls_tools_cannot_be_continued(preparer):
+    request = chat(("user", "Weather?"), ("assistant", "Let me check."), continue_final=True)
+    request.chat.messages[-1].tool_calls.add(id="c1", name="get_weather", arguments="{}")
+    with pytest.raises(RequestError) as caught:
+        preparer.prompt_tokens(request)
+    assert "tools" in str(caught.value)
+
+
+def test_trailing_space_the_template_keeps_is_kept(preparer, tokenizer):
+    request = chat(("user", "Finish: one, two,"), ("assistant", "one, two, "), continue_final=True)
+    assert tokenizer.decode(preparer.prompt_tokens(request)).endswith("one, two, ")
