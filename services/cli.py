@@ -72,9 +72,18 @@ def _up(args) -> None:
             workdir=args.workdir,
             gateway_args=_gateway_key_args(args),
             expert_memory_gb=args.expert_memory_gb,
-            core_args=kv_cli_args(args),
+            core_args=[*kv_cli_args(args), "--max-step-seconds", str(args.max_step_seconds)],
             frame_spin_us=args.frame_spin_us,
         )
+    )
+
+
+def _add_step_time_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-step-seconds",
+        type=float,
+        default=1.0,
+        help="while sequences decode, cut the prefill chunk to what fits this step time (0: tokens only)",
     )
 
 
@@ -151,12 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=512,
         help="tokens computed per step: one per decoding sequence plus the prefill chunk",
     )
-    p.add_argument(
-        "--max-step-seconds",
-        type=float,
-        default=1.0,
-        help="while sequences decode, cut the prefill chunk to what fits this step time (0: tokens only)",
-    )
+    _add_step_time_flag(p)
     p.add_argument(
         "--prefix-cache-gb", type=float, default=1.0, help="byte budget of the prefix cache (0 = off)"
     )
@@ -195,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--expert-memory-gb", type=float, default=None, help="each worker's expert RAM budget (default: all)"
     )
     add_kv_cache_flags(p)
+    _add_step_time_flag(p)
     _add_api_key_flags(p)
     add_spin_flag(p)
     p.set_defaults(func=_up)
