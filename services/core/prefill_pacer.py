@@ -10,7 +10,7 @@ tokens that fit the target. With nothing decoding, nobody waits: the whole budge
 
 from __future__ import annotations
 
-PROBE_TOKENS = 32  # the first chunk beside decoding streams, before any cost is known
+PROBE_TOKENS = 8  # the first chunk beside decoding streams, before any cost is known: small
 MIN_TOKENS = 8  # a prompt always moves on, however tight the target; chunks are multiples of it
 _WEIGHT = 0.3  # of a new observation in the running estimates
 
