@@ -118,7 +118,6 @@ class Engine:
         self.token_bytes = TokenBytes(tokenizer)  # logprobs carry each token's own bytes
         self.config = config
         self.pacer = PrefillPacer(config.max_step_seconds)
-        self._step_decoding = 0  # sequences decoding in the step being run
         self._loader = loader
         self.model = None
         self.probe_workers: Callable[[], list[str]] | None = None
@@ -297,7 +296,7 @@ class Engine:
         try:
             with mx.stream(generation_stream):
                 busy = {kind: g for kind, g in self._generators.items() if self._has_work(kind)}
-                self._limit_prefill_chunks(list(busy.values()))
+                decoding = self._limit_prefill_chunks(list(busy.values()))
                 steps = {kind: GeneratorStep(generator) for kind, generator in busy.items()}
                 # Every forward of the step (decode, prompts joining, prefill chunks, of every
                 # KV kind) shares one expert call per worker per layer.
@@ -320,12 +319,12 @@ class Engine:
             seconds = time.monotonic() - started
             # the prompt tokens this step really computed (a short prompt takes less than its chunk)
             prefilled = sum(step.prompt_tokens for step in steps.values())
-            self.pacer.observe(seconds, prefilled, self._step_decoding)
+            self.pacer.observe(seconds, prefilled, decoding)
             if prefilled:
                 log.debug(
                     "prefill_step",
                     tokens=prefilled,
-                    decoding=self._step_decoding,
+                    decoding=decoding,
                     seconds=round(seconds, 3),
                 )
         for kind, (prompt_responses, responses) in outcomes.items():
@@ -344,10 +343,11 @@ class Engine:
                 sequence.send(EngineError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"))
                 self._finish(sequence, remove=True)
 
-    def _limit_prefill_chunks(self, generators: list[BatchGenerator]) -> None:
+    def _limit_prefill_chunks(self, generators: list[BatchGenerator]) -> int:
         """Share the step's token budget across every batch of the step: decoding sequences take
         one token each, the sequences being prefilled split the rest. Mirrors how
-        `BatchGenerator._next` admits prompts, so the chunks it cuts this step stay within budget."""
+        `BatchGenerator._next` admits prompts, so the chunks it cuts this step stay within budget.
+        Returns the sequences decoding in the step."""
         decoding = sum(len(g._generation_batch) for g in generators)
         in_batches = sum(len(g._generation_batch) + len(g._prompt_batch) for g in generators)
         prefilling = {}
@@ -363,7 +363,6 @@ class Engine:
                 len(generator._unprocessed_sequences),
             )
             prefilling[generator] = len(generator._prompt_batch) + max(joining, 0)
-        self._step_decoding = decoding
         if sum(prefilling.values()):
             tokens = self.pacer.budget(self.config.max_num_batched_tokens - decoding, decoding)
             chunk = max(1, tokens // sum(prefilling.values()))
@@ -371,6 +370,7 @@ class Engine:
                 if count:
                     generator.prefill_step_size = chunk
                     generator._prompt_batch.prefill_step_size = chunk
+        return decoding
 
     def _after_prefill(self, kind: str, generator: BatchGenerator, prompt_responses, started: float) -> None:
         """Note when each sequence's prefill began, and keep the KV of every prompt whose

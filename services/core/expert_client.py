@@ -154,10 +154,9 @@ class _Part:
 class _Pending:
     """One layer call between `_start` and `_finish`."""
 
-    def __init__(self, layer, plan, hidden, ids, started, deadline):
+    def __init__(self, layer, plan, hidden, ids, started, deadline, dtype):
         self.layer, self.plan, self.hidden, self.ids = layer, plan, hidden, ids
-        # the states' own dtype, both ways: the experts compute in what the model hands them
-        self.dtype = tensor_codec.hidden_dtype_of(hidden)
+        self.dtype = dtype  # the states' own, both ways: the experts compute in what the model hands them
         self.started, self.deadline = started, deadline
         self.request_ids: tuple[str, ...] = ()
         self.frame_calls: list | None = None  # sent as frames: the calls whose answers are due
@@ -389,7 +388,8 @@ class ExpertDispatcher:
         started = time.perf_counter()
         ids = np.asarray(expert_ids)  # evaluated int32 (RemoteExperts made it so): a view, no sync
         host_hidden = tensor_codec.numpy_view(hidden)
-        if self.overlap and tensor_codec.has_nan(host_hidden, tensor_codec.hidden_dtype_of(host_hidden)):
+        dtype = tensor_codec.hidden_dtype_of(host_hidden)
+        if self.overlap and tensor_codec.has_nan(host_hidden, dtype):
             self._overlap_failed(layer)
         sole = self._sole_owner.get(layer)
         if sole is not None:
@@ -402,7 +402,9 @@ class ExpertDispatcher:
                 raise
             plan = _plan(owners, host_hidden, ids)
         # One deadline, whichever path serves.
-        pending = _Pending(layer, plan, host_hidden, ids, started, time.monotonic() + self.call_timeout_s)
+        pending = _Pending(
+            layer, plan, host_hidden, ids, started, time.monotonic() + self.call_timeout_s, dtype
+        )
         pending.request_ids = BATCH_REQUEST_IDS.get()
         pending.frame_calls = self._frames_send(pending)
         if pending.frame_calls is None:

@@ -155,7 +155,7 @@ def test_a_graph_built_before_a_host_write_into_the_placeholder_sees_it(dtype):
     from services.core.expert_client import _Pending
 
     hidden = numpy_view(mx.zeros((3, 64), dtype))  # the call's states, in their wire form
-    pending = _Pending(0, [], hidden, np.zeros((3, 8), np.int32), 0.0, 0.0)
+    pending = _Pending(0, [], hidden, np.zeros((3, 8), np.int32), 0.0, 0.0, dtype)
     slot = pending.make_slot()
     assert slot.dtype == dtype
     weight = mx.random.normal((64, 64), key=mx.random.key(0)).astype(dtype)
