@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StrictBool, ValidationInfo, field_validator
 
-from services.gateway.openai_schema import UINT32_MAX, ApiModel
+from services.gateway.openai_schema import UINT32_MAX, ApiModel, check_tool_schema
 
 
 class TextBlock(ApiModel):
@@ -67,6 +67,8 @@ class ToolSpec(ApiModel):
     name: str = Field(min_length=1, max_length=128)
     description: str = ""
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+
+    _object_input = field_validator("input_schema")(check_tool_schema)
 
 
 class ToolChoice(ApiModel):

@@ -14,6 +14,7 @@ validation-to-400 machinery in `errors.py`.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -117,10 +118,20 @@ class ChatMessage(ApiModel):
         return "".join(part.text for part in self.content)
 
 
+def check_tool_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A tool's arguments are a JSON object, so its schema must describe one (OpenAI and Anthropic
+    refuse anything else); a schema that says nothing of its type is taken as an object's."""
+    if schema is not None and "type" in schema and schema["type"] != "object":
+        raise ValueError(f'must be a JSON Schema of type "object", got type {json.dumps(schema["type"])}')
+    return schema
+
+
 class FunctionDefinition(ApiModel):
     name: str = Field(min_length=1)
     description: str = ""
     parameters: dict[str, Any] | None = None
+
+    _object_parameters = field_validator("parameters")(check_tool_schema)
 
 
 class ToolDefinition(ApiModel):

@@ -190,6 +190,12 @@ def test_errors_are_anthropic_shaped(gateway_url: str, core: CoreDouble) -> None
         gateway_url + "/v1/messages", json={"model": MODEL_ID, "max_tokens": 5, "messages": image}
     )
     assert response.status_code == 400 and "image" in response.json()["error"]["message"]
+    not_an_object = {**WEATHER, "input_schema": {"type": "array"}}
+    response = httpx.post(
+        gateway_url + "/v1/messages",
+        json={"model": MODEL_ID, "max_tokens": 5, "messages": QUESTION, "tools": [not_an_object]},
+    )
+    assert response.status_code == 400 and "input_schema" in response.json()["error"]["message"]
     assert core.requests == []
     with pytest.raises(anthropic.NotFoundError) as raised:
         client(gateway_url).messages.create(model="claude-9", max_tokens=5, messages=QUESTION)

@@ -56,6 +56,13 @@ def assert_envelope(response: httpx.Response, status: int, param: str | None = N
         ),
         ({**VALID_BODY, "stream": "yes"}, "stream"),  # no lax coercion of strings into booleans
         ({**VALID_BODY, "stream_options": {"include_usage": True}}, "stream_options"),
+        (  # a tool's arguments are an object, so its schema must be one's
+            {
+                **VALID_BODY,
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+            },
+            "tools[0].function.parameters",
+        ),
     ],
 )
 def test_invalid_requests_are_400_naming_the_field(gateway_url: str, core: CoreDouble, body, param) -> None:
