@@ -9,6 +9,9 @@ generation batch, the first token of finished prompts on a batch split off the p
 batch (joined to the generation batch only in `finish`), the prefill chunk on what stays
 in the prompt batch.
 
+One addition: rows that asked for prompt logprobs keep their prefill logits
+(`logprobs.prefill_keeping_logprobs`), found in `prompt_logprobs` after `finish`.
+
 One difference from `_next`: whether the running batch has room for new prompts is
 judged before this step's decode rather than after it, so a place freed by a sequence
 finishing in this step is filled in the next step (one step later than mlx-lm would).
@@ -21,26 +24,32 @@ from collections.abc import Callable
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
 
+from services.core.logprobs import prefill_keeping_logprobs
+
 
 class GeneratorStep:
     """`tasks` run the step's forwards (in any interleaving); `finish(results)` takes their
     results in task order and returns what `_next` returns: (prompt_responses,
     generation_responses)."""
 
-    def __init__(self, generator: BatchGenerator):
+    def __init__(self, generator: BatchGenerator, scoring: frozenset[int] = frozenset()):
+        """`scoring`: uids of the sequences that want their prompt's logprobs."""
         self.generator = generator
         self.tasks: list[Callable[[], object]] = []
         self._decode_task: int | None = None
         self._joining_task: int | None = None
+        self._prefill_task: int | None = None
+        self._scored_rows: dict[int, int] = {}  # prefill row -> uid, for rows in `scoring`
         self.prompt_tokens = 0
         self.prompt_responses: list = []
-        self._plan()
+        self.prompt_logprobs: dict[int, mx.array] = {}  # uid -> (chunk length, vocab) logprobs
+        self._plan(scoring)
 
     def _add(self, task: Callable[[], object]) -> int:
         self.tasks.append(task)
         return len(self.tasks) - 1
 
-    def _plan(self) -> None:
+    def _plan(self, scoring: frozenset[int]) -> None:
         gen = self.generator
         generation = gen._generation_batch
         if len(generation) > 0:
@@ -89,7 +98,9 @@ class GeneratorStep:
         if prompts:
             self.prompt_tokens = sum(len(p) for p in prompts)
             prompt_batch = gen._prompt_batch
-            self._add(lambda: prompt_batch.prompt(prompts))
+            self._scored_rows = {i: uid for i, uid in enumerate(prompt_batch.uids) if uid in scoring}
+            rows = set(self._scored_rows)
+            self._prefill_task = self._add(lambda: prefill_keeping_logprobs(prompt_batch, prompts, rows))
 
     def finish(self, results: list) -> tuple[list, list]:
         gen = self.generator
@@ -103,4 +114,7 @@ class GeneratorStep:
         if self._joining_task is not None:
             gen._generation_batch.extend(results[self._joining_task])
         gen._counters.prompt_tokens += self.prompt_tokens
+        if self._prefill_task is not None:
+            kept = results[self._prefill_task]
+            self.prompt_logprobs = {uid: kept[row] for row, uid in self._scored_rows.items()}
         return self.prompt_responses, generation_responses

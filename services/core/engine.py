@@ -31,6 +31,7 @@ from services.core.batch_step import GeneratorStep
 from services.core.engine_metrics import ENGINE_FORWARDS, ENGINE_STEPS
 from services.core.expert_client import BATCH_REQUEST_IDS, ExpertCallError
 from services.core.kv import KV_CACHE_KINDS, make_kv_cache
+from services.core.logprobs import LogprobWriter
 from services.core.prefill_pacer import PrefillPacer
 from services.core.prefix_cache import PrefixCache
 from services.core.request_prep import PreparedRequest
@@ -65,6 +66,8 @@ class Sequence:
     uid: int | None = None  # the uid its generator gave it
     generated: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    # with request.prompt_logprobs: one entry per prompt token scored so far, sent on the first chunk
+    prompt_logprobs: list = field(default_factory=list)
     done: bool = False
     submitted_at: float = field(default_factory=time.monotonic)
     prefill_started_at: float | None = None
@@ -115,7 +118,7 @@ class Engine:
         event loop) and returns (model, probe_workers, layer_call_timings); probe_workers()
         -> problems, where an empty list means every expert of every layer is reachable."""
         self.tokenizer = tokenizer
-        self.token_bytes = TokenBytes(tokenizer)  # logprobs carry each token's own bytes
+        self.logprobs = LogprobWriter(tokenizer, TokenBytes(tokenizer))
         self.config = config
         self.pacer = PrefillPacer(config.max_step_seconds)
         self._loader = loader
@@ -263,7 +266,11 @@ class Engine:
             sequence.send(EngineError(grpc.StatusCode.UNAVAILABLE, "; ".join(self.problems)))
             return
         request = sequence.request
-        cache, cached = self.prefix_cache.lookup(sequence.kind, request.prompt)
+        cache, cached = None, 0
+        if request.prompt_logprobs:  # every prompt position is computed, so none comes from the cache
+            sequence.prompt_logprobs = [self.logprobs.entry(request.prompt[0])]  # no context: no logprob
+        else:
+            cache, cached = self.prefix_cache.lookup(sequence.kind, request.prompt)
         try:
             if cache is None:
                 cache = self._new_cache(sequence.kind)
@@ -297,7 +304,9 @@ class Engine:
             with mx.stream(generation_stream):
                 busy = {kind: g for kind, g in self._generators.items() if self._has_work(kind)}
                 decoding = self._limit_prefill_chunks(list(busy.values()))
-                steps = {kind: GeneratorStep(generator) for kind, generator in busy.items()}
+                steps = {
+                    kind: GeneratorStep(generator, self._scoring(kind)) for kind, generator in busy.items()
+                }
                 # Every forward of the step (decode, prompts joining, prefill chunks, of every
                 # KV kind) shares one expert call per worker per layer.
                 tasks = [task for step in steps.values() for task in step.tasks]
@@ -329,6 +338,7 @@ class Engine:
                 )
         for kind, (prompt_responses, responses) in outcomes.items():
             generator = self._generators[kind]
+            self._score_prompts(kind, steps[kind].prompt_logprobs)
             self._after_prefill(kind, generator, prompt_responses, started)
             for response in responses:
                 sequence = self._active.get((kind, response.uid))
@@ -342,6 +352,22 @@ class Engine:
             if sequence.request.deadline is not None and now > sequence.request.deadline:
                 sequence.send(EngineError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"))
                 self._finish(sequence, remove=True)
+
+    def _scoring(self, kind: str) -> frozenset[int]:
+        return frozenset(
+            uid for (k, uid), s in self._active.items() if k == kind and s.request.prompt_logprobs
+        )
+
+    def _score_prompts(self, kind: str, logprobs: dict[int, mx.array]) -> None:
+        """Each row of a prefill chunk's logprobs scores the prompt token after that position."""
+        for uid, rows in logprobs.items():
+            sequence = self._active.get((kind, uid))
+            if sequence is not None:
+                scored = len(sequence.prompt_logprobs)
+                targets = sequence.request.prompt[scored : scored + rows.shape[0]]
+                if targets:
+                    top = sequence.request.top_logprobs
+                    sequence.prompt_logprobs += self.logprobs.scored(targets, rows[: len(targets)], top)
 
     def _limit_prefill_chunks(self, generators: list[BatchGenerator]) -> int:
         """Share the step's token budget across every batch of the step: decoding sequences take
@@ -390,6 +416,9 @@ class Engine:
 
     def _emit(self, sequence: Sequence, response) -> None:
         request = sequence.request
+        if request.score_only:
+            self._emit_score(sequence, response)
+            return
         sequence.generated += 1
         self.counters.generation_tokens += 1
         if sequence.first_token_at is None:
@@ -398,12 +427,16 @@ class Engine:
         if sequence.generated == 1:  # clients want the prompt's size up front (Anthropic's message_start)
             chunk.usage.prompt_tokens = len(request.prompt)
             chunk.usage.cached_prompt_tokens = sequence.cached_tokens
+            chunk.prompt_logprobs.extend(sequence.prompt_logprobs)
+            sequence.prompt_logprobs = []
         finish = FINISH.get(response.finish_reason) if response.finish_reason else None
         is_stop_token = response.finish_reason == "stop"
         if not is_stop_token:
             sequence.emitter.add(response.token).write_to(chunk)
         if request.logprobs:
-            self._add_logprobs(chunk, response, request.top_logprobs)
+            chunk.logprobs.append(
+                self.logprobs.sampled(response.token, response.logprobs, request.top_logprobs)
+            )
         if sequence.emitter.stopped and finish is None:
             finish = core_pb2.FinishReason.STOP
             self._finish(sequence, remove=True, keep_prefix=True)
@@ -417,6 +450,21 @@ class Engine:
                 self._finish(sequence, remove=False)
         sequence.send(chunk)
 
+    def _emit_score(self, sequence: Sequence, response) -> None:
+        """max_tokens 0 with prompt logprobs: the prompt, scored, is the whole answer; the token
+        mlx-lm's generator computed with the prompt's last position is not sent."""
+        sequence.first_token_at = time.monotonic()
+        chunk = core_pb2.GenerateChunk(request_id=sequence.request.request_id)
+        chunk.prompt_logprobs.extend(sequence.prompt_logprobs)
+        sequence.prompt_logprobs = []
+        sequence.emitter.finish().write_to(chunk)  # the echoed prompt, if asked for
+        chunk.finish_reason = core_pb2.FinishReason.LENGTH
+        self._fill_final(chunk, sequence)
+        if not sequence.done:
+            # generating stops here; mlx-lm has already retired a sequence whose max_tokens ran out
+            self._finish(sequence, remove=response.finish_reason is None)
+        sequence.send(chunk)
+
     def _fill_final(self, chunk: core_pb2.GenerateChunk, sequence: Sequence) -> None:
         chunk.usage.prompt_tokens = len(sequence.request.prompt)
         chunk.usage.completion_tokens = sequence.generated
@@ -424,25 +472,6 @@ class Engine:
         prefill_started = sequence.prefill_started_at or sequence.submitted_at
         chunk.timings.queue_seconds = prefill_started - sequence.submitted_at
         chunk.timings.prefill_seconds = (sequence.first_token_at or prefill_started) - prefill_started
-
-    def _add_logprobs(self, chunk, response, top: int) -> None:
-        logprobs = response.logprobs
-        entry = chunk.logprobs.add(
-            token_id=response.token,
-            token=self.tokenizer.decode([response.token]),
-            logprob=logprobs[response.token].item(),
-            token_bytes=self.token_bytes.of(response.token),
-        )
-        if top:
-            best = mx.argpartition(-logprobs, kth=top - 1)[:top]
-            best = best[mx.argsort(-logprobs[best])]
-            for token_id, value in zip(best.tolist(), logprobs[best].tolist(), strict=True):
-                entry.top.add(
-                    token_id=token_id,
-                    token=self.tokenizer.decode([token_id]),
-                    logprob=value,
-                    token_bytes=self.token_bytes.of(token_id),
-                )
 
     def _release(self, sequence: Sequence) -> None:
         sequence.done = True

@@ -48,6 +48,9 @@ class PreparedRequest:
     # a chat's system prompt): caches that cannot be trimmed back (Gated DeltaNet state, sliding
     # windows) are reusable only from such exact points.
     snapshot_at: tuple[int, ...] = ()
+    # the logprob of every prompt token given the ones before it (computed in full: no prefix cache)
+    prompt_logprobs: bool = False
+    score_only: bool = False  # max_tokens 0 with prompt_logprobs: the one token generated is not sent
     output: OutputSpec = field(default_factory=OutputSpec)  # how the output stream is routed
     created: float = field(default_factory=time.time)
 
@@ -241,9 +244,15 @@ class RequestPreparer:
                 f"context_length_exceeded: the prompt has {len(prompt)} tokens, the model's context is {self.context_length}",
             )
         stopping = request.stopping
-        if stopping.HasField("max_tokens"):
+        score_only = request.prompt_logprobs and stopping.HasField("max_tokens") and stopping.max_tokens == 0
+        if score_only:
+            max_tokens = 1  # mlx-lm's generator computes one; it is not sent
+        elif stopping.HasField("max_tokens"):
             if stopping.max_tokens < 1:
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens: must be at least 1")
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "max_tokens: must be at least 1 (0 only with prompt_logprobs, to score the prompt)",
+                )
             if stopping.max_tokens > room:
                 raise RequestError(
                     grpc.StatusCode.INVALID_ARGUMENT,
@@ -290,6 +299,8 @@ class RequestPreparer:
             top_logprobs=request.top_logprobs,
             deadline=None if time_remaining is None else time.monotonic() + time_remaining,
             snapshot_at=self._snapshot_points(chat, prompt) if chat else (),
+            prompt_logprobs=request.prompt_logprobs,
+            score_only=score_only,
         )
 
 

@@ -3,7 +3,8 @@
 Completions logprobs use the legacy shape: parallel lists `tokens`, `token_logprobs`,
 `top_logprobs` (one {token: logprob} map per token) and `text_offset` (each token's character
 offset in the returned text, which starts with the prompt when `echo` is set; core sends the echoed
-prompt as the first chunk's text, without logprobs).
+prompt as the first chunk's text). With echo, the prompt's own tokens come first, scored by core
+(`prompt_logprobs`); the first has no context, so its logprob and alternatives are null.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ class LegacyLogprobs:
 
     def __init__(self) -> None:
         self.tokens: list[str] = []
-        self.token_logprobs: list[float] = []
-        self.top_logprobs: list[dict[str, float]] = []
+        self.token_logprobs: list[float | None] = []
+        self.top_logprobs: list[dict[str, float] | None] = []
         self.text_offset: list[int] = []
         # characters each token completes, from its bytes: a token holding part of a character
         # completes none (or the one it ends), whatever its lone decoding shows
@@ -33,14 +34,17 @@ class LegacyLogprobs:
         """How many characters of text each of `items` adds, in order (call once per item)."""
         return [len(self._utf8.decode(token_bytes(item))) for item in items]
 
-    def add(self, items: list[core_pb2.TokenLogprob], offset: int, characters: list[int]) -> dict[str, Any]:
+    def add(
+        self, items: list[core_pb2.TokenLogprob], offset: int, characters: list[int], *, prompt: bool = False
+    ) -> dict[str, Any]:
         """Record `items` whose text starts at character `offset` and adds `characters` each
-        (`characters()`); returns just their part."""
+        (`characters()`); returns just their part. `prompt`: items are the prompt's, from its first."""
         part = LegacyLogprobs()
-        for item, count in zip(items, characters, strict=True):
+        for index, (item, count) in enumerate(zip(items, characters, strict=True)):
             part.tokens.append(item.token)
-            part.token_logprobs.append(item.logprob)
-            part.top_logprobs.append({top.token: top.logprob for top in item.top})
+            unscored = prompt and index == 0  # nothing comes before the prompt's first token
+            part.token_logprobs.append(None if unscored else item.logprob)
+            part.top_logprobs.append(None if unscored else {top.token: top.logprob for top in item.top})
             part.text_offset.append(offset)
             offset += count
         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
@@ -71,11 +75,11 @@ class CompletionFormatter:
 
     def _record(self, chunk: core_pb2.GenerateChunk) -> dict[str, Any] | None:
         # The tokens' text ends the chunk's text; anything before it is echoed prompt (core may send
-        # the echo in the first token's chunk).
-        items = list(chunk.logprobs)
-        counts = self._logprobs.characters(items)
-        start = self._chars + max(len(chunk.text) - sum(counts), 0)
-        part = self._logprobs.add(items, start, counts) if self.with_logprobs else None
+        # the echo in the first token's chunk), whose own tokens, when scored, start at its start.
+        part = None
+        if self.with_logprobs:
+            prompt, generated = list(chunk.prompt_logprobs), list(chunk.logprobs)
+            part = _logprobs_of(self._logprobs, prompt, generated, chunk.text, start=self._chars)
         self._chars += len(chunk.text)
         return part
 
@@ -85,10 +89,9 @@ class CompletionFormatter:
         finish = state.require_finished()
         logprobs = None
         if self.with_logprobs:
-            logprobs = LegacyLogprobs()
-            counts = logprobs.characters(state.logprobs)
-            echoed = max(len(state.full_text()) - sum(counts), 0)  # the prompt, with echo
-            logprobs = logprobs.add(state.logprobs, echoed, counts)
+            logprobs = _logprobs_of(
+                LegacyLogprobs(), state.prompt_logprobs, state.logprobs, state.full_text()
+            )
         return self._object(
             [
                 {
@@ -107,7 +110,7 @@ class CompletionFormatter:
     def on_chunk(self, chunk: core_pb2.GenerateChunk) -> list[bytes]:
         out = []
         logprobs = self._record(chunk)
-        if chunk.text or chunk.logprobs:
+        if chunk.text or chunk.logprobs or chunk.prompt_logprobs:
             choice = {"index": 0, "text": chunk.text, "logprobs": logprobs, "finish_reason": None}
             out.append(sse_data(self._object([choice], usage=None)))
         if chunk.finish_reason != core_pb2.FINISH_REASON_UNSPECIFIED:
@@ -142,3 +145,19 @@ class CompletionFormatter:
         if usage is not None or self.include_usage or not choices:
             result["usage"] = usage
         return result
+
+
+def _logprobs_of(
+    logprobs: LegacyLogprobs,
+    prompt: list[core_pb2.TokenLogprob],
+    generated: list[core_pb2.TokenLogprob],
+    text: str,
+    start: int = 0,
+) -> dict[str, Any]:
+    """Record into `logprobs` the scored prompt's tokens (from the start of `text`) and the generated
+    ones (at its end); returns their part. `text` starts at character `start` of the answer."""
+    prompt_counts = logprobs.characters(prompt)
+    counts = logprobs.characters(generated)
+    part = logprobs.add(prompt, start, prompt_counts, prompt=True)
+    tail = logprobs.add(generated, start + max(len(text) - sum(counts), 0), counts)
+    return {name: part[name] + tail[name] for name in part}

@@ -4,13 +4,18 @@ Contract: `prompt` is one prompt — a string or a list of token ids (a one-elem
 accepted too, since clients often wrap it); batches of several prompts, `best_of` > 1 and `suffix`
 are refused with a 400 naming the field, because core serves one sequence per request and has no
 fill-in-the-middle template. `max_tokens` defaults to 16, as OpenAI's and vLLM's do.
+
+`echo` with `logprobs` also scores the prompt (the logprob of each prompt token given the ones
+before it, the first `null`), as OpenAI's completions did and vLLM's do: evaluation harnesses
+(lm-evaluation-harness's `local-completions`) score texts this way. With `echo`, `max_tokens` may
+be 0: the prompt, scored, is the whole answer.
 """
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field, StrictBool, field_validator
+from pydantic import Field, StrictBool, ValidationInfo, field_validator
 
 from services.gateway.openai_schema import UINT32_MAX, GenerationOptions
 
@@ -23,8 +28,8 @@ class CompletionRequest(GenerationOptions):
     """`POST /v1/completions` body."""
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1, le=UINT32_MAX)
     echo: StrictBool = False
+    max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=0, le=UINT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
@@ -41,6 +46,17 @@ class CompletionRequest(GenerationOptions):
         if len(prompt) == 0:
             raise ValueError("prompt must not be empty")
         return prompt
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _nothing_to_generate_only_with_echo(cls, max_tokens: int | None, info: ValidationInfo) -> int | None:
+        if max_tokens == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens must be at least 1 (0 only with echo, to return the prompt scored)")
+        return max_tokens
+
+    def scores_prompt(self) -> bool:
+        """The answer carries the prompt's own logprobs (echo with logprobs, or nothing generated)."""
+        return self.echo and (self.logprobs is not None or self.max_tokens == 0)
 
     @field_validator("best_of")
     @classmethod

@@ -140,6 +140,7 @@ def build_completion_request(request: CompletionRequest, request_id: str) -> cor
         logprobs=request.logprobs is not None,
         top_logprobs=request.logprobs or 0,
         echo=request.echo,
+        prompt_logprobs=request.scores_prompt(),
         kv_cache=request.kv_cache or "",
     )
     if (text := request.prompt_text()) is not None:

@@ -35,6 +35,9 @@ class GenerationState:
     reasoning: list[str] = field(default_factory=list)
     tool_calls: list[core_pb2.ToolCall] = field(default_factory=list)
     logprobs: list[core_pb2.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[core_pb2.TokenLogprob] = field(
+        default_factory=list
+    )  # asked for: on the first chunk
     finish_reason: int | None = None  # core_pb2.FinishReason once the stream has ended
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -54,6 +57,8 @@ class GenerationState:
             self.tool_calls.extend(chunk.tool_calls)
         if chunk.logprobs:
             self.logprobs.extend(chunk.logprobs)
+        if chunk.prompt_logprobs:
+            self.prompt_logprobs.extend(chunk.prompt_logprobs)
         self._counted_tokens += len(chunk.token_ids)
         self.completion_tokens = self._counted_tokens
         if not chunk.finish_reason:

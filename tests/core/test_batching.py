@@ -323,3 +323,74 @@ async def test_fp16_and_turboquant_requests_batch_together_unchanged(tiny_cores)
     steps = after["moe_mesh_engine_steps_total"] - before["moe_mesh_engine_steps_total"]
     forwards = after["moe_mesh_engine_forwards_total"] - before["moe_mesh_engine_forwards_total"]
     assert forwards > steps  # the kinds' forwards shared steps
+
+
+def mlx_lm_prompt_logprobs(checkpoint: Path, prompt: list[int]) -> mx.array:
+    """mlx-lm's own model over the whole prompt at once: row i scores prompt[i + 1]."""
+    model, _ = mlx_lm.load(str(checkpoint))
+    logits = model(mx.array(prompt)[None])[0].astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+async def test_prompt_logprobs_match_mlx_lm_across_chunks_and_batches(tiny_cores, tiny_models):
+    """Prompt logprobs (completions' echo + logprobs, vLLM's prompt_logprobs) score every prompt
+    token as mlx-lm's model does over the whole prompt, though core prefills it in 64-token chunks
+    beside other requests; the prefix cache, which holds the prompt, is not used for it; and with
+    max_tokens 0 the scored prompt is the whole answer."""
+    _, cached = tiny_cores
+    tokenizer = mlx_lm.load(str(tiny_models.checkpoint("qwen3_moe", None)))[1]
+    long_prompt = tokenizer.encode(SYSTEM_PROMPT[:700])  # ~150 tokens: three chunks
+    short_prompt = tokenizer.encode("The capital of France is")
+    assert len(long_prompt) > 2 * 64
+
+    def scored(prompt: list[int], max_tokens: int) -> core_pb2.GenerateRequest:
+        return core_pb2.GenerateRequest(
+            token_ids=core_pb2.TokenIds(ids=prompt),
+            sampling=GREEDY,
+            stopping=core_pb2.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True),
+            prompt_logprobs=True,
+            top_logprobs=3,
+        )
+
+    async with grpc.aio.insecure_channel(cached.address) as channel:
+        stub = core_pb2_grpc.CoreStub(channel)
+        plain = core_pb2.GenerateRequest(token_ids=core_pb2.TokenIds(ids=long_prompt), sampling=GREEDY)
+        plain.stopping.max_tokens = 2
+        await run(stub, plain)  # the prefix cache now holds the long prompt
+        results = await asyncio.gather(
+            run(stub, scored(long_prompt, 4)),
+            run(stub, scored(short_prompt, 0)),
+            run(stub, chat("What is two plus two?", sampling=GREEDY, stopping=plain.stopping)),
+        )
+        stats = await stub.GetStats(core_pb2.GetStatsRequest())
+    (long_tokens, long_chunks), (short_tokens, short_chunks), _ = results
+
+    for prompt, chunks in ((long_prompt, long_chunks), (short_prompt, short_chunks)):
+        entries = list(chunks[0].prompt_logprobs)
+        assert [e.token_id for e in entries] == prompt
+        assert entries[0].logprob == 0 and not entries[0].top  # nothing before the first token
+        expected = mlx_lm_prompt_logprobs(tiny_models.checkpoint("qwen3_moe", None), prompt)
+        want = mx.take_along_axis(expected[:-1], mx.array(prompt[1:])[:, None], axis=-1)[:, 0]
+        assert mx.allclose(mx.array([e.logprob for e in entries[1:]]), want, atol=1e-4).item()
+        best = mx.argsort(-expected[:-1], axis=-1)[:, :1].tolist()
+        assert [[t.token_id for t in e.top][:1] for e in entries[1:]] == best
+        assert all(len(e.top) == 3 and e.token_bytes for e in entries[1:])
+        assert all(not chunk.prompt_logprobs for chunk in chunks[1:])
+    assert long_chunks[-1].usage.cached_prompt_tokens == 0  # computed in full
+    assert len(long_tokens) == 4
+    # max_tokens 0: one chunk, the scored prompt and nothing generated
+    assert short_tokens == [] and len(short_chunks) == 1
+    assert short_chunks[0].finish_reason == core_pb2.FinishReason.LENGTH
+    assert short_chunks[0].usage.completion_tokens == 0
+    assert short_chunks[0].usage.prompt_tokens == len(short_prompt)
+    assert stats.running_requests == 0 and stats.kv_cache_bytes == 0
+
+
+async def test_max_tokens_zero_needs_prompt_logprobs(tiny_cores):
+    plain, _ = tiny_cores
+    async with grpc.aio.insecure_channel(plain.address) as channel:
+        stub = core_pb2_grpc.CoreStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await run(stub, chat("hi", sampling=GREEDY, stopping=core_pb2.StoppingCriteria(max_tokens=0)))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_tokens" in error.value.details()
