@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field, StrictBool, ValidationInfo, field_validator
+from pydantic import Field, StrictBool, field_validator
 
+from services.gateway.errors import OpenAIError
 from services.gateway.openai_schema import UINT32_MAX, GenerationOptions
 
 TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
@@ -47,12 +48,15 @@ class CompletionRequest(GenerationOptions):
             raise ValueError("prompt must not be empty")
         return prompt
 
-    @field_validator("max_tokens")
-    @classmethod
-    def _nothing_to_generate_only_with_echo(cls, max_tokens: int | None, info: ValidationInfo) -> int | None:
-        if max_tokens == 0 and not info.data.get("echo"):
-            raise ValueError("max_tokens must be at least 1 (0 only with echo, to return the prompt scored)")
-        return max_tokens
+    def check_max_tokens(self) -> None:
+        """0 only with echo (pydantic checks each field alone, and echo is validated after it)."""
+        if self.max_tokens == 0 and not self.echo:
+            raise OpenAIError(
+                400,
+                "max_tokens: must be at least 1 (0 only with echo, to return the prompt scored)",
+                param="max_tokens",
+                code="invalid_value",
+            )
 
     def scores_prompt(self) -> bool:
         """The answer carries the prompt's own logprobs (echo with logprobs, or nothing generated)."""

@@ -40,6 +40,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
+    body.check_max_tokens()
     request_id: str = request.state.request_id
     model = body.model or await served_model_name(request)
     meta = CompletionMeta(id=response_id("cmpl-", request_id), created=int(time.time()), model=model)

@@ -59,13 +59,13 @@ def up(tmp_path_factory):
     if "serving" not in line:
         proc.kill()
         raise AssertionError(f"moe-mesh up did not start: {line}{proc.stderr.read()[-3000:]}")
-    yield proc, f"http://127.0.0.1:{port}/v1", workdir
+    yield proc, f"http://127.0.0.1:{port}/v1", workdir, cache
     if proc.poll() is None:
         proc.kill()
 
 
 def test_demo_answers_paris_not_streamed(up):
-    _, url, _ = up
+    _, url, _, _ = up
     client = openai.OpenAI(base_url=url, api_key="unused")
     model = client.models.list().data[0].id
     reply = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=24)
@@ -75,7 +75,7 @@ def test_demo_answers_paris_not_streamed(up):
 
 
 def test_demo_answers_paris_streamed(up):
-    _, url, _ = up
+    _, url, _, _ = up
     client = openai.OpenAI(base_url=url, api_key="unused")
     model = client.models.list().data[0].id
     stream = client.chat.completions.create(
@@ -90,7 +90,7 @@ def test_anthropic_prefill_is_continued(up):
     the demo model finishes the sentence, and the reply does not repeat the prefill."""
     import anthropic
 
-    _, url, _ = up
+    _, url, _, _ = up
     client = anthropic.Anthropic(base_url=url.removesuffix("/v1"), api_key="unused", max_retries=0)
     prefill = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
     reply = client.messages.create(
@@ -100,8 +100,40 @@ def test_anthropic_prefill_is_continued(up):
     assert "Paris" in text and not text.lstrip().startswith("The capital"), text
 
 
+def test_completions_echo_scores_the_prompt_as_mlx_lm_does(up):
+    """Echo + logprobs with max_tokens 0, as evaluation harnesses score a text: each prompt token's
+    logprob given the ones before it, equal to mlx-lm's own model over the unsplit checkpoint."""
+    import mlx.core as mx
+    import mlx_lm
+
+    from services.common.demo_model import ensure_demo_model
+
+    _, url, _, cache = up
+    client = openai.OpenAI(base_url=url, api_key="unused")
+    text = "The capital of France is Paris, and the capital of Italy is Rome."
+    reply = client.completions.create(
+        model="smollm2-135m-moe8", prompt=text, echo=True, logprobs=2, max_tokens=0
+    )
+    choice = reply.choices[0]
+    assert choice.text == text and choice.finish_reason == "length"
+    assert reply.usage.completion_tokens == 0
+    model, tokenizer = mlx_lm.load(str(ensure_demo_model(cache, progress=False)))
+    ids = tokenizer.encode(text)
+    logits = model(mx.array(ids)[None])[0].astype(mx.float32)
+    expected = (logits - mx.logsumexp(logits, axis=-1, keepdims=True))[
+        mx.arange(len(ids) - 1), mx.array(ids[1:])
+    ]
+    logprobs = choice.logprobs
+    assert "".join(logprobs.tokens) == text and logprobs.token_logprobs[0] is None
+    assert logprobs.token_logprobs[1:] == pytest.approx(expected.tolist(), abs=2e-3)
+    assert all(len(top) == 2 for top in logprobs.top_logprobs[1:])
+    # "Paris" after "The capital of France is" is the model's own first choice
+    paris = logprobs.tokens.index(" Paris")
+    assert max(logprobs.top_logprobs[paris], key=logprobs.top_logprobs[paris].get) == " Paris"
+
+
 def test_sigterm_stops_everything_and_removes_sockets(up):
-    proc, _, workdir = up
+    proc, _, workdir, _ = up
     children = children_of(proc.pid)
     assert len(children) == 4  # 2 workers, core, gateway
     assert list(workdir.glob("*.sock"))

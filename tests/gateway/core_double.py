@@ -60,6 +60,25 @@ def prompt_token_count(request: core_pb2.GenerateRequest) -> int:
     return sum(len(message.content.split()) for message in request.chat.messages)
 
 
+def prompt_logprobs(request: core_pb2.GenerateRequest) -> list[core_pb2.TokenLogprob]:
+    """The prompt scored, one token per word (each after the first with its leading space): the
+    first token has no logprob, the others -1.0."""
+    words = request.prompt.split(" ")
+    tokens = [words[0]] + [" " + word for word in words[1:]]
+    return [
+        core_pb2.TokenLogprob(
+            token_id=i,
+            token=token,
+            token_bytes=token.encode(),
+            logprob=-1.0 if i else 0.0,
+            top=[core_pb2.TopLogprob(token_id=i, token=token, logprob=-1.0)][
+                : request.top_logprobs if i else 0
+            ],
+        )
+        for i, token in enumerate(tokens)
+    ]
+
+
 class CoreDouble(core_pb2_grpc.CoreServicer):
     def __init__(self) -> None:
         self.script = Script()
@@ -99,6 +118,9 @@ class CoreDouble(core_pb2_grpc.CoreServicer):
             if request.stopping.HasField("max_tokens") and request.stopping.max_tokens < len(words):
                 words = words[: request.stopping.max_tokens]
                 finish_reason = core_pb2.LENGTH
+            prompt_entries = prompt_logprobs(request) if request.prompt_logprobs else []
+            if not words and (echo or prompt_entries):  # max_tokens 0: the scored prompt alone
+                yield core_pb2.GenerateChunk(text=echo, prompt_logprobs=prompt_entries)
             utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
             raw = script.token_bytes or [word.encode() for word in words]
             for index, (word, token_bytes) in enumerate(zip(words, raw, strict=False)):
@@ -111,7 +133,8 @@ class CoreDouble(core_pb2_grpc.CoreServicer):
                 chunk = core_pb2.GenerateChunk(
                     text=echo + text, token_ids=[token_id], request_id=request.request_id
                 )
-                echo = ""
+                chunk.prompt_logprobs.extend(prompt_entries)
+                echo, prompt_entries = "", []
                 if request.logprobs:
                     chunk.logprobs.append(
                         core_pb2.TokenLogprob(

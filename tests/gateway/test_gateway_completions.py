@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from .core_double import ANSWER, ANSWER_WORDS, MODEL_ID, CoreDouble
+from .core_double import ANSWER, ANSWER_WORDS, MODEL_ID, CoreDouble, prompt_logprobs
 from .test_gateway_openai_client import async_client, sync_client
 
 PROMPT = "Question: what is the capital of France? Answer:"
@@ -39,15 +39,56 @@ def test_echo_and_logprobs(gateway_url: str, core: CoreDouble) -> None:
     )
     choice = completion.choices[0]
     assert choice.text == PROMPT + ANSWER
-    assert choice.logprobs.tokens == ANSWER_WORDS
-    assert choice.logprobs.token_logprobs == [pytest.approx(-0.5)] * 7
-    assert choice.logprobs.top_logprobs[0] == {"The": pytest.approx(-0.5)}
+    # the prompt's own tokens first, scored (the first has nothing before it), then the answer's
+    prompt_words = [word.token for word in prompt_logprobs(core.requests[0])]
+    assert choice.logprobs.tokens == prompt_words + ANSWER_WORDS
+    assert choice.logprobs.token_logprobs == [None] + [-1.0] * (len(prompt_words) - 1) + [-0.5] * 7
+    assert choice.logprobs.top_logprobs[0] is None
+    assert choice.logprobs.top_logprobs[1] == {" what": -1.0}
+    assert choice.logprobs.top_logprobs[len(prompt_words)] == {"The": pytest.approx(-0.5)}
     offsets = choice.logprobs.text_offset
+    tokens = choice.logprobs.tokens
     assert [
-        choice.text[offset : offset + len(token)] for offset, token in zip(offsets, ANSWER_WORDS, strict=True)
-    ] == ANSWER_WORDS
+        choice.text[offset : offset + len(token)] for offset, token in zip(offsets, tokens, strict=True)
+    ] == tokens
     sent = core.requests[0]
-    assert sent.echo and sent.logprobs and sent.top_logprobs == 1
+    assert sent.echo and sent.logprobs and sent.top_logprobs == 1 and sent.prompt_logprobs
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_zero_scores_the_prompt_alone(
+    gateway_url: str, core: CoreDouble, stream
+) -> None:
+    """How evaluation harnesses score a text (lm-evaluation-harness's loglikelihood requests)."""
+    request = dict(model=MODEL_ID, prompt=PROMPT, echo=True, logprobs=0, max_tokens=0)
+    if stream:
+        chunks = [c for c in sync_client(gateway_url).completions.create(**request, stream=True) if c.choices]
+        text = "".join(c.choices[0].text for c in chunks)
+        logprobs = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+        assert len(logprobs) == 1
+        tokens, token_logprobs, offsets = (
+            logprobs[0].tokens,
+            logprobs[0].token_logprobs,
+            logprobs[0].text_offset,
+        )
+        assert chunks[-1].choices[0].finish_reason == "length"
+    else:
+        choice = sync_client(gateway_url).completions.create(**request).choices[0]
+        text, tokens, token_logprobs = choice.text, choice.logprobs.tokens, choice.logprobs.token_logprobs
+        offsets = choice.logprobs.text_offset
+        assert choice.finish_reason == "length"
+    assert text == PROMPT and "".join(tokens) == PROMPT
+    assert token_logprobs == [None] + [-1.0] * (len(tokens) - 1)
+    assert offsets == [PROMPT.index(token.strip()) - (token != tokens[0]) for token in tokens]
+    sent = core.requests[0]
+    assert sent.prompt_logprobs and sent.stopping.max_tokens == 0
+
+
+def test_max_tokens_zero_needs_echo(gateway_url: str, core: CoreDouble) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        sync_client(gateway_url).completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=0)
+    assert raised.value.body["param"] == "max_tokens"
+    assert core.requests == []
 
 
 def test_stream_with_usage_and_logprobs(gateway_url: str, core: CoreDouble) -> None:
@@ -117,6 +158,7 @@ def test_text_offsets_index_the_text_when_tokens_split_characters(
         text, offsets = choice.text, choice.logprobs.text_offset
     assert text == PROMPT + "日本🚀 ok"
     start = len(PROMPT)
-    # each token's offset is where the character it begins or continues sits in the text
-    assert offsets == [start, start + 1, start + 1, start + 2, start + 2, start + 2, start + 3]
+    # each token's offset is where the character it begins or continues sits in the text (after
+    # the prompt's own tokens)
+    assert offsets[-7:] == [start, start + 1, start + 1, start + 2, start + 2, start + 2, start + 3]
     assert text[offsets[-1] :] == " ok"
