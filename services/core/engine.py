@@ -381,8 +381,11 @@ class Engine:
             # --max-num-seqs bounds all batches together: this one may grow into what the others
             # leave free (it stops admitting prompts at its own size, never shrinks below it).
             own = len(generator._generation_batch) + len(generator._prompt_batch)
-            room = self.config.max_num_seqs - (in_batches - own)
-            generator.completion_batch_size = generator.prefill_batch_size = max(room, 0)
+            room = max(self.config.max_num_seqs - (in_batches - own), 0)
+            generator.completion_batch_size = room
+            # mlx-lm admits up to completion_batch_size decoding *plus* prefill_batch_size prompts;
+            # here prompts being prefilled count against the same room as the decoding sequences
+            generator.prefill_batch_size = max(room - len(generator._generation_batch), 0)
             joining = min(
                 generator.prefill_batch_size - len(generator._prompt_batch),
                 generator.completion_batch_size - len(generator._generation_batch),

@@ -23,6 +23,7 @@ from services.proto.moemesh.v1 import core_pb2
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
+MAX_REQUEST_ID_CHARS = 256  # it travels on every chunk and every expert call of the request
 
 
 class RequestError(Exception):
@@ -68,6 +69,19 @@ class RequestPreparer:
         self.context_length = context_length
         self.vocab_size = vocab_size
         self.output_preparer = OutputPreparer(tokenizer, vocab_size)
+        # No token is longer than the longest vocabulary piece (byte-level pieces have a character
+        # per byte), so text longer than this cannot fit the context: it is refused before the
+        # tokenizer spends seconds to minutes on it.
+        longest_piece = max((len(piece) for piece in tokenizer.get_vocab()), default=1)
+        self.max_text_chars = context_length * max(longest_piece, 1)
+
+    def _check_text_size(self, chars: int, field: str) -> None:
+        if chars > self.max_text_chars:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"context_length_exceeded: {field} has {chars} characters, more than "
+                f"{self.context_length} tokens can hold (the model's context)",
+            )
 
     def prompt_tokens(self, request) -> list[int]:
         """Tokens of a GenerateRequest's or CountTokensRequest's input."""
@@ -77,6 +91,7 @@ class RequestPreparer:
         if kind == "prompt":
             if not request.prompt:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
+            self._check_text_size(len(request.prompt), "prompt")
             return list(self.tokenizer.encode(request.prompt))
         if kind == "token_ids":
             ids = list(request.token_ids.ids)
@@ -87,9 +102,8 @@ class RequestPreparer:
                     f"token_ids: {bad[0]} is outside the vocabulary (size {self.vocab_size})",
                 )
             return ids
-        raise RequestError(
-            grpc.StatusCode.INVALID_ARGUMENT, "input: one of chat, prompt or token_ids is required"
-        )
+        inputs = ", ".join(field.name for field in request.DESCRIPTOR.oneofs_by_name["input"].fields)
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"input: one of {inputs} is required")
 
     def _snapshot_points(
         self, chat: tuple[list[dict], list | None, dict], prompt: list[int]
@@ -116,6 +130,11 @@ class RequestPreparer:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, "chat.messages: at least one message is required"
             )
+        self._check_text_size(
+            sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in chat.messages)
+            + sum(len(tool.parameters_json) + len(tool.description) for tool in chat.tools),
+            "chat",
+        )
         messages = []
         for index, message in enumerate(chat.messages):
             if message.role not in ("system", "user", "assistant", "tool", "developer"):
@@ -230,6 +249,10 @@ class RequestPreparer:
             )
 
     def prepare(self, request: core_pb2.GenerateRequest, time_remaining: float | None) -> PreparedRequest:
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"request_id: at most {MAX_REQUEST_ID_CHARS} characters"
+            )
         self.check_model(request.model)
         chat = self._chat_inputs(request.chat) if request.WhichOneof("input") == "chat" else None
         prompt = self._render_chat(request.chat, chat) if chat else self.prompt_tokens(request)

@@ -6,6 +6,7 @@ its own key chain instead, so its tokens do not depend on what else is running.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -15,6 +16,7 @@ from services.proto.moemesh.v1 import core_pb2
 
 Sampler = Callable[[mx.array], mx.array]
 DEFAULT_TEMPERATURE = 1.0
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # 1 is off; refuses NaN too
 
 
 class SamplingError(ValueError):
@@ -23,8 +25,8 @@ class SamplingError(ValueError):
 
 def make_sampler(params: core_pb2.SamplingParams, vocab_size: int) -> Sampler:
     temperature = params.temperature if params.HasField("temperature") else DEFAULT_TEMPERATURE
-    if temperature < 0:
-        raise SamplingError("temperature must be >= 0")
+    if not 0 <= temperature < math.inf:  # also refuses NaN, which would sample garbage
+        raise SamplingError(f"temperature must be a finite number >= 0, got {temperature}")
     top_p = params.top_p if params.HasField("top_p") else 1.0
     if not 0 < top_p <= 1:
         raise SamplingError("top_p must be in (0, 1]")
@@ -93,8 +95,14 @@ def _penalty_processors(params: core_pb2.SamplingParams) -> list:
         return getattr(params, name) if params.HasField(name) else None
 
     repetition = value("repetition_penalty")
-    if repetition is not None and repetition <= 0:
-        raise SamplingError("repetition_penalty must be > 0")
+    # mlx-lm divides the seen tokens' positive logits by it: beyond these bounds they overflow
+    if (
+        repetition is not None
+        and not REPETITION_PENALTY_RANGE[0] <= repetition <= REPETITION_PENALTY_RANGE[1]
+    ):
+        raise SamplingError(
+            f"repetition_penalty must be in {list(REPETITION_PENALTY_RANGE)}, got {repetition}"
+        )
     for name in ("presence_penalty", "frequency_penalty"):
         penalty = value(name)
         if penalty is not None and not -2 <= penalty <= 2:

@@ -7,6 +7,9 @@ sequence in the engine, which frees it and its KV cache before the next step.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
@@ -14,7 +17,7 @@ import structlog
 
 from services.common.logging import REQUEST_ID_METADATA_KEY, get_logger
 from services.core.engine import Engine, EngineError, Overloaded
-from services.core.request_prep import RequestError, RequestPreparer
+from services.core.request_prep import MAX_REQUEST_ID_CHARS, RequestError, RequestPreparer
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 
 log = get_logger(__name__)
@@ -25,18 +28,27 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
         self.engine = engine
         self.preparer = preparer
         self.model_info = model_info
+        # Tokenizing and templating a request (and compiling its grammar) takes from microseconds
+        # to seconds; off the event loop, so other streams and health checks go on meanwhile. One
+        # thread: requests are prepared in arrival order, as before.
+        self._prepare = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare")
+
+    async def _off_loop(self, work, *args):
+        context = contextvars.copy_context()  # the request's log fields go along
+        return await asyncio.get_running_loop().run_in_executor(self._prepare, context.run, work, *args)
 
     async def Generate(self, request: core_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         metadata = dict(context.invocation_metadata() or ())
-        if not request.request_id:
-            request.request_id = metadata.get(REQUEST_ID_METADATA_KEY, "")
-        structlog.contextvars.bind_contextvars(request_id=request.request_id)
+        if not request.request_id:  # made here, so that every log line of the request carries it
+            request.request_id = metadata.get(REQUEST_ID_METADATA_KEY, "") or uuid.uuid4().hex
+        # (an over-long id is refused by prepare(); the logs never carry more than the limit)
+        structlog.contextvars.bind_contextvars(request_id=request.request_id[:MAX_REQUEST_ID_CHARS])
         if self.engine.problems:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, "core is not serving: " + "; ".join(self.engine.problems)
             )
         try:
-            prepared = self.preparer.prepare(request, context.time_remaining())
+            prepared = await self._off_loop(self.preparer.prepare, request, context.time_remaining())
         except RequestError as error:
             await context.abort(error.code, str(error))
         if request.kv_cache and request.kv_cache not in self.engine.kv_cache_kinds:
@@ -79,7 +91,9 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
     async def CountTokens(self, request: core_pb2.CountTokensRequest, context):
         try:
             self.preparer.check_model(request.model)
-            return core_pb2.CountTokensResponse(count=len(self.preparer.prompt_tokens(request)))
+            return core_pb2.CountTokensResponse(
+                count=len(await self._off_loop(self.preparer.prompt_tokens, request))
+            )
         except RequestError as error:
             await context.abort(error.code, str(error))
 

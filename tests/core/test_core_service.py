@@ -164,12 +164,41 @@ async def test_stop_string_is_cut_and_never_sent(stack):
             "INVALID_ARGUMENT",
             "role",
         ),
+        # NaN compares false with any bound: without explicit checks it samples garbage
+        (
+            core_pb2.GenerateRequest(prompt="x", sampling=core_pb2.SamplingParams(temperature=float("nan"))),
+            "INVALID_ARGUMENT",
+            "temperature",
+        ),
+        (
+            core_pb2.GenerateRequest(
+                prompt="x", sampling=core_pb2.SamplingParams(repetition_penalty=float("nan"))
+            ),
+            "INVALID_ARGUMENT",
+            "repetition_penalty",
+        ),
+        (core_pb2.GenerateRequest(prompt="x", request_id="r" * 100_000), "INVALID_ARGUMENT", "request_id"),
+        # text that cannot fit the context is refused before the tokenizer spends seconds on it
+        (core_pb2.GenerateRequest(prompt="x " * 400_000), "INVALID_ARGUMENT", "context_length_exceeded"),
     ],
 )
 async def test_bad_requests_get_precise_status(stack, request_, code, words):
     with pytest.raises(grpc.aio.AioRpcError) as failure:
         await generate(stack, request_)
     assert failure.value.code().name == code and words in failure.value.details()
+
+
+async def test_count_tokens_refuses_text_beyond_the_context_and_counts_the_rest(stack):
+    async with stack.channel() as channel:
+        stub = core_pb2_grpc.CoreStub(channel)
+        assert (await stub.CountTokens(core_pb2.CountTokensRequest(prompt="one two three"))).count == 3
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await stub.CountTokens(core_pb2.CountTokensRequest(prompt="x " * 400_000))
+        assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "context_length_exceeded" in failure.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await stub.CountTokens(core_pb2.CountTokensRequest())
+        assert failure.value.details() == "input: one of chat, prompt is required"
 
 
 async def test_cancel_frees_the_sequence(stack):
@@ -250,46 +279,73 @@ async def test_hung_worker_fails_the_request_within_the_call_timeout(stack):
 
 
 async def test_overflow_is_refused_with_resource_exhausted(stack, tiny_models):
-    """A core with room for one running and one waiting sequence refuses the third at once."""
+    """A core with room for two running sequences and one waiting: a prompt still being prefilled
+    takes a place as a decoding sequence does (mlx-lm's generator alone would admit another), the
+    third request waits, the fourth is refused at once."""
     stack.workers.ensure_running()
     address = f"unix:{stack.workdir / 'small-core.sock'}"
     log = stack.workdir / "small-core.log"
     split = tiny_models.split("qwen3_moe", None)
     small = spawn(
-        core_args(split, address, stack.workers.addresses, "--max-num-seqs", "1", "--max-queue", "1"), log
+        core_args(
+            split,
+            address,
+            stack.workers.addresses,
+            *("--max-num-seqs", "2", "--max-queue", "1", "--max-num-batched-tokens", "8"),
+        ),
+        log,
     )
     try:
         await asyncio.get_running_loop().run_in_executor(
             None, lambda: wait_serving(address, small, log_path=log)
         )
-        long = core_pb2.GenerateRequest(
-            prompt="Busy",
-            sampling=GREEDY,
-            stopping=core_pb2.StoppingCriteria(max_tokens=2000, ignore_eos=True),
-        )
+
+        def busy(prompt: str, max_tokens: int = 2000) -> core_pb2.GenerateRequest:
+            return core_pb2.GenerateRequest(
+                prompt=prompt,
+                sampling=GREEDY,
+                stopping=core_pb2.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True),
+            )
+
         async with grpc.aio.insecure_channel(address) as channel:
             stub = core_pb2_grpc.CoreStub(channel)
-            first = stub.Generate(long, timeout=60)
-            await first.read()
-            second = stub.Generate(long, timeout=60)
-            pending = asyncio.ensure_future(second.read())  # make sure the call is really sent
-            for _ in range(200):  # until core has admitted it as waiting
-                if (await stub.GetStats(core_pb2.GetStatsRequest())).waiting_requests == 1:
+
+            async def stats() -> core_pb2.CoreStats:
+                return await stub.GetStats(core_pb2.GetStatsRequest())
+
+            first = stub.Generate(busy("Busy"), timeout=60)
+            await first.read()  # decoding
+            # ~3,300 prompt tokens at 7 a step: prefilling for hundreds of steps
+            second = stub.Generate(busy("one two three four five six " * 550, max_tokens=500), timeout=60)
+            reads = [asyncio.ensure_future(second.read())]  # make sure the call is really sent
+            for _ in range(200):
+                if (await stats()).running_requests == 2:
                     break
                 await asyncio.sleep(0.05)
-            assert (await stub.GetStats(core_pb2.GetStatsRequest())).waiting_requests == 1
+            third = stub.Generate(busy("Busy"), timeout=60)
+            reads.append(asyncio.ensure_future(third.read()))
+            seen = []
+            for _ in range(20):  # ~1 s of steps while the second is still prefilling
+                seen.append(await stats())
+                await asyncio.sleep(0.05)
+            assert max(s.running_requests for s in seen) == 2, seen
+            assert (seen[-1].running_requests, seen[-1].waiting_requests) == (2, 1), seen
+            assert not reads[0].done()  # the second was prefilling all along
             with pytest.raises(grpc.aio.AioRpcError) as failure:
-                async for _ in stub.Generate(long, timeout=10):
+                async for _ in stub.Generate(busy("Busy"), timeout=10):
                     pass
             assert failure.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            first.cancel()
-            second.cancel()
-            pending.cancel()
+            for call in (first, second, third, *reads):
+                call.cancel()
             for _ in range(100):
-                stats = await stub.GetStats(core_pb2.GetStatsRequest())
-                if stats.running_requests == 0 and stats.waiting_requests == 0:
+                stats_now = await stats()
+                if stats_now.running_requests == 0 and stats_now.waiting_requests == 0:
                     break
                 await asyncio.sleep(0.05)
-            assert (stats.running_requests, stats.waiting_requests) == (0, 0)
+            assert (stats_now.running_requests, stats_now.waiting_requests, stats_now.kv_cache_bytes) == (
+                0,
+                0,
+                0,
+            )
     finally:
         stop([small])
