@@ -116,6 +116,8 @@ def check(
         raise TensorDecodeError(field, f"expected {ndim} dimensions, got shape {list(shape)}")
     if any(d < 0 for d in shape):
         raise TensorDecodeError(field, f"negative dimension in shape {list(shape)}")
+    if any(d > max_bytes for d in shape):  # an empty tensor ([0, 2**62]) is small, but no array
+        raise TensorDecodeError(field, f"a dimension of shape {list(shape)} exceeds the cap of {max_bytes}")
     itemsize = spec[1].itemsize
     expected = math.prod(shape) * itemsize
     if expected > max_bytes:

@@ -98,6 +98,12 @@ class ExpertCompute:
             raise CallRejected("expert_ids.shape", f"{ids.shape[0]} rows for {tokens} tokens in hidden")
         asked = ids >= 0
         everything_asked = bool(asked.all())
+        reply_bytes = (ids.size if everything_asked else int(asked.sum())) * hidden_size * hidden.itemsize
+        if reply_bytes > self.max_call_bytes:  # one output row per pair: k times the input
+            raise CallRejected(
+                "expert_ids",
+                f"the reply would take {reply_bytes} bytes, more than the cap of {self.max_call_bytes}",
+            )
         if ids.size and (int(ids.max()) >= len(local_index) or int(ids.min()) < -1):
             raise CallRejected("expert_ids", f"expert ids must lie in [-1, {len(local_index)})")
         # -1 (not asked) indexes local_index's last row; those entries are masked out.

@@ -58,3 +58,24 @@ def test_asked_pairs_equal_mlx_lm_rows_in_order(setup, name):
     assert got.shape == (int(asked.sum()), hidden_size)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert result.stats.pairs == int(asked.sum())
+
+
+def test_a_call_whose_reply_would_pass_the_cap_is_rejected_before_computing(setup):
+    """A reply holds a row per asked pair, k times the input: a call under the cap whose reply is
+    over it is refused in-band (over gRPC it would otherwise end the whole stream)."""
+    from services.experts.compute import CallRejected
+
+    compute, _, hidden_size = setup
+    ids = np.array([[0, 1, 2, 3]] * 8, dtype=np.int32)
+    hidden = mx.zeros((8, hidden_size))
+    call = expert_pb2.ExpertCall(
+        call_id=1,
+        layer=LAYER,
+        hidden=tensor_codec.encode(hidden),
+        expert_ids=tensor_codec.encode(mx.array(ids)),
+    )
+    capped = ExpertCompute.__new__(ExpertCompute)
+    capped.__dict__.update(compute.__dict__, max_call_bytes=2 * hidden.nbytes)  # input fits, reply (4x) not
+    with pytest.raises(CallRejected, match="reply"):
+        capped.run(call)
+    assert compute.run(call).stats.pairs == 32

@@ -10,7 +10,7 @@ import pytest
 
 from services.common import tensor_codec
 from services.common.model_build import expert_modules
-from services.proto.moemesh.v1 import expert_pb2, expert_pb2_grpc
+from services.proto.moemesh.v1 import expert_pb2, expert_pb2_grpc, tensor_pb2
 from tests.helpers import Workers, short_dir
 
 H = 64  # tiny models' hidden size
@@ -62,6 +62,11 @@ def malformed_calls():
     variant("hidden", lambda c: c.hidden.shape.extend([1]))  # wrong rank
     variant("hidden", lambda c: c.hidden.shape.__setitem__(0, -3))
     variant("hidden", lambda c: c.hidden.shape.__setitem__(0, 1 << 40))  # over the size cap
+    variant("hidden", lambda c: (c.hidden.shape.__setitem__(0, 0), c.hidden.shape.__setitem__(1, 1 << 62)))
+    # an empty tensor with a huge dimension: zero bytes, but no array can have that shape
+    variant(
+        "hidden", lambda c: c.hidden.CopyFrom(tensor_pb2.Tensor(dtype=c.hidden.dtype, shape=[0, 1 << 62]))
+    )
     variant("expert_ids", lambda c: setattr(c.expert_ids, "dtype", 0))  # unset dtype
     variant(
         "expert_ids.dtype", lambda c: c.expert_ids.CopyFrom(tensor_codec.encode(mx.array([[2.0, 5.0]] * 3)))
