@@ -51,6 +51,9 @@ class FrameError(ConnectionError):
     timed_out = False
 
 
+FIRST_ALLOCATION = 1 << 20
+
+
 def frame(payload: bytes) -> bytes:
     return HEADER.pack(len(payload)) + payload
 
@@ -82,22 +85,33 @@ def receive_exact(
     polls sees it at once. Worth it only where the poller has a core to itself, which is why
     it is a setting (`moe-mesh up` turns it on when the machine has a core per process).
     deadline: time.monotonic() after which TimeoutError is raised; None waits for ever."""
-    buffer = bytearray(size)
+    # The buffer grows as bytes arrive (doubling from 1 MiB), so a header that announces a large
+    # frame and then stalls holds no more memory than what was really sent.
+    buffer = bytearray(min(size, FIRST_ALLOCATION))
     view, got = memoryview(buffer), 0
     if spin_s > 0 and size:
         got = _poll_into(sock, view, spin_s if deadline is None else min(spin_s, deadline - time.monotonic()))
-    while got < size:
+    try:
+        while got < size:
+            if got == len(buffer):
+                view.release()
+                buffer.extend(bytes(min(len(buffer), size - len(buffer))))
+                view = memoryview(buffer)
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("deadline passed")
+                sock.settimeout(left)
+            n = sock.recv_into(view[got:])
+            if n == 0:
+                if eof_ok and got == 0:
+                    return None
+                raise FrameError("the connection closed inside a frame" if got else "the connection closed")
+            got += n
+    finally:
+        view.release()
         if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("deadline passed")
-            sock.settimeout(left)
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            if eof_ok and got == 0:
-                return None
-            raise FrameError("the connection closed inside a frame" if got else "the connection closed")
-        got += n
+            sock.settimeout(None)  # back to blocking for whoever reads next
     return buffer  # protobuf parses bytes-like objects: no copy
 
 

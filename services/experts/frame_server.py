@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 
 from google.protobuf.message import DecodeError
 
@@ -30,6 +31,7 @@ log = get_logger(__name__)
 # One thread each: a core holds one connection per worker, so this is room for many cores
 # (and tests) while a runaway client cannot make the worker spawn threads without end.
 MAX_CONNECTIONS = 64
+BODY_TIMEOUT_S = 30.0  # from a frame's header to its last byte
 
 
 class FrameServer:
@@ -77,9 +79,12 @@ class FrameServer:
                 if header is None:
                     return  # core closed the connection between calls
                 size = frame_length(header, self._max_frame_bytes)
-                call = expert_pb2.ExpertCall.FromString(receive_exact(connection, size))
+                # core writes a frame at once: a body that does not follow its header is a stalled
+                # or hostile peer, whose connection (and buffer) must not be kept for ever
+                body = receive_exact(connection, size, deadline=time.monotonic() + BODY_TIMEOUT_S)
+                call = expert_pb2.ExpertCall.FromString(body)
                 connection.sendall(frame(self._answer(call).SerializeToString()))
-        except (FrameError, DecodeError) as error:
+        except (FrameError, DecodeError, TimeoutError) as error:
             log.warning("frame_rejected", error=str(error) or type(error).__name__)
         except OSError:
             pass  # the peer went away, or close() shut the connection

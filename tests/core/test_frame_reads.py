@@ -67,6 +67,33 @@ def test_the_deadline_bounds_the_wait_polling_included(pair, spin_s):
     assert time.monotonic() - started < 0.9  # a 1 s poll does not outlast a 0.2 s deadline
 
 
+def test_a_large_frame_arrives_whole_across_buffer_growth(pair):
+    reader, writer = pair
+    payload = bytes(range(251)) * 15_000  # ~3.6 MiB: the buffer grows from 1 MiB twice
+    sender = threading.Thread(target=writer.sendall, args=(payload,))
+    sender.start()
+    got = receive_exact(reader, len(payload), deadline=time.monotonic() + 30)
+    sender.join()
+    assert bytes(got) == payload
+
+
+def test_a_header_that_announces_much_and_sends_little_holds_little_memory(pair):
+    """A stalled or hostile peer announcing a 256 MiB frame must not make the reader allocate it."""
+    import tracemalloc
+
+    reader, writer = pair
+    writer.sendall(b"x" * 10)
+    tracemalloc.start()
+    try:
+        with pytest.raises(TimeoutError):
+            receive_exact(reader, 256 << 20, deadline=time.monotonic() + 0.2)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak
+    assert reader.gettimeout() is None  # blocking again for the next read
+
+
 def test_polling_only_where_every_process_has_a_core():
     assert spin_for(2, cores=2) > 0  # core + one worker on two cores
     assert spin_for(3, cores=2) == 0  # core + two workers would steal from the compute
