@@ -297,8 +297,13 @@ def test_qwen3_completions_echo(qwen3: LiveStack) -> None:
     )
     assert echoed.choices[0].text == prompt + plain.choices[0].text
     logprobs = echoed.choices[0].logprobs
-    assert "".join(logprobs.tokens) == plain.choices[0].text
-    assert logprobs.text_offset[0] == len(prompt)
+    # the prompt's tokens, scored (the first has no context), then the answer's
+    assert "".join(logprobs.tokens) == prompt + plain.choices[0].text
+    assert logprobs.token_logprobs[0] is None and all(v is not None for v in logprobs.token_logprobs[1:])
+    text = echoed.choices[0].text
+    assert [
+        text[o : o + len(t)] for o, t in zip(logprobs.text_offset, logprobs.tokens, strict=True)
+    ] == logprobs.tokens
 
 
 def test_qwen3_count_tokens_and_model(qwen3: LiveStack) -> None:
