@@ -7,7 +7,9 @@ read) or of the math is answered the same way with INTERNAL. The worker never di
 
 from __future__ import annotations
 
+import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import structlog
@@ -19,6 +21,10 @@ from services.experts.store_setup import describe_cache
 from services.proto.moemesh.v1 import expert_pb2, expert_pb2_grpc
 
 log = get_logger(__name__)
+# A call with more tokens than this (a prefill chunk) is computed on a thread, so that the event
+# loop answers health checks, Describe and other streams meanwhile; smaller ones (decode steps,
+# a few ms) are answered on the loop, where a thread hop would add to every token's latency.
+OFF_LOOP_TOKENS = 32
 
 
 class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
@@ -35,6 +41,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         # Calls come from the event loop (Forward) and from frame-socket threads; the store
         # and MLX see one call at a time.
         self._answering = threading.Lock()
+        self._long_calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="long-call")
 
     async def Describe(self, request, context):
         store = self.compute.store
@@ -58,8 +65,12 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         metadata = dict(context.invocation_metadata() or ())
         structlog.contextvars.bind_contextvars(link_id=metadata.get(REQUEST_ID_METADATA_KEY, ""))
         log.info("forward_stream_open", peer=context.peer())
+        loop = asyncio.get_running_loop()
         async for call in request_iterator:
-            yield self.answer(call)
+            if call.hidden.shape and call.hidden.shape[0] > OFF_LOOP_TOKENS:
+                yield await loop.run_in_executor(self._long_calls, self.answer, call)
+            else:
+                yield self.answer(call)
         log.info("forward_stream_closed", peer=context.peer())
 
     def answer(self, call: expert_pb2.ExpertCall) -> expert_pb2.ExpertResult:

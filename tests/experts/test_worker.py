@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import grpc
 import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2
 
 from services.common import tensor_codec
 from services.common.model_build import expert_modules
 from services.proto.moemesh.v1 import expert_pb2, expert_pb2_grpc, tensor_pb2
-from tests.helpers import Workers, short_dir
+from tests.helpers import Workers, health_status, short_dir
 
 H = 64  # tiny models' hidden size
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -93,23 +97,24 @@ async def test_describe(worker):
     assert reply.resident_bytes > 0
 
 
-async def test_forward_matches_mlx_lm_expert_module(worker, tiny_models):
+@pytest.mark.parametrize("tokens", [4, 300])  # a decode-sized call, and a prefill chunk (on a thread)
+async def test_forward_matches_mlx_lm_expert_module(worker, tiny_models, tokens):
     workers, _ = worker
     model, _ = mlx_lm.load(str(tiny_models.checkpoint("qwen3_moe", None)))
     switch = dict(expert_modules(model))["model.layers.1.mlp.switch_mlp"]
-    call = good_call(1, tokens=4)
+    call = good_call(1, tokens=tokens)
     async with grpc.aio.insecure_channel(workers.addresses[0]) as channel:
         stream = expert_pb2_grpc.ExpertWorkerStub(channel).Forward()
         await stream.write(call)
         result = await stream.read()
         await stream.done_writing()
     assert result.call_id == 1 and not result.HasField("error")
-    got = tensor_codec.decode(result.output, "output", 1 << 30).reshape(4, 2, H)
+    got = tensor_codec.decode(result.output, "output", 1 << 30).reshape(tokens, 2, H)
     want = switch(
         tensor_codec.decode(call.hidden, "h", 1 << 30), tensor_codec.decode(call.expert_ids, "e", 1 << 30)
     )
     assert mx.array_equal(got, want).item()
-    assert result.stats.pairs == 8 and result.stats.compute_us > 0
+    assert result.stats.pairs == 2 * tokens and result.stats.compute_us > 0
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
@@ -131,6 +136,32 @@ async def test_a_call_is_computed_and_answered_in_its_own_dtype(worker, tiny_mod
     got = tensor_codec.decode(result.output, "output", 1 << 30).reshape(4, 2, H)
     want = switch(hidden, tensor_codec.decode(call.expert_ids, "e", 1 << 30)).astype(dtype)
     assert got.dtype == dtype and mx.array_equal(got, want).item()
+
+
+async def test_health_and_describe_answer_while_a_long_call_computes(worker):
+    """A prefill-sized call is computed off the event loop: the worker's health and Describe
+    answer meanwhile (a health check timing out would make a supervisor restart a busy worker)."""
+    workers, _ = worker
+    big = good_call(3, tokens=150_000)
+    options = [("grpc.max_receive_message_length", 1 << 30)]
+    async with grpc.aio.insecure_channel(workers.addresses[0], options=options) as channel:
+        stream = expert_pb2_grpc.ExpertWorkerStub(channel).Forward()
+        await stream.write(big)
+        reply = asyncio.ensure_future(stream.read())
+        slowest, statuses = 0.0, set()
+        while not reply.done():  # health and Describe, again and again, until the reply comes
+            started = time.monotonic()
+            statuses.add(await health_status(channel))  # 2 s timeout; -1 if it passes
+            await expert_pb2_grpc.ExpertWorkerStub(channel).Describe(expert_pb2.DescribeRequest(), timeout=2)
+            slowest = max(slowest, time.monotonic() - started)
+        result = reply.result()
+        await stream.done_writing()
+    assert not result.HasField("error") and result.stats.pairs == 300_000
+    compute_s = result.stats.compute_us / 1e6
+    if compute_s < 1.0:
+        pytest.skip(f"the call computed in {compute_s:.2f} s: too fast here to show a stall")
+    assert statuses == {health_pb2.HealthCheckResponse.SERVING}
+    assert slowest < compute_s / 2, (slowest, compute_s)
 
 
 @pytest.mark.parametrize("name", list(malformed_calls()))
