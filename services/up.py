@@ -9,6 +9,7 @@ period) and removes the sockets. On Linux the children also die with this proces
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -46,11 +47,20 @@ def resolve_split(model: str | None) -> Path:
         source = Path(model).expanduser().resolve()
         if (source / "manifest.json").exists():
             return source
-    key = hashlib.sha256(f"{source}:{(source / 'config.json').stat().st_mtime_ns}".encode()).hexdigest()[:12]
+    # the cached split is the checkpoint's as long as its config and weight files are unchanged
+    stamps = [
+        f"{path.name}:{path.stat().st_size}:{path.stat().st_mtime_ns}"
+        for path in sorted([source / "config.json", *source.glob("*.safetensors")])
+    ]
+    key = hashlib.sha256(":".join([str(source), *stamps]).encode()).hexdigest()[:12]
     split_dir = cache_root() / "splits" / f"{source.name}-{key}"
-    if not (split_dir / "manifest.json").exists():
-        print(f"splitting {source} into {split_dir} (once)", file=sys.stderr)
-        split_checkpoint(source, split_dir)
+    split_dir.parent.mkdir(parents=True, exist_ok=True)
+    # two `up`s of one checkpoint at once: the second waits for the first's split, then uses it
+    with open(split_dir.parent / f".{split_dir.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (split_dir / "manifest.json").exists():
+            print(f"splitting {source} into {split_dir} (once)", file=sys.stderr)
+            split_checkpoint(source, split_dir)
     return split_dir
 
 

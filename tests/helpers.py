@@ -191,3 +191,14 @@ def linked_dispatcher(
         if dispatcher is not None:
             dispatcher.close()
         workers.stop()
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`moe-mesh ARGS` to completion, output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

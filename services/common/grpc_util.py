@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.logging import get_logger
 from services.common.tls import TlsFiles, channel_credentials, server_credentials
+from services.common.unix_sockets import claim_socket_path
 
 log = get_logger(__name__)
 DEFAULT_MAX_MESSAGE_BYTES = 512 * 1024 * 1024
@@ -88,21 +89,24 @@ def bind(server: grpc.aio.Server, address: str, tls: TlsFiles | None = None) -> 
     address = normalize_address(address)
     path = unix_socket_path(address)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():
-            path.unlink()  # a stale socket from a killed process
-    if tls is not None:
-        port = server.add_secure_port(address, server_credentials(tls))
-    else:
-        if not is_loopback_address(address):
-            log.warning(
-                "insecure_bind",
-                address=address,
-                hint="reachable from other hosts without TLS; add [tls] to cluster.toml (moe-mesh certs)",
-            )
-        port = server.add_insecure_port(address)
+        claim_socket_path(path)
+    try:
+        if tls is not None:
+            port = server.add_secure_port(address, server_credentials(tls))
+        else:
+            if not is_loopback_address(address):
+                log.warning(
+                    "insecure_bind",
+                    address=address,
+                    hint="reachable from other hosts without TLS; add [tls] to cluster.toml (moe-mesh certs)",
+                )
+            port = server.add_insecure_port(address)
+    except RuntimeError as error:  # grpcio raises for a port in use or an address it cannot parse
+        raise OSError(
+            f"cannot listen on {address}: in use, or not a host:port / unix:PATH address"
+        ) from error
     if path is None and port == 0:
-        raise OSError(f"cannot bind {address}")
+        raise OSError(f"cannot listen on {address}: in use, or not a host:port / unix:PATH address")
     return address
 
 

@@ -81,10 +81,7 @@ def split_checkpoint(model_path: Path, out_dir: Path, progress: bool = True) -> 
             f"{model_path} has no config.json: not an mlx-lm / Hugging Face checkpoint"
         )
     model_classes(json.loads(config_path.read_text()))  # unknown architecture -> clear error
-    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / "manifest.json").exists():
-        raise ManifestError(
-            f"{out_dir} exists, is not empty and is not a moe-mesh split; refusing to overwrite it"
-        )
+    _check_replaceable(out_dir)
 
     model, config = load_model(model_path, lazy=True)
     experts = list(expert_modules(model))
@@ -105,6 +102,35 @@ def split_checkpoint(model_path: Path, out_dir: Path, progress: bool = True) -> 
     staging.rename(out_dir)
     log.info("split_done", out=str(out_dir), layers=len(manifest.layers), experts=manifest.num_experts)
     return manifest
+
+
+SPLIT_ENTRIES = {"manifest.json", "core", "experts"}  # what a split folder holds
+
+
+def _check_replaceable(out_dir: Path) -> None:
+    """OUT is replaced as a whole, so it must be absent, empty, or an earlier split holding nothing
+    else: a folder of the user's (a web app's manifest.json, notes put beside the split) is not."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ManifestError(f"{out_dir} exists and is not a folder; refusing to overwrite it")
+    entries = {entry.name for entry in out_dir.iterdir()}
+    if not entries:
+        return
+    try:
+        manifest = json.loads((out_dir / "manifest.json").read_text())
+        is_split = isinstance(manifest, dict) and manifest.get("format", "").startswith("moe-mesh-split/")
+    except (OSError, ValueError, AttributeError):
+        is_split = False
+    if not is_split:
+        raise ManifestError(
+            f"{out_dir} exists, is not empty and is not a moe-mesh split; refusing to overwrite it"
+        )
+    if entries - SPLIT_ENTRIES:
+        others = ", ".join(sorted(entries - SPLIT_ENTRIES)[:5])
+        raise ManifestError(
+            f"{out_dir} is a moe-mesh split but also holds {others}; move them away, or split into another folder"
+        )
 
 
 def _remove_abandoned_staging(out_dir: Path) -> None:

@@ -24,6 +24,7 @@ from google.protobuf.message import DecodeError
 
 from services.common.frames import HEADER, FrameError, frame, frame_length, receive_exact
 from services.common.logging import get_logger
+from services.common.unix_sockets import claim_socket_path
 from services.proto.moemesh.v1 import expert_pb2
 
 log = get_logger(__name__)
@@ -44,8 +45,7 @@ class FrameServer:
         self.spin_s = spin_s
         self._answer = answer
         self._max_frame_bytes = max_frame_bytes
-        if os.path.exists(path):
-            os.unlink(path)  # a stale socket of a worker that did not stop cleanly
+        claim_socket_path(path)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(path)
         self._listener.listen(MAX_CONNECTIONS)

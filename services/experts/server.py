@@ -13,6 +13,7 @@ from services.common.logging import get_logger
 from services.common.manifest import Manifest
 from services.common.ranges import format_ranges, parse_ranges
 from services.common.tls import TlsFiles
+from services.common.unix_sockets import path_fits
 from services.experts.compute import DEFAULT_MAX_CALL_BYTES, ExpertCompute
 from services.experts.frame_server import FrameServer
 from services.experts.io import DEFAULT_MIN_SEGMENT_BYTES
@@ -85,7 +86,10 @@ async def serve_expert_worker(
     # Same host: calls may also come as frames on a Unix socket beside the gRPC one.
     grpc_socket = unix_socket_path(running.address)
     frames = None
-    if grpc_socket is not None:
+    if grpc_socket is not None and not path_fits(frames_path_for(str(grpc_socket))):
+        # the frame path is a shortcut beside gRPC; a socket path with no room for ".frames" keeps gRPC only
+        log.warning("frames_off", reason=f"{frames_path_for(str(grpc_socket))} is too long for a Unix socket")
+    elif grpc_socket is not None:
         servicer.frames_path = frames_path_for(str(grpc_socket))
         frames = FrameServer(servicer.frames_path, servicer.answer, max_call_bytes + (1 << 20), frame_spin_s)
     start_metrics_server(metrics)

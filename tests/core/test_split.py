@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import mlx.core as mx
 import numpy as np
@@ -17,6 +15,7 @@ from services.common.model_build import expert_modules
 from services.common.synthetic_model import build_random_checkpoint
 from services.core.split import split_checkpoint
 from services.experts.store import read_records, records_to_weights
+from tests.helpers import run_cli
 
 DENSE_QWEN3 = {
     "model_type": "qwen3",
@@ -32,16 +31,6 @@ DENSE_QWEN3 = {
     "rope_theta": 10000.0,
     "tie_word_embeddings": True,
 }
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 @pytest.mark.parametrize("bits", [None, 4], ids=["float32", "4bit"])
@@ -102,6 +91,16 @@ def test_rerun_into_the_same_folder_is_safe(tiny_models, tmp_path):
     with pytest.raises(ValueError, match="not a moe-mesh split"):
         split_checkpoint(source, tmp_path / "mine", progress=False)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    # nor one that merely has a manifest.json (a web app's), nor a split the user put files in
+    (tmp_path / "webapp" / "src").mkdir(parents=True)
+    (tmp_path / "webapp" / "manifest.json").write_text('{"name": "My PWA"}')
+    with pytest.raises(ValueError, match="not a moe-mesh split"):
+        split_checkpoint(source, tmp_path / "webapp", progress=False)
+    assert (tmp_path / "webapp" / "src").is_dir()
+    (tmp_path / "out" / "NOTES.txt").write_text("mine")
+    with pytest.raises(ValueError, match="also holds NOTES.txt"):
+        split_checkpoint(source, tmp_path / "out", progress=False)
+    assert (tmp_path / "out" / "NOTES.txt").read_text() == "mine"
 
 
 def test_hugging_face_per_expert_layout_splits_like_the_stacked_one(tiny_models, tmp_path):
