@@ -82,6 +82,13 @@ def ensure_ca(directory: Path, common_name: str = "moe-mesh cluster CA"):
         cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
         key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
         return cert, key
+    if cert_path.exists() or key_path.exists():
+        # A new CA would silently invalidate every certificate the cluster already holds.
+        present, missing = (cert_path, key_path) if cert_path.exists() else (key_path, cert_path)
+        raise TlsError(
+            f"{present} exists but {missing.name} does not: certificates are signed with the CA's key; "
+            f"put {missing.name} back into {directory} (or pass --out pointing at the folder holding both)"
+        )
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
     now = datetime.datetime.now(datetime.UTC)

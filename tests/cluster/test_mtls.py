@@ -126,3 +126,14 @@ async def test_missing_tls_files_are_named(tmp_path):
     with pytest.raises(TlsError, match="ca.pem"):
         async with aio_channel("127.0.0.1:1", TlsFiles.in_dir(tmp_path, "core")):
             pass
+
+
+def test_certs_refuses_to_replace_a_ca_whose_key_is_elsewhere(tmp_path):
+    """Keeping ca-key.pem off serving hosts is the advice; issuing one more certificate there must
+    not mint a new CA and silently invalidate every certificate the cluster holds."""
+    main(["certs", "--out", str(tmp_path), "--name", "core"])
+    ca = (tmp_path / "ca.pem").read_bytes()
+    (tmp_path / "ca-key.pem").rename(tmp_path / "elsewhere.pem")
+    with pytest.raises(SystemExit, match="ca-key.pem does not"):
+        main(["certs", "--out", str(tmp_path), "--name", "mac-c"])
+    assert (tmp_path / "ca.pem").read_bytes() == ca and not (tmp_path / "mac-c.pem").exists()
