@@ -7,6 +7,13 @@ import sys
 from pathlib import Path
 
 
+def cli_command(*args: str) -> list[str]:
+    """The command line that runs `moe-mesh ARGS` with this Python, as `up` and the rendered
+    launchd/systemd services start it. -P: a `services/` folder in the working directory is not
+    imported in place of moe-mesh's own."""
+    return [sys.executable, "-P", "-m", "services.cli", *args]
+
+
 def _split(args) -> None:
     from services.core.split import split_checkpoint
 
@@ -114,6 +121,7 @@ class _ArgvRecordingParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from services.cluster import port_number
     from services.cluster_roles import add_cluster_flags
     from services.cluster_tools import add_cluster_commands
     from services.common.frames import add_spin_flag
@@ -184,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gateway", help="serve the OpenAI-compatible HTTP API in front of core")
     p.add_argument("--core", default="127.0.0.1:50051", help="core address")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000)
     add_cluster_flags(p, metrics=False)
     _add_api_key_flags(p)
     p.set_defaults(func=_gateway, parser=p)
@@ -192,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="start workers, core and gateway on this machine")
     p.add_argument("--model", default=None, help="checkpoint or split folder (default: the demo model)")
     p.add_argument("--experts", type=int, default=2, help="number of expert workers")
-    p.add_argument("--port", type=int, default=8000, help="gateway port")
+    p.add_argument("--port", type=port_number, default=8000, help="gateway port")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--workdir", default=None, help="where sockets and logs go (default: a temp folder)")
     p.add_argument(

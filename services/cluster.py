@@ -33,6 +33,7 @@ and the file, so a bad file is one clear line, never a traceback at runtime.
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import json
 import tomllib
@@ -159,7 +160,7 @@ def parse_cluster(data: dict, path: Path) -> ClusterConfig:
     reader.no_unknown(gateway_table, {"host", "port", "core"}, "gateway.")
     gateway = GatewayConfig(
         host=reader.string(gateway_table, "host", "gateway.host", "127.0.0.1"),
-        port=int(reader.number(gateway_table, "port", "gateway.port", 8000)),
+        port=reader.port(gateway_table, "port", "gateway.port", 8000),
         core=reader.string(gateway_table, "core", "gateway.core", None),
     )
     tls_table = reader.table(data, "tls", required=False)
@@ -187,6 +188,12 @@ def parse_cluster(data: dict, path: Path) -> ClusterConfig:
         address = reader.string(raw, "address", where + "address", None)
         if not address:
             raise ClusterConfigError(f"{path}: {where}address is required (host:port or unix:/path)")
+        listen = reader.string(raw, "listen", where + "listen", address)
+        for key, value in (("address", address), ("listen", listen)):
+            try:
+                check_address(value)
+            except ValueError as error:
+                raise ClusterConfigError(f"{path}: {where}{key}: {error}") from None
         memory = raw.get("memory_gb")
         if memory is not None and (not isinstance(memory, int | float) or memory <= 0):
             raise ClusterConfigError(f"{path}: {where}memory_gb must be a positive number")
@@ -194,7 +201,7 @@ def parse_cluster(data: dict, path: Path) -> ClusterConfig:
             WorkerConfig(
                 name=name,
                 address=address,
-                listen=reader.string(raw, "listen", where + "listen", address),
+                listen=listen,
                 layers=str(raw.get("layers", "all")),
                 experts=str(raw.get("experts", "all")),
                 memory_gb=float(memory) if memory is not None else None,
@@ -232,9 +239,27 @@ def is_loopback(address: str) -> bool:
 
 def split_host_port(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"{address!r} is not host:port")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{address!r} is not host:port (a port is 1-65535)")
     return host.strip("[]"), int(port)
+
+
+def check_address(address: str) -> str:
+    """`address` when it is unix:/PATH or host:port with a real port; ValueError naming it otherwise."""
+    if not address.startswith("unix:"):
+        split_host_port(address)
+    return address
+
+
+def port_number(text: str) -> int:
+    """argparse type for a TCP port: 1-65535 (a larger number wraps around in the socket call)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (1-65535)")
+    return port
 
 
 class _Reader:
@@ -271,6 +296,12 @@ class _Reader:
         value = table.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
             self.fail(f"{name} must be a positive number")
+        return value
+
+    def port(self, table: dict, key: str, name: str, default: int) -> int:
+        value = table.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+            self.fail(f"{name} must be a port number (1-65535)")
         return value
 
     def non_negative(self, table: dict, key: str, name: str, default: float) -> float:

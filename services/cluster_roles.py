@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from services.cluster import ClusterConfig, load_cluster
+from services.cluster import ClusterConfig, load_cluster, port_number
 from services.common.tls import TlsFiles
 
 
@@ -126,6 +126,6 @@ def add_cluster_flags(parser: argparse.ArgumentParser, metrics: bool = True) -> 
     )
     if metrics:
         parser.add_argument(
-            "--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port"
+            "--metrics-port", type=port_number, default=None, help="serve Prometheus metrics on this port"
         )
         parser.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")

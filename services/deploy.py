@@ -19,6 +19,7 @@ from pathlib import Path
 from string import Template
 from xml.sax.saxutils import escape
 
+from services.cli import cli_command
 from services.cluster import ClusterConfig
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "deploy"
@@ -61,7 +62,7 @@ def _environment(config: ClusterConfig) -> dict[str, str]:
 def render_launchd(config: ClusterConfig, role: str, log_dir: Path) -> Rendered:
     short, args = role_command(config, role)
     label = f"com.moe-mesh.{short}"
-    argv = [sys.executable, "-m", "services.cli", *args]
+    argv = cli_command(*args)
     text = Template((TEMPLATES / "launchd.plist.template").read_text()).substitute(
         role=escape(role),
         label=escape(label),
@@ -82,15 +83,15 @@ def render_launchd(config: ClusterConfig, role: str, log_dir: Path) -> Rendered:
 def render_systemd(config: ClusterConfig, role: str, user: str | None = None) -> Rendered:
     short, args = role_command(config, role)
     unit = f"moe-mesh-{short}.service"
-    argv = [sys.executable, "-m", "services.cli", *args]
+    argv = cli_command(*args)
     text = Template((TEMPLATES / "systemd.service.template").read_text()).substitute(
         role=role,
         unit_name=unit,
         label=f"moe-mesh-{short}",
         exec_start=" ".join(_systemd_quote(a) for a in argv),
-        working_directory=_systemd_quote(str(config.path.parent)),
+        working_directory=_systemd_path(config.path.parent),
         environment="\n".join(
-            f"Environment={_systemd_quote(f'{k}={v}')}" for k, v in _environment(config).items()
+            f"Environment={_systemd_assignment(k, v)}" for k, v in _environment(config).items()
         ),
         user_line=f"User={user}" if user else "",
         throttle_s=THROTTLE_S,
@@ -102,3 +103,21 @@ def render_systemd(config: ClusterConfig, role: str, user: str | None = None) ->
 def _systemd_quote(value: str) -> str:
     """systemd splits ExecStart like a shell but expands % specifiers and $VARS: escape them."""
     return shlex.quote(value.replace("%", "%%").replace("$", "$$"))
+
+
+def _systemd_path(path: Path) -> str:
+    """WorkingDirectory= takes the rest of the line as the path, unquoted (quotes would be part of
+    it); only % specifiers are expanded."""
+    text = str(path)
+    if "\n" in text:
+        raise ValueError(f"{text!r}: a path with a line break cannot go into a systemd unit")
+    return text.replace("%", "%%")
+
+
+def _systemd_assignment(key: str, value: str) -> str:
+    """One Environment= assignment: double-quoted with C escapes; % specifiers are expanded there,
+    $VARIABLES are not (so no $$)."""
+    text = f"{key}={value}".replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+    if "\n" in text:
+        raise ValueError(f"{key}: a value with a line break cannot go into a systemd unit")
+    return f'"{text}"'

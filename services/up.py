@@ -23,6 +23,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from services.cli import cli_command
 from services.cluster import local_cluster_toml
 from services.common.frames import frames_path_for
 from services.common.logging import get_logger
@@ -87,7 +88,7 @@ class Cluster:
 
     def start(self, name: str, *args: str) -> None:
         log_path = self.workdir / f"{name}.log"
-        command = [sys.executable, "-m", "services.cli", *args]
+        command = cli_command(*args)
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(
                 command,

@@ -44,6 +44,9 @@ def test_example_cluster_toml_parses():
             "used twice",
         ),
         ("[model\n", "not valid TOML"),
+        ('[model]\nsplit = "s"\n[gateway]\nport = 99999\n[[workers]]\naddress = "h:1"\n', "gateway.port"),
+        ('[model]\nsplit = "s"\n[[workers]]\naddress = "nohostport"\n', "workers[0].address"),
+        ('[model]\nsplit = "s"\n[[workers]]\naddress = "h:70000"\n', "a port is 1-65535"),
     ],
 )
 def test_bad_cluster_toml_is_one_clear_error(tmp_path, body, words):
@@ -137,8 +140,8 @@ def test_launchd_plists_parse_and_keep_the_service_alive(role, tmp_path):
     assert plist["StandardErrorPath"].startswith(str(tmp_path / "logs"))
     assert plist["EnvironmentVariables"]["MOE_MESH_CACHE"] == "/Users/Shared/moe-mesh/cache"
     argv = plist["ProgramArguments"]
-    assert Path(argv[0]).exists() and argv[1:3] == ["-m", "services.cli"]
-    args = build_parser().parse_args(argv[3:])  # the rendered command is one this CLI accepts
+    assert Path(argv[0]).exists() and argv[1:4] == ["-P", "-m", "services.cli"]
+    args = build_parser().parse_args(argv[4:])  # the rendered command is one this CLI accepts
     assert args.config == str(config.path)
     if role.startswith("worker:"):
         assert args.command == "expert" and args.name == role.split(":")[1]
@@ -165,6 +168,27 @@ def test_systemd_units_verify(role, tmp_path):
         ["systemd-analyze", "verify", str(unit)], check=False, capture_output=True, text=True, timeout=60
     )
     # verify also lints the host's own units; only lines about ours count.
+    ours = [line for line in (done.stdout + done.stderr).splitlines() if rendered.filename in line]
+    assert ours == [], ours
+
+
+def test_systemd_unit_keeps_paths_with_spaces_and_values_with_dollars_as_they_are(tmp_path):
+    folder = tmp_path / "with space"
+    folder.mkdir()
+    text = (REPO / "deploy" / "cluster.toml").read_text()
+    text = text.replace('MOE_MESH_CACHE = "/Users/Shared/moe-mesh/cache"', 'MOE_MESH_CACHE = "/srv/a $HOME 50% \\"q\\""')
+    (folder / "cluster.toml").write_text(text)
+    config = load_cluster(folder / "cluster.toml")
+    rendered = render_systemd(config, "core")
+    assert f"WorkingDirectory={folder}\n" in rendered.text
+    assert 'Environment="MOE_MESH_CACHE=/srv/a $HOME 50%% \\"q\\""' in rendered.text
+    unit = tmp_path / rendered.filename
+    unit.write_text(rendered.text)
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed here; the unit text was checked above")
+    done = subprocess.run(
+        ["systemd-analyze", "verify", str(unit)], check=False, capture_output=True, text=True, timeout=60
+    )
     ours = [line for line in (done.stdout + done.stderr).splitlines() if rendered.filename in line]
     assert ours == [], ours
 
