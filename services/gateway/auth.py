@@ -32,8 +32,11 @@ def load_api_keys(
 ) -> tuple[str, ...]:
     """Merge the keys from flags, a file and the environment; empty entries are ignored.
 
-    Raises ValueError for an unreadable key file, so the gateway refuses to start open by mistake.
+    Raises ValueError for an unreadable key file, or when keys were asked for (a flag, a file, the
+    variable set) and none came out (an empty file, only comments, " , "): the gateway refuses to
+    start open by mistake.
     """
+    keys = list(keys)
     collected = [key.strip() for key in keys]
     if key_file is not None:
         try:
@@ -43,7 +46,13 @@ def load_api_keys(
         collected += [line.strip() for line in lines if not line.strip().startswith("#")]
     environment = os.environ if environ is None else environ
     collected += [key.strip() for key in environment.get(API_KEY_ENV, "").split(",")]
-    return tuple(dict.fromkeys(key for key in collected if key))
+    found = tuple(dict.fromkeys(key for key in collected if key))
+    from_environment = bool(environment.get(API_KEY_ENV, "").strip())  # set but empty: not asked
+    if (keys or key_file is not None or from_environment) and not found:
+        sources = [f"--api-key-file {key_file}" if key_file is not None else "", "--api-key" if keys else ""]
+        sources.append(API_KEY_ENV if from_environment else "")
+        raise ValueError(f"API keys were asked for ({', '.join(s for s in sources if s)}) but none is set")
+    return found
 
 
 def presented_key(headers: Headers) -> str:

@@ -158,4 +158,13 @@ def test_key_sources_merge(tmp_path) -> None:
     assert load_api_keys(environ={}) == ()
     with pytest.raises(ValueError, match="cannot read"):
         load_api_keys(key_file=tmp_path / "missing", environ={})
+    # keys asked for but none given: refused, never an open gateway
+    (tmp_path / "empty").write_text("# no keys yet\n\n")
+    with pytest.raises(ValueError, match="none is set"):
+        load_api_keys(key_file=tmp_path / "empty", environ={})
+    with pytest.raises(ValueError, match=API_KEY_ENV):
+        load_api_keys(environ={API_KEY_ENV: " , "})
+    with pytest.raises(ValueError, match="--api-key"):
+        load_api_keys([" "], environ={})
+    assert load_api_keys(environ={API_KEY_ENV: ""}) == ()  # set but empty: as if unset
     assert key_matches("sk-env-2", keys) and not key_matches("sk-env", keys) and not key_matches("", keys)
