@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -225,11 +226,22 @@ def main(argv: list[str] | None = None) -> None:
     from services.experts.store import ExpertFileError
 
     configure_logging(args.command, args.log_level)
+    if args.command in ("split", "up"):
+        # SIGTERM ends a build (a split, the demo model) as Ctrl-C does: its cleanup runs and no
+        # half-written folder stays (`up` installs its own handlers once it starts the services).
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         args.func(args)
     except (ManifestError, UnsupportedModelError, ExpertFileError, TlsError, ValueError, OSError) as error:
         # Bad flags, a missing or damaged split, a port in use: one line, no traceback.
         raise SystemExit(f"moe-mesh {args.command}: {error}") from None
+    except KeyboardInterrupt:
+        print(f"moe-mesh {args.command}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signal.SIGTERM)
 
 
 if __name__ == "__main__":

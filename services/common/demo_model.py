@@ -34,6 +34,7 @@ import numpy as np
 
 from services.common.logging import get_logger
 from services.common.progress import Progress
+from services.common.staging import remove_abandoned, staging_name
 
 log = get_logger(__name__)
 
@@ -306,7 +307,8 @@ def ensure_demo_model(cache_dir: Path | None = None, progress: bool = True) -> P
     if (final / "config.json").is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{CACHE_SUBDIR}.tmp-", dir=root))
+    remove_abandoned(root, f".{CACHE_SUBDIR}.tmp-")  # builds killed outright
+    tmp = Path(tempfile.mkdtemp(prefix=staging_name(f".{CACHE_SUBDIR}.tmp-") + "-", dir=root))
     try:
         build_demo_model(tmp, progress=progress)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache may be shared

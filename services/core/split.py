@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from services.common.logging import get_logger
 from services.common.manifest import Manifest, ManifestError, MoeLayer, record_layout
 from services.common.model_build import UnsupportedModelError, expert_modules, expert_width, model_classes
 from services.common.progress import Progress
+from services.common.staging import remove_abandoned, staging_name
 from services.common.tensor_codec import dtype_name
 
 log = get_logger(__name__)
@@ -90,8 +90,9 @@ def split_checkpoint(model_path: Path, out_dir: Path, progress: bool = True) -> 
             f"{model_path.name} ({config['model_type']}) is a dense model: it has no routed experts to split"
         )
 
-    _remove_abandoned_staging(out_dir)
-    staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
+    # a split into the same OUT that was killed outright left its staging folder: remove it
+    remove_abandoned(out_dir.parent, f".{out_dir.name}.partial-")
+    staging = out_dir.with_name(staging_name(f".{out_dir.name}.partial-"))
     try:
         manifest = _write_split(model_path, model, config, experts, staging, progress)
     except BaseException:  # a refusal, a crash, Ctrl-C: leave nothing half-written beside OUT
@@ -131,25 +132,6 @@ def _check_replaceable(out_dir: Path) -> None:
         raise ManifestError(
             f"{out_dir} is a moe-mesh split but also holds {others}; move them away, or split into another folder"
         )
-
-
-def _remove_abandoned_staging(out_dir: Path) -> None:
-    """Staging folders of earlier splits into OUT whose process is gone (killed outright, so no
-    cleanup ran); a split still running into the same OUT keeps its own."""
-    for staging in out_dir.parent.glob(f".{out_dir.name}.partial-*"):
-        pid = staging.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
-            shutil.rmtree(staging, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
 
 
 def _write_split(

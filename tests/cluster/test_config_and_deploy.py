@@ -176,7 +176,9 @@ def test_systemd_unit_keeps_paths_with_spaces_and_values_with_dollars_as_they_ar
     folder = tmp_path / "with space"
     folder.mkdir()
     text = (REPO / "deploy" / "cluster.toml").read_text()
-    text = text.replace('MOE_MESH_CACHE = "/Users/Shared/moe-mesh/cache"', 'MOE_MESH_CACHE = "/srv/a $HOME 50% \\"q\\""')
+    text = text.replace(
+        'MOE_MESH_CACHE = "/Users/Shared/moe-mesh/cache"', 'MOE_MESH_CACHE = "/srv/a $HOME 50% \\"q\\""'
+    )
     (folder / "cluster.toml").write_text(text)
     config = load_cluster(folder / "cluster.toml")
     rendered = render_systemd(config, "core")

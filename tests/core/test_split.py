@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -148,3 +152,26 @@ def test_a_split_that_fails_leaves_nothing_beside_out(tiny_models, tmp_path, mon
     with pytest.raises(KeyboardInterrupt):
         split_checkpoint(tiny_models.checkpoint("qwen3_moe", None), tmp_path / "out", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_split_stopped_by_a_signal_leaves_nothing_and_no_traceback(tmp_path, sig, code):
+    """SIGTERM (a service manager, `kill`) cleans up as Ctrl-C does."""
+    from services.common.demo_model import ensure_demo_model
+
+    source = ensure_demo_model(progress=False)  # 30 layers: long enough to stop midway
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "split", str(source), str(tmp_path / "out")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".out.partial-*/experts/layer_003.bin")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
+        time.sleep(0.01)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == code, stderr[-2000:]
+    assert "Traceback" not in stderr
+    assert list(tmp_path.iterdir()) == []
