@@ -7,6 +7,14 @@ import signal
 import sys
 from pathlib import Path
 
+from services.common.cli_types import (
+    non_negative_float,
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+)
+
 
 def cli_command(*args: str) -> list[str]:
     """The command line that runs `moe-mesh ARGS` with this Python, as `up` and the rendered
@@ -89,7 +97,7 @@ def _up(args) -> None:
 def _add_step_time_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-step-seconds",
-        type=float,
+        type=non_negative_float,
         default=1.0,
         help="while sequences decode, cut the prefill chunk to what fits this step time (0: tokens only)",
     )
@@ -122,7 +130,6 @@ class _ArgvRecordingParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from services.cluster import port_number
     from services.cluster_roles import add_cluster_flags
     from services.cluster_tools import add_cluster_commands
     from services.common.frames import add_spin_flag
@@ -161,8 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--worker", action="append", default=None, help="expert worker address (repeat or comma-separate)"
     )
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-queue", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=positive_int, default=16)
+    p.add_argument("--max-queue", type=non_negative_int, default=256)
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -171,10 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_step_time_flag(p)
     p.add_argument(
-        "--prefix-cache-gb", type=float, default=1.0, help="byte budget of the prefix cache (0 = off)"
+        "--prefix-cache-gb",
+        type=non_negative_float,
+        default=1.0,
+        help="byte budget of the prefix cache (0 = off)",
     )
     add_kv_cache_flags(p)
-    p.add_argument("--expert-timeout", type=float, default=60.0, help="seconds a layer call may take")
+    p.add_argument(
+        "--expert-timeout", type=positive_float, default=60.0, help="seconds a layer call may take"
+    )
     p.add_argument(
         "--no-expert-frames",
         action="store_true",
@@ -205,7 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--workdir", default=None, help="where sockets and logs go (default: a temp folder)")
     p.add_argument(
-        "--expert-memory-gb", type=float, default=None, help="each worker's expert RAM budget (default: all)"
+        "--expert-memory-gb",
+        type=positive_float,
+        default=None,
+        help="each worker's expert RAM budget (default: all)",
     )
     add_kv_cache_flags(p)
     _add_step_time_flag(p)

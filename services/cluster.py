@@ -33,7 +33,6 @@ and the file, so a bad file is one clear line, never a traceback at runtime.
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import json
 import tomllib
@@ -249,17 +248,6 @@ def check_address(address: str) -> str:
     if not address.startswith("unix:"):
         split_host_port(address)
     return address
-
-
-def port_number(text: str) -> int:
-    """argparse type for a TCP port: 1-65535 (a larger number wraps around in the socket call)."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a port number (1-65535)")
-    return port
 
 
 class _Reader:

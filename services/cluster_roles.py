@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from services.cluster import ClusterConfig, load_cluster, port_number
+from services.cluster import ClusterConfig, load_cluster
+from services.common.cli_types import port_number
 from services.common.tls import TlsFiles
 
 

@@ -8,8 +8,10 @@ name, so every mlx-lm MoE architecture works without per-architecture code.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -30,6 +32,24 @@ class TensorSpec:
 
     shape: tuple[int, ...]
     dtype: mx.Dtype
+
+
+def read_checkpoint_config(checkpoint: Path) -> dict:
+    """`checkpoint/config.json` of an mlx-lm / Hugging Face checkpoint whose architecture mlx-lm
+    knows; UnsupportedModelError naming the file otherwise."""
+    path = Path(checkpoint) / "config.json"
+    if not path.is_file():
+        raise UnsupportedModelError(
+            f"{checkpoint} has no config.json: not an mlx-lm / Hugging Face checkpoint"
+        )
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise UnsupportedModelError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise UnsupportedModelError(f"{path} must hold a JSON object, not a {type(config).__name__}")
+    model_classes(config)  # an unknown architecture: a clear error before anything loads
+    return config
 
 
 def model_classes(config: Mapping[str, Any]):

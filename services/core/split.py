@@ -26,7 +26,12 @@ from mlx_lm.utils import load_model
 from services.common import tensor_codec
 from services.common.logging import get_logger
 from services.common.manifest import Manifest, ManifestError, MoeLayer, record_layout
-from services.common.model_build import UnsupportedModelError, expert_modules, expert_width, model_classes
+from services.common.model_build import (
+    UnsupportedModelError,
+    expert_modules,
+    expert_width,
+    read_checkpoint_config,
+)
 from services.common.progress import Progress
 from services.common.staging import remove_abandoned, staging_name
 from services.common.tensor_codec import dtype_name
@@ -75,12 +80,7 @@ def _write_layer(path: Path, params: dict[str, mx.array], num_experts: int, dige
 def split_checkpoint(model_path: Path, out_dir: Path, progress: bool = True) -> Manifest:
     """Split `model_path` into `out_dir`; return the manifest. Raises UnsupportedModelError."""
     model_path, out_dir = Path(model_path).resolve(), Path(out_dir).resolve()
-    config_path = model_path / "config.json"
-    if not config_path.is_file():
-        raise UnsupportedModelError(
-            f"{model_path} has no config.json: not an mlx-lm / Hugging Face checkpoint"
-        )
-    model_classes(json.loads(config_path.read_text()))  # unknown architecture -> clear error
+    read_checkpoint_config(model_path)
     _check_replaceable(out_dir)
 
     model, config = load_model(model_path, lazy=True)

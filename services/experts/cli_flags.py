@@ -6,37 +6,21 @@ import argparse
 import json
 from pathlib import Path
 
+from services.common.cli_types import non_negative_int, positive_float, positive_int
 from services.experts.cache_policy import POLICIES
 from services.experts.io import DEFAULT_IO_THREADS, DEFAULT_MIN_SEGMENT_BYTES, IO_MODES
 from services.experts.store_setup import DEFAULT_IO_MODE, DEFAULT_POLICY
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
+def _queue_depths(text: str) -> list[int]:
+    return [positive_int(part) for part in text.split(",") if part.strip()]
 
 
 def add_streaming_flags(parser: argparse.ArgumentParser) -> None:
     """`moe-mesh expert` flags: --memory-gb, --io, --cache-policy, --io-threads, --io-segment-kb."""
     parser.add_argument(
         "--memory-gb",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         help="keep at most this many GB of expert weights in RAM and read the rest from the layer "
         "files on demand (default: all resident)",
@@ -49,11 +33,11 @@ def add_streaming_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--cache-policy", choices=POLICIES, default=DEFAULT_POLICY)
     parser.add_argument(
-        "--io-threads", type=_positive_int, default=DEFAULT_IO_THREADS, help="parallel reads (queue depth)"
+        "--io-threads", type=positive_int, default=DEFAULT_IO_THREADS, help="parallel reads (queue depth)"
     )
     parser.add_argument(
         "--io-segment-kb",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=DEFAULT_MIN_SEGMENT_BYTES // 1024,
         help="cut each expert record into reads of at least this many KiB, read in parallel, so a "
         "call that misses few experts still keeps --io-threads reads in flight (default 0: whole "
@@ -76,21 +60,26 @@ def add_storage_commands(sub) -> None:
     p = sub.add_parser("iobench", help="this disk's random-read GB/s at a split's expert record size")
     p.add_argument("path", help="a split folder (its layer files and record size) or any large file")
     p.add_argument(
-        "--record-size", type=_positive_int, default=None, help="bytes per read (default: the split's)"
+        "--record-size", type=positive_int, default=None, help="bytes per read (default: the split's)"
     )
-    p.add_argument("--queue-depths", default="1,2,4,8,16,32", help="comma-separated thread counts")
+    p.add_argument(
+        "--queue-depths",
+        type=_queue_depths,
+        default=[1, 2, 4, 8, 16, 32],
+        help="comma-separated thread counts (default 1,2,4,8,16,32)",
+    )
     p.add_argument("--modes", default="direct,buffered", help="comma-separated: direct, buffered")
-    p.add_argument("--seconds", type=_positive_float, default=1.0, help="time per (mode, queue depth)")
+    p.add_argument("--seconds", type=positive_float, default=1.0, help="time per (mode, queue depth)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=_iobench)
 
     p = sub.add_parser("plan", help="print the memory plan of a model before anything loads")
     p.add_argument("--model", required=True, help="split folder or mlx-lm checkpoint folder")
-    p.add_argument("--memory-gb", type=_positive_float, required=True, help="expert RAM budget per worker")
-    p.add_argument("--workers", type=_positive_int, default=1, help="expert workers sharing the experts")
-    p.add_argument("--context", type=_positive_int, default=4096, help="tokens of context per sequence")
-    p.add_argument("--seqs", type=_positive_int, default=1, help="concurrent sequences")
-    p.add_argument("--kv-bytes", type=float, default=2.0, help="bytes per KV element (2 = fp16)")
+    p.add_argument("--memory-gb", type=positive_float, required=True, help="expert RAM budget per worker")
+    p.add_argument("--workers", type=positive_int, default=1, help="expert workers sharing the experts")
+    p.add_argument("--context", type=positive_int, default=4096, help="tokens of context per sequence")
+    p.add_argument("--seqs", type=positive_int, default=1, help="concurrent sequences")
+    p.add_argument("--kv-bytes", type=positive_float, default=2.0, help="bytes per KV element (2 = fp16)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_plan)
 
@@ -101,7 +90,7 @@ def _iobench(args) -> None:
     result = run_iobench(
         Path(args.path),
         record_size=args.record_size,
-        queue_depths=[int(q) for q in args.queue_depths.split(",") if q],
+        queue_depths=args.queue_depths,
         modes=[m for m in args.modes.split(",") if m],
         seconds=args.seconds,
     )
