@@ -90,6 +90,7 @@ def _up(args) -> None:
             expert_memory_gb=args.expert_memory_gb,
             core_args=[*kv_cli_args(args), "--max-step-seconds", str(args.max_step_seconds)],
             frame_spin_us=args.frame_spin_us,
+            log_level=args.log_level,
         )
     )
 

@@ -4,7 +4,9 @@ Starts N expert workers (experts divided between them), the core and the gateway
 as child processes linked by Unix sockets; waits until each is healthy; prints the
 URL; on Ctrl-C or SIGTERM stops them all (SIGTERM, then SIGKILL after a grace
 period) and removes the sockets. On Linux the children also die with this process
-(PR_SET_PDEATHSIG), so even a SIGKILL of `up` leaves no orphans.
+(PR_SET_PDEATHSIG), so even a SIGKILL of `up` leaves no orphans. A worker that dies while serving
+is started again (at most 5 times a minute), as a service manager would; core or the gateway
+dying stops everything.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from services.common.logging import get_logger
 
 log = get_logger(__name__)
 READY_TIMEOUT_S = 600.0
+RESTART_LIMIT = 5  # a worker that dies this often ...
+RESTART_WINDOW_S = 60.0  # ... within this many seconds stops `up`
 
 
 def cache_root() -> Path:
@@ -82,28 +86,46 @@ def _die_with_parent() -> None:
 
 
 class Cluster:
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, log_level: str = "info"):
         self.workdir = workdir
+        self.log_level = log_level
         self.procs: list[tuple[str, subprocess.Popen, Path]] = []
+        self._args: dict[str, tuple[str, ...]] = {}
+        self._restarts: dict[str, list[float]] = {}
 
     def start(self, name: str, *args: str) -> None:
         log_path = self.workdir / f"{name}.log"
-        command = cli_command(*args)
+        command = cli_command("--log-level", self.log_level, *args)
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(
                 command,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                # Their own session: a Ctrl-C in the terminal reaches `up` alone, which then stops
+                # each child once, in order (it used to reach every child twice).
+                start_new_session=True,
                 preexec_fn=_die_with_parent,  # noqa: PLW1509 - only calls prctl, no locks taken
             )
-        self.procs.append((name, proc, log_path))
+        self._args[name] = args
+        self.procs = [entry for entry in self.procs if entry[0] != name] + [(name, proc, log_path)]
 
     def dead(self) -> tuple[str, int, Path] | None:
         for name, proc, log_path in self.procs:
             if proc.poll() is not None:
                 return name, proc.returncode, log_path
         return None
+
+    def restart(self, name: str) -> bool:
+        """Start `name` again, unless it has died RESTART_LIMIT times within RESTART_WINDOW_S (a
+        worker that cannot stay up: restarting it for ever would hide why)."""
+        now = time.monotonic()
+        recent = [t for t in self._restarts.get(name, []) if now - t < RESTART_WINDOW_S]
+        if len(recent) >= RESTART_LIMIT:
+            return False
+        self._restarts[name] = [*recent, now]
+        self.start(name, *self._args[name])
+        return True
 
     def stop(self, grace_s: float = 10.0) -> None:
         for _, proc, _ in reversed(self.procs):  # gateway first, workers last
@@ -145,6 +167,7 @@ def run_up(
     expert_memory_gb: float | None = None,
     core_args: Sequence[str] = (),
     frame_spin_us: int | None = None,
+    log_level: str = "info",
 ) -> int:
     """`frame_spin_us`: how long core's and the workers' frame reads poll (None: poll when the
     machine has a core for each of them, services.common.frames.spin_for)."""
@@ -157,7 +180,7 @@ def run_up(
     own_workdir = workdir is None
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="moe-mesh-"))
     work.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(work)
+    cluster = Cluster(work, log_level)
     stopping = False
     clean = False
 
@@ -220,7 +243,12 @@ def run_up(
             print(f"moe-mesh is serving {model} at {url}/v1  (Ctrl-C stops it)", flush=True)
         while not stopping:
             if (dead := cluster.dead()) is not None:
-                return _report_death(*dead)
+                name, code, log_path = dead
+                # A worker that dies is started again, as launchd/systemd would: core fails the
+                # requests of that step, reports NOT_SERVING, and serves again once it is back.
+                if not name.startswith("expert-") or not cluster.restart(name):
+                    return _report_death(*dead)
+                print(f"moe-mesh up: {name} exited with code {code}; started it again", file=sys.stderr)
             time.sleep(0.5)
         clean = True
         return 0

@@ -78,7 +78,10 @@ def test_unknown_and_missing_checkpoints_are_refused(tmp_path):
     assert result.returncode != 0 and "'no_such_arch' is not an mlx-lm architecture" in result.stderr
     result = run_cli("split", str(tmp_path / "nothing"), str(tmp_path / "out"))
     assert result.returncode != 0 and "no config.json" in result.stderr
-    for name, text, words in (("broken", "{", "is not valid JSON"), ("listed", "[1]", "must hold a JSON object")):
+    for name, text, words in (
+        ("broken", "{", "is not valid JSON"),
+        ("listed", "[1]", "must hold a JSON object"),
+    ):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(text)
         result = run_cli("split", str(tmp_path / name), str(tmp_path / "out"))

@@ -132,6 +132,25 @@ def test_completions_echo_scores_the_prompt_as_mlx_lm_does(up):
     assert max(logprobs.top_logprobs[paris], key=logprobs.top_logprobs[paris].get) == " Paris"
 
 
+def test_a_worker_that_dies_is_started_again_and_the_stack_serves_on(up):
+    proc, url, _, _ = up
+    workers = [pid for pid in children_of(proc.pid) if b"expert" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    os.kill(workers[0], signal.SIGKILL)
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+    deadline = time.monotonic() + 120
+    while True:  # 503 while core sees the worker missing, then served again
+        try:
+            reply = client.chat.completions.create(
+                model="smollm2-135m-moe8", messages=QUESTION, temperature=0, max_tokens=16
+            )
+            break
+        except (openai.APIStatusError, openai.APIConnectionError):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.5)
+    assert "Paris" in reply.choices[0].message.content
+    assert proc.poll() is None and workers[0] not in children_of(proc.pid)
+
+
 def test_sigterm_stops_everything_and_removes_sockets(up):
     proc, _, workdir, _ = up
     children = children_of(proc.pid)
