@@ -211,7 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_api_key_flags(p)
     p.set_defaults(func=_gateway, parser=p)
 
-    p = sub.add_parser("up", help="start workers, core and gateway on this machine")
+    p = sub.add_parser(
+        "up",
+        help="start workers, core and gateway on this machine",
+        epilog="The demo model and the splits of checkpoints given with --model are built once into "
+        "$MOE_MESH_CACHE (default ~/.cache/moe-mesh); set it where HOME is not writable.",
+    )
     p.add_argument("--model", default=None, help="checkpoint or split folder (default: the demo model)")
     p.add_argument("--experts", type=int, default=2, help="number of expert workers")
     p.add_argument("--port", type=port_number, default=8000, help="gateway port")

@@ -60,11 +60,27 @@ def check_cluster(config: ClusterConfig, probe: bool = True, timeout_s: float = 
         f"model {manifest.model_type} {manifest.fingerprint}: {len(manifest.layers)} MoE layers x {manifest.num_experts} experts"
     )
     owned = _coverage(config, manifest, report)
+    _settings(config, report)
     _budgets(config, manifest, owned, report)
     _security(config, report)
     if probe:
         asyncio.run(_probe_workers(config, manifest, owned, report, timeout_s))
     return report
+
+
+def _settings(config: ClusterConfig, report: CheckReport) -> None:
+    """What core and workers would refuse at start, found before anything starts."""
+    from services.core.kv.settings import KV_CACHE_KINDS  # (imports MLX: only here, not in every service)
+
+    if config.core.kv_cache not in KV_CACHE_KINDS:
+        report.errors.append(f"core.kv_cache {config.core.kv_cache!r}: one of {', '.join(KV_CACHE_KINDS)}")
+    seen: dict[str, str] = {}
+    for worker in config.workers:
+        if worker.address in seen:
+            report.errors.append(
+                f"workers {seen[worker.address]} and {worker.name} share the address {worker.address}"
+            )
+        seen.setdefault(worker.address, worker.name)
 
 
 def _coverage(config: ClusterConfig, manifest: Manifest, report: CheckReport) -> dict[str, dict]:

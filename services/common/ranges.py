@@ -18,7 +18,9 @@ def parse_ranges(text: str | None, limit: int, what: str) -> list[int]:
                 lo = hi = int(part)
         except ValueError:
             raise ValueError(f"{what}: {part!r} is not an index or a range like 0-7") from None
-        if lo > hi or lo < 0 or hi >= limit:
+        if lo > hi:
+            raise ValueError(f"{what}: {part!r} runs backwards; write {hi}-{lo}")
+        if lo < 0 or hi >= limit:
             raise ValueError(f"{what}: {part!r} is outside 0-{limit - 1}")
         chosen.update(range(lo, hi + 1))
     return sorted(chosen)

@@ -99,6 +99,10 @@ def test_cluster_check_finds_gaps_and_passes_a_covering_file(tmp_path, tiny_mode
     assert report.ok, report.lines()
     assert any("fewest replicas 1, most 2" in n for n in report.notes)
     assert any("not up" in n and "checked against the manifest only" in n for n in report.notes)
+    shared = load_cluster(
+        _config(tmp_path, split, [("a", "127.0.0.1:1", "0-4"), ("b", "127.0.0.1:1", "3-7")])
+    )
+    assert "workers a and b share the address 127.0.0.1:1" in check_cluster(shared, probe=False).errors
     assert any("single owner" in w for w in report.warnings)
 
 
