@@ -156,7 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default="127.0.0.1:50061", help="host:port or unix:/path.sock")
     p.add_argument("--layers", default=None, help="MoE layers to serve, e.g. 0-23 (default: all)")
     p.add_argument("--experts", default=None, help="experts of each layer to serve, e.g. 0-63 (default: all)")
-    p.add_argument("--worker-id", default=None)
+    p.add_argument(
+        "--worker-id",
+        default=None,
+        help="name in Describe and logs (default: the --name in --config, else host:pid)",
+    )
     p.add_argument("--name", default=None, help="this worker's name in --config")
     add_cluster_flags(p)
     add_streaming_flags(p)

@@ -140,6 +140,18 @@ class Cluster:
                 proc.wait()
 
 
+def _check_port_free(host: str, port: int) -> None:
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+            probe.bind((host, port))
+    except OSError as error:
+        raise SystemExit(f"moe-mesh up: cannot serve on {host}:{port}: {error.strerror or error}") from None
+
+
 def _grpc_serving(address: str) -> bool:
     import asyncio
 
@@ -174,6 +186,7 @@ def run_up(
     from services.common.frames import spin_for
     from services.common.manifest import Manifest
 
+    _check_port_free(host, port)  # before minutes of model loading, not after
     split_dir = resolve_split(model)
     manifest = Manifest.load(split_dir)
     ranges = expert_ranges(manifest.num_experts, experts)
