@@ -19,32 +19,20 @@ def _number(text: str, kind: type) -> float | int:
     return value
 
 
-def positive_float(text: str) -> float:
-    value = _number(text, float)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
+def _at_least(kind: type, low: int, strict: bool, words: str):
+    def parse(text: str):
+        value = _number(text, kind)
+        if value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"must be {words}, got {text}")
+        return value
+
+    return parse
 
 
-def non_negative_float(text: str) -> float:
-    value = _number(text, float)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    value = _number(text, int)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    value = _number(text, int)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
+positive_float = _at_least(float, 0, True, "positive")
+non_negative_float = _at_least(float, 0, False, "0 or more")
+positive_int = _at_least(int, 1, False, "at least 1")
+non_negative_int = _at_least(int, 0, False, "0 or more")
 
 
 def port_number(text: str) -> int:

@@ -27,6 +27,15 @@ CASES = {
 }
 
 
+def layer_call(hidden: mx.array, ids: np.ndarray) -> expert_pb2.ExpertCall:
+    return expert_pb2.ExpertCall(
+        call_id=1,
+        layer=LAYER,
+        hidden=tensor_codec.encode(hidden),
+        expert_ids=tensor_codec.encode(mx.array(ids)),
+    )
+
+
 @pytest.fixture(scope="module")
 def setup(tiny_models):
     split = tiny_models.split("qwen3_moe", None)
@@ -43,12 +52,7 @@ def test_asked_pairs_equal_mlx_lm_rows_in_order(setup, name):
     compute, switch, hidden_size = setup
     ids = np.array(CASES[name], dtype=np.int32)
     hidden = mx.random.normal((ids.shape[0], hidden_size), key=mx.random.key(len(name)))
-    call = expert_pb2.ExpertCall(
-        call_id=1,
-        layer=LAYER,
-        hidden=tensor_codec.encode(hidden),
-        expert_ids=tensor_codec.encode(mx.array(ids)),
-    )
+    call = layer_call(hidden, ids)
     result = compute.run(call)
     asked = ids >= 0
     got = np.array(tensor_codec.decode(result.output, "output", 1 << 30))
@@ -68,12 +72,7 @@ def test_a_call_whose_reply_would_pass_the_cap_is_rejected_before_computing(setu
     compute, _, hidden_size = setup
     ids = np.array([[0, 1, 2, 3]] * 8, dtype=np.int32)
     hidden = mx.zeros((8, hidden_size))
-    call = expert_pb2.ExpertCall(
-        call_id=1,
-        layer=LAYER,
-        hidden=tensor_codec.encode(hidden),
-        expert_ids=tensor_codec.encode(mx.array(ids)),
-    )
+    call = layer_call(hidden, ids)
     capped = ExpertCompute.__new__(ExpertCompute)
     capped.__dict__.update(compute.__dict__, max_call_bytes=2 * hidden.nbytes)  # input fits, reply (4x) not
     with pytest.raises(CallRejected, match="reply"):
