@@ -84,7 +84,8 @@ def receive_exact(
     wakes ~100 us after its answer arrives on a small VM (and its core cools down); one that
     polls sees it at once. Worth it only where the poller has a core to itself, which is why
     it is a setting (`moe-mesh up` turns it on when the machine has a core per process).
-    deadline: time.monotonic() after which TimeoutError is raised; None waits for ever."""
+    deadline: time.monotonic() after which TimeoutError is raised (the socket keeps the timeout
+    it was last given: a caller that then waits without one sets it back); None waits for ever."""
     # The buffer grows as bytes arrive (doubling from 1 MiB), so a header that announces a large
     # frame and then stalls holds no more memory than what was really sent.
     buffer = bytearray(min(size, FIRST_ALLOCATION))
@@ -110,8 +111,6 @@ def receive_exact(
             got += n
     finally:
         view.release()
-        if deadline is not None:
-            sock.settimeout(None)  # back to blocking for whoever reads next
     return buffer  # protobuf parses bytes-like objects: no copy
 
 

@@ -9,7 +9,15 @@ import time
 
 import pytest
 
-from services.common.frames import FrameError, receive_exact, spin_for, spin_seconds
+from services.common.frames import (
+    HEADER,
+    FrameError,
+    frame,
+    frame_length,
+    receive_exact,
+    spin_for,
+    spin_seconds,
+)
 
 
 @pytest.fixture
@@ -91,7 +99,33 @@ def test_a_header_that_announces_much_and_sends_little_holds_little_memory(pair)
     finally:
         tracemalloc.stop()
     assert peak < 4 << 20, peak
-    assert reader.gettimeout() is None  # blocking again for the next read
+
+
+def test_a_worker_connection_waits_idle_between_frames_past_the_body_deadline(short_tmp, monkeypatch):
+    """The body of a frame has a deadline; the wait for the next frame has none (core may idle)."""
+    from services.experts import frame_server
+    from services.proto.moemesh.v1 import expert_pb2
+
+    monkeypatch.setattr(frame_server, "BODY_TIMEOUT_S", 0.2)
+    server = frame_server.FrameServer(
+        str(short_tmp / "f.sock"), lambda call: expert_pb2.ExpertResult(call_id=call.call_id), 1 << 20
+    )
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        client.connect(str(short_tmp / "f.sock"))
+        for call_id in (1, 2):
+            client.sendall(frame(expert_pb2.ExpertCall(call_id=call_id).SerializeToString()))
+            size = frame_length(
+                bytes(receive_exact(client, HEADER.size, deadline=time.monotonic() + 5)), 1 << 20
+            )
+            reply = expert_pb2.ExpertResult.FromString(
+                bytes(receive_exact(client, size, deadline=time.monotonic() + 5))
+            )
+            assert reply.call_id == call_id
+            time.sleep(0.5)  # idle longer than the body deadline
+    finally:
+        client.close()
+        server.close()
 
 
 def test_polling_only_where_every_process_has_a_core():
