@@ -35,18 +35,27 @@ class LegacyLogprobs:
         return [len(self._utf8.decode(token_bytes(item))) for item in items]
 
     def add(
-        self, items: list[core_pb2.TokenLogprob], offset: int, characters: list[int], *, prompt: bool = False
+        self,
+        items: list[core_pb2.TokenLogprob],
+        end: int,
+        characters: list[int],
+        *,
+        floor: int,
+        prompt: bool = False,
     ) -> dict[str, Any]:
-        """Record `items` whose text starts at character `offset` and adds `characters` each
-        (`characters()`); returns just their part. `prompt`: items are the prompt's, from its first."""
+        """Record `items`, whose text ends at character `end` and adds `characters` each
+        (`characters()`); returns just their part. Offsets are counted back from `end` and never
+        fall below `floor`: a token's bytes may hold text the returned text lacks (SentencePiece's
+        leading space, a BOS token shown as nothing). `prompt`: the items are the prompt's."""
         part = LegacyLogprobs()
+        remaining = sum(characters)
         for index, (item, count) in enumerate(zip(items, characters, strict=True)):
             part.tokens.append(item.token)
             unscored = prompt and index == 0  # nothing comes before the prompt's first token
             part.token_logprobs.append(None if unscored else item.logprob)
             part.top_logprobs.append(None if unscored else {top.token: top.logprob for top in item.top})
-            part.text_offset.append(offset)
-            offset += count
+            part.text_offset.append(max(end - remaining, floor))
+            remaining -= count
         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
             getattr(self, name).extend(getattr(part, name))
         return part.json()
@@ -158,6 +167,7 @@ def _logprobs_of(
     ones (at its end); returns their part. `text` starts at character `start` of the answer."""
     prompt_counts = logprobs.characters(prompt)
     counts = logprobs.characters(generated)
-    part = logprobs.add(prompt, start, prompt_counts, prompt=True)
-    tail = logprobs.add(generated, start + max(len(text) - sum(counts), 0), counts)
+    echoed = start + max(len(text) - sum(counts), 0)  # the echoed prompt first, the answer ends the text
+    part = logprobs.add(prompt, echoed, prompt_counts, floor=start, prompt=True)
+    tail = logprobs.add(generated, start + len(text), counts, floor=echoed)
     return {name: part[name] + tail[name] for name in part}

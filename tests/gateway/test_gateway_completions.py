@@ -162,3 +162,19 @@ def test_text_offsets_index_the_text_when_tokens_split_characters(
     # the prompt's own tokens)
     assert offsets[-7:] == [start, start + 1, start + 1, start + 2, start + 2, start + 2, start + 3]
     assert text[offsets[-1] :] == " ok"
+
+
+def test_prompt_offsets_hold_when_token_bytes_carry_more_than_the_echo() -> None:
+    """SentencePiece prompt tokens carry a leading space the echoed prompt does not have: offsets
+    are counted back from the end of the echo, so each token still points at its own text."""
+    from services.gateway.completions_format import LegacyLogprobs, _logprobs_of
+    from services.proto.moemesh.v1 import core_pb2
+
+    def entry(text: str) -> core_pb2.TokenLogprob:
+        return core_pb2.TokenLogprob(token=text, token_bytes=text.encode(), logprob=-1.0)
+
+    text = "the quick fox"
+    part = _logprobs_of(LegacyLogprobs(), [entry(" the"), entry(" quick")], [entry(" fox")], text)
+    assert part["text_offset"] == [0, 3, 9]
+    assert text[3:9] == " quick" and text[9:] == " fox"
+    assert part["token_logprobs"] == [None, -1.0, -1.0]
