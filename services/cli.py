@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
         "$MOE_MESH_CACHE (default ~/.cache/moe-mesh); set it where HOME is not writable.",
     )
     p.add_argument("--model", default=None, help="checkpoint or split folder (default: the demo model)")
-    p.add_argument("--experts", type=int, default=2, help="number of expert workers")
+    p.add_argument("--experts", type=positive_int, default=2, help="number of expert workers")
     p.add_argument("--port", type=port_number, default=8000, help="gateway port")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--workdir", default=None, help="where sockets and logs go (default: a temp folder)")

@@ -62,7 +62,11 @@ def resolve_split(model: str | None) -> Path:
     split_dir.parent.mkdir(parents=True, exist_ok=True)
     # two `up`s of one checkpoint at once: the second waits for the first's split, then uses it
     with open(split_dir.parent / f".{split_dir.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another moe-mesh to finish splitting {source}", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
         if not (split_dir / "manifest.json").exists():
             print(f"splitting {source} into {split_dir} (once)", file=sys.stderr)
             split_checkpoint(source, split_dir)
@@ -108,7 +112,11 @@ class Cluster:
                 preexec_fn=_die_with_parent,  # noqa: PLW1509 - only calls prctl, no locks taken
             )
         self._args[name] = args
-        self.procs = [entry for entry in self.procs if entry[0] != name] + [(name, proc, log_path)]
+        names = [entry[0] for entry in self.procs]
+        if name in names:  # a restart keeps its place: stop() goes gateway, core, workers
+            self.procs[names.index(name)] = (name, proc, log_path)
+        else:
+            self.procs.append((name, proc, log_path))
 
     def dead(self) -> tuple[str, int, Path] | None:
         for name, proc, log_path in self.procs:
@@ -187,12 +195,24 @@ def run_up(
     from services.common.manifest import Manifest
 
     _check_port_free(host, port)  # before minutes of model loading, not after
+    own_workdir = workdir is None
+    if workdir is not None:
+        work = Path(workdir)
+        work.mkdir(parents=True, exist_ok=True)
+        # One `up` per workdir, held while it runs: a second one would rewrite cluster.toml and,
+        # on its way out, remove the sockets of the first.
+        workdir_lock = open(work / ".up.lock", "w")  # held (and locked) until this process exits
+        try:
+            fcntl.flock(workdir_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SystemExit(
+                f"moe-mesh up: another moe-mesh up is running in {work}; give another --workdir"
+            ) from None
     split_dir = resolve_split(model)
     manifest = Manifest.load(split_dir)
     ranges = expert_ranges(manifest.num_experts, experts)
-    own_workdir = workdir is None
-    work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="moe-mesh-"))
-    work.mkdir(parents=True, exist_ok=True)
+    if workdir is None:
+        work = Path(tempfile.mkdtemp(prefix="moe-mesh-"))
     cluster = Cluster(work, log_level)
     stopping = False
     clean = False

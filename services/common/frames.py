@@ -77,6 +77,7 @@ def receive_exact(
     spin_s: float = 0.0,
     deadline: float | None = None,
     eof_ok: bool = False,
+    grow: bool = False,
 ) -> bytearray | None:
     """`size` bytes from a blocking socket (None at a clean end of stream when `eof_ok`).
 
@@ -86,9 +87,10 @@ def receive_exact(
     it is a setting (`moe-mesh up` turns it on when the machine has a core per process).
     deadline: time.monotonic() after which TimeoutError is raised (the socket keeps the timeout
     it was last given: a caller that then waits without one sets it back); None waits for ever."""
-    # The buffer grows as bytes arrive (doubling from 1 MiB), so a header that announces a large
-    # frame and then stalls holds no more memory than what was really sent.
-    buffer = bytearray(min(size, FIRST_ALLOCATION))
+    # grow: the buffer grows as bytes arrive (doubling from 1 MiB), so a header that announces a
+    # large frame and then stalls holds no more memory than what was really sent. For a peer that
+    # is not trusted (the worker's side); core reads its workers' replies into one allocation.
+    buffer = bytearray(min(size, FIRST_ALLOCATION) if grow else size)
     view, got = memoryview(buffer), 0
     if spin_s > 0 and size:
         got = _poll_into(sock, view, spin_s if deadline is None else min(spin_s, deadline - time.monotonic()))

@@ -368,6 +368,11 @@ class Engine:
                 if targets:
                     top = sequence.request.top_logprobs
                     sequence.prompt_logprobs += self.logprobs.scored(targets, rows[: len(targets)], top)
+                if sequence.request.score_only and len(sequence.prompt_logprobs) == len(
+                    sequence.request.prompt
+                ):
+                    # scored in full: no need to compute the last token and the one after it
+                    self._emit_score(sequence, retired=False)
 
     def _limit_prefill_chunks(self, generators: list[BatchGenerator]) -> int:
         """Share the step's token budget across every batch of the step: decoding sequences take
@@ -392,6 +397,7 @@ class Engine:
                 len(generator._unprocessed_sequences),
             )
             prefilling[generator] = len(generator._prompt_batch) + max(joining, 0)
+            in_batches += max(joining, 0)  # the next batch's room leaves out who joins this one
         if sum(prefilling.values()):
             tokens = self.pacer.budget(self.config.max_num_batched_tokens - decoding, decoding)
             chunk = max(1, tokens // sum(prefilling.values()))
@@ -419,8 +425,8 @@ class Engine:
 
     def _emit(self, sequence: Sequence, response) -> None:
         request = sequence.request
-        if request.score_only:
-            self._emit_score(sequence, response)
+        if request.score_only:  # a one-token prompt: never prefilled, so scored here
+            self._emit_score(sequence, retired=response.finish_reason is not None)
             return
         sequence.generated += 1
         self.counters.generation_tokens += 1
@@ -453,9 +459,10 @@ class Engine:
                 self._finish(sequence, remove=False)
         sequence.send(chunk)
 
-    def _emit_score(self, sequence: Sequence, response) -> None:
-        """max_tokens 0 with prompt logprobs: the prompt, scored, is the whole answer; the token
-        mlx-lm's generator computed with the prompt's last position is not sent."""
+    def _emit_score(self, sequence: Sequence, retired: bool) -> None:
+        """max_tokens 0 with prompt logprobs: the prompt, scored, is the whole answer, sent once the
+        last prompt token is scored (the sequence then leaves its batch); `retired`: mlx-lm's
+        generator has already let it go."""
         sequence.first_token_at = time.monotonic()
         chunk = core_pb2.GenerateChunk(request_id=sequence.request.request_id)
         chunk.prompt_logprobs.extend(sequence.prompt_logprobs)
@@ -464,8 +471,7 @@ class Engine:
         chunk.finish_reason = core_pb2.FinishReason.LENGTH
         self._fill_final(chunk, sequence)
         if not sequence.done:
-            # generating stops here; mlx-lm has already retired a sequence whose max_tokens ran out
-            self._finish(sequence, remove=response.finish_reason is None)
+            self._finish(sequence, remove=not retired)
         sequence.send(chunk)
 
     def _fill_final(self, chunk: core_pb2.GenerateChunk, sequence: Sequence) -> None:

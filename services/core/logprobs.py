@@ -9,6 +9,8 @@ them for the rows that asked.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
 from mlx_lm.generate import PromptProcessingBatch, _right_pad_prompts
 
@@ -58,11 +60,13 @@ class LogprobWriter:
     def __init__(self, tokenizer, token_bytes: TokenBytes):
         self.tokenizer = tokenizer
         self.token_bytes = token_bytes
+        # a prompt chunk's alternatives are thousands of lookups, on the engine thread
+        self.text = lru_cache(maxsize=65536)(lambda token_id: tokenizer.decode([token_id]))
 
     def entry(self, token_id: int, logprob: float = 0.0) -> core_pb2.TokenLogprob:
         return core_pb2.TokenLogprob(
             token_id=token_id,
-            token=self.tokenizer.decode([token_id]),
+            token=self.text(token_id),
             logprob=logprob,
             token_bytes=self.token_bytes.of(token_id),
         )
@@ -71,7 +75,7 @@ class LogprobWriter:
         for token_id, value in zip(ids, values, strict=True):
             entry.top.add(
                 token_id=token_id,
-                token=self.tokenizer.decode([token_id]),
+                token=self.text(token_id),
                 logprob=value,
                 token_bytes=self.token_bytes.of(token_id),
             )

@@ -248,7 +248,8 @@ class RequestPreparer:
                 grpc.StatusCode.NOT_FOUND, f"model {model!r} is not served here (serving {self.model_id!r})"
             )
 
-    def prepare(self, request: core_pb2.GenerateRequest, time_remaining: float | None) -> PreparedRequest:
+    def prepare(self, request: core_pb2.GenerateRequest, deadline: float | None) -> PreparedRequest:
+        """`deadline`: time.monotonic() by which the request must be done (None: no deadline)."""
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"request_id: at most {MAX_REQUEST_ID_CHARS} characters"
@@ -320,7 +321,7 @@ class RequestPreparer:
             output=output,
             logprobs=request.logprobs or request.top_logprobs > 0,
             top_logprobs=request.top_logprobs,
-            deadline=None if time_remaining is None else time.monotonic() + time_remaining,
+            deadline=deadline,
             snapshot_at=self._snapshot_points(chat, prompt) if chat else (),
             prompt_logprobs=request.prompt_logprobs,
             score_only=score_only,

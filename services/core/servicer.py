@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -48,7 +49,9 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
                 grpc.StatusCode.UNAVAILABLE, "core is not serving: " + "; ".join(self.engine.problems)
             )
         try:
-            prepared = await self._off_loop(self.preparer.prepare, request, context.time_remaining())
+            remaining = context.time_remaining()  # from now, not from when the prepare thread is free
+            deadline = None if remaining is None else time.monotonic() + remaining
+            prepared = await self._off_loop(self.preparer.prepare, request, deadline)
         except RequestError as error:
             await context.abort(error.code, str(error))
         if request.kv_cache and request.kv_cache not in self.engine.kv_cache_kinds:

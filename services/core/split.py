@@ -115,9 +115,9 @@ def _check_replaceable(out_dir: Path) -> None:
         return
     if not out_dir.is_dir():
         raise ManifestError(f"{out_dir} exists and is not a folder; refusing to overwrite it")
-    entries = {entry.name for entry in out_dir.iterdir()}
+    entries = {entry.name for entry in out_dir.iterdir() if not entry.name.startswith(".")}  # .DS_Store
     if not entries:
-        return
+        return  # empty (dotfiles aside)
     try:
         manifest = json.loads((out_dir / "manifest.json").read_text())
         is_split = isinstance(manifest, dict) and manifest.get("format", "").startswith("moe-mesh-split/")

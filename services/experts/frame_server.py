@@ -81,7 +81,7 @@ class FrameServer:
                 size = frame_length(header, self._max_frame_bytes)
                 # core writes a frame at once: a body that does not follow its header is a stalled
                 # or hostile peer, whose connection (and buffer) must not be kept for ever
-                body = receive_exact(connection, size, deadline=time.monotonic() + BODY_TIMEOUT_S)
+                body = receive_exact(connection, size, deadline=time.monotonic() + BODY_TIMEOUT_S, grow=True)
                 connection.settimeout(None)  # the next header may be a long idle wait away
                 call = expert_pb2.ExpertCall.FromString(body)
                 connection.sendall(frame(self._answer(call).SerializeToString()))

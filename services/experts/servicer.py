@@ -8,6 +8,7 @@ read) or of the math is answered the same way with INTERNAL. The worker never di
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -67,8 +68,10 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         log.info("forward_stream_open", peer=context.peer())
         loop = asyncio.get_running_loop()
         async for call in request_iterator:
-            if call.hidden.shape and call.hidden.shape[0] > OFF_LOOP_TOKENS:
-                yield await loop.run_in_executor(self._long_calls, self.answer, call)
+            # (also a small call while another stream's call holds the lock: the loop never waits on it)
+            if (call.hidden.shape and call.hidden.shape[0] > OFF_LOOP_TOKENS) or self._answering.locked():
+                context_vars = contextvars.copy_context()  # the stream's log fields go along
+                yield await loop.run_in_executor(self._long_calls, context_vars.run, self.answer, call)
             else:
                 yield self.answer(call)
         log.info("forward_stream_closed", peer=context.peer())

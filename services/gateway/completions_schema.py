@@ -7,8 +7,8 @@ fill-in-the-middle template. `max_tokens` defaults to 16, as OpenAI's and vLLM's
 
 `echo` with `logprobs` also scores the prompt (the logprob of each prompt token given the ones
 before it, the first `null`), as OpenAI's completions did and vLLM's do: evaluation harnesses
-(lm-evaluation-harness's `local-completions`) score texts this way. With `echo`, `max_tokens` may
-be 0: the prompt, scored, is the whole answer.
+score texts this way (lm-evaluation-harness's `local-completions`: echo, logprobs 1, max_tokens 1).
+With `echo`, `max_tokens` may be 0 (OpenAI's older form): the prompt, scored, is the whole answer.
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ def test_a_large_frame_arrives_whole_across_buffer_growth(pair):
     payload = bytes(range(251)) * 15_000  # ~3.6 MiB: the buffer grows from 1 MiB twice
     sender = threading.Thread(target=writer.sendall, args=(payload,))
     sender.start()
-    got = receive_exact(reader, len(payload), deadline=time.monotonic() + 30)
+    got = receive_exact(reader, len(payload), deadline=time.monotonic() + 30, grow=True)
     sender.join()
     assert bytes(got) == payload
 
@@ -94,7 +94,7 @@ def test_a_header_that_announces_much_and_sends_little_holds_little_memory(pair)
     tracemalloc.start()
     try:
         with pytest.raises(TimeoutError):
-            receive_exact(reader, 256 << 20, deadline=time.monotonic() + 0.2)
+            receive_exact(reader, 256 << 20, deadline=time.monotonic() + 0.2, grow=True)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

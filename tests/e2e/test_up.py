@@ -151,6 +151,23 @@ def test_a_worker_that_dies_is_started_again_and_the_stack_serves_on(up):
     assert proc.poll() is None and workers[0] not in children_of(proc.pid)
 
 
+def test_a_second_up_in_the_same_workdir_is_refused_and_the_first_serves_on(up):
+    proc, url, workdir, _ = up
+    second = subprocess.run(
+        [sys.executable, "-m", "services.cli", "up", "--port", str(free_port()), "--workdir", str(workdir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert second.returncode != 0 and "another moe-mesh up is running" in second.stderr
+    assert all((workdir / name).exists() for name in ("core.sock", "expert-0.sock", "cluster.toml"))
+    client = openai.OpenAI(base_url=url, api_key="unused")
+    reply = client.chat.completions.create(
+        model="smollm2-135m-moe8", messages=QUESTION, temperature=0, max_tokens=16
+    )
+    assert "Paris" in reply.choices[0].message.content
+
+
 def test_sigterm_stops_everything_and_removes_sockets(up):
     proc, _, workdir, _ = up
     children = children_of(proc.pid)

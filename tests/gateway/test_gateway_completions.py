@@ -59,7 +59,7 @@ def test_echo_and_logprobs(gateway_url: str, core: CoreDouble) -> None:
 def test_echo_with_max_tokens_zero_scores_the_prompt_alone(
     gateway_url: str, core: CoreDouble, stream
 ) -> None:
-    """How evaluation harnesses score a text (lm-evaluation-harness's loglikelihood requests)."""
+    """OpenAI's older way to score a text: echo the prompt with its logprobs, generate nothing."""
     request = dict(model=MODEL_ID, prompt=PROMPT, echo=True, logprobs=0, max_tokens=0)
     if stream:
         chunks = [c for c in sync_client(gateway_url).completions.create(**request, stream=True) if c.choices]

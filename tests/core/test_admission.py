@@ -1,0 +1,55 @@
+"""How many sequences each batch may admit in a step (`Engine._limit_prefill_chunks`):
+--max-num-seqs bounds decoding and prefilling sequences of every KV cache kind together."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+
+from services.core.engine import Engine, EngineConfig
+from services.core.prefill_pacer import PrefillPacer
+
+
+class PromptBatch(list):
+    prefill_step_size = 0
+
+
+class Batches:
+    """The parts of an mlx-lm BatchGenerator that admission reads and sets."""
+
+    def __init__(self, decoding: int, prefilling: int, queued: int):
+        self._generation_batch = [object()] * decoding
+        self._prompt_batch = PromptBatch([object()] * prefilling)
+        self._unprocessed_sequences = deque([object()] * queued)
+        self.completion_batch_size = self.prefill_batch_size = self.prefill_step_size = 0
+
+    def admitted(self) -> int:
+        """What `GeneratorStep._plan` (as mlx-lm's `_next`) admits from the queue with these sizes."""
+        if len(self._generation_batch) >= self.completion_batch_size:
+            return 0
+        n = min(
+            self.prefill_batch_size - len(self._prompt_batch),
+            self.completion_batch_size - len(self._generation_batch),
+            len(self._unprocessed_sequences),
+        )
+        return max(n, 0)
+
+
+@pytest.mark.parametrize(
+    "batches",
+    [
+        [(1, 1, 5)],  # one decoding, one prefilling: room for 2 more of 4
+        [(3, 0, 5)],
+        [(1, 1, 5), (0, 0, 5)],  # two KV cache kinds: the second sees what the first admits
+        [(2, 0, 5), (0, 1, 5)],
+    ],
+)
+def test_decoding_and_prefilling_sequences_of_every_kind_share_max_num_seqs(batches):
+    engine = Engine.__new__(Engine)  # the admission arithmetic alone, no model
+    engine.config = EngineConfig(max_num_seqs=4)
+    engine.pacer = PrefillPacer(0.0)
+    generators = [Batches(*shape) for shape in batches]
+    engine._limit_prefill_chunks(generators)
+    in_batches = sum(len(g._generation_batch) + len(g._prompt_batch) for g in generators)
+    assert in_batches + sum(g.admitted() for g in generators) == 4
