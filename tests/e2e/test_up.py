@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from services.common.frames import spin_for
-from tests.helpers import free_port, short_dir
+from tests.helpers import free_port, run_cli, short_dir
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -153,12 +153,7 @@ def test_a_worker_that_dies_is_started_again_and_the_stack_serves_on(up):
 
 def test_a_second_up_in_the_same_workdir_is_refused_and_the_first_serves_on(up):
     proc, url, workdir, _ = up
-    second = subprocess.run(
-        [sys.executable, "-m", "services.cli", "up", "--port", str(free_port()), "--workdir", str(workdir)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    second = run_cli("up", "--port", str(free_port()), "--workdir", str(workdir), timeout=120)
     assert second.returncode != 0 and "another moe-mesh up is running" in second.stderr
     assert all((workdir / name).exists() for name in ("core.sock", "expert-0.sock", "cluster.toml"))
     client = openai.OpenAI(base_url=url, api_key="unused")
