@@ -169,6 +169,8 @@ def test_a_split_stopped_by_a_signal_leaves_nothing_and_no_traceback(tiny_models
     written: no race with a split that takes a fraction of a second."""
     script = (
         "import os, signal\n"
+        # as in a terminal: a shell that started us in the background may have left SIGINT ignored
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "from services.core import split\n"
         "def midway(*args):\n"
         f"    os.kill(os.getpid(), {int(sig)})\n"
