@@ -168,6 +168,13 @@ def test_a_graph_built_before_a_host_write_into_the_placeholder_sees_it(dtype):
     assert mx.allclose(built_before, expected).item()
 
 
+def _answered_call(dispatcher, manifest):
+    """The first MoE layer, a call's inputs, and the answer the workers give it while all is well."""
+    layer = manifest.layer_indices[0]
+    hidden, ids = _inputs(manifest)
+    return layer, hidden, ids, np.array(dispatcher.call(layer, hidden, ids))
+
+
 def test_a_call_the_io_loop_never_answers_fails_instead_of_hanging(split, tmp_path, monkeypatch):
     """Whatever goes wrong on the I/O loop, the engine thread waits at most the call deadline plus
     a grace: the layer call fails with UNAVAILABLE naming the worker, and the next call works."""
@@ -177,9 +184,7 @@ def test_a_call_the_io_loop_never_answers_fails_instead_of_hanging(split, tmp_pa
         dispatcher,
         manifest,
     ):
-        layer = manifest.layer_indices[0]
-        hidden, ids = _inputs(manifest)
-        expected = np.array(dispatcher.call(layer, hidden, ids))
+        layer, hidden, ids, expected = _answered_call(dispatcher, manifest)
 
         async def never_answers(*args):
             await asyncio.sleep(3600)
@@ -204,9 +209,7 @@ def test_a_replica_whose_await_swallows_the_cancel_is_left_behind(split, tmp_pat
         dispatcher,
         manifest,
     ):
-        layer = manifest.layer_indices[0]
-        hidden, ids = _inputs(manifest)
-        expected = np.array(dispatcher.call(layer, hidden, ids))
+        layer, hidden, ids, expected = _answered_call(dispatcher, manifest)
         original = dispatcher._one
         silent = dispatcher.links[0]
 
