@@ -1,8 +1,10 @@
-"""The one compiled piece of moe-mesh: TurboQuant's CPU decode-attention kernels
-(metal/turboquant_cpu.c). Everything else is declared in pyproject.toml.
+"""The compiled pieces of moe-mesh: TurboQuant's CPU decode-attention kernels
+(metal/turboquant_cpu.c) and the routed experts' CPU kernel (metal/experts_cpu.c).
+Everything else is declared in pyproject.toml.
 
-The extension is optional: where no C compiler is found the install still succeeds and
-the KV cache uses the pure-MLX twin (same numbers, slower on CPUs)."""
+Both extensions are optional: where no C compiler is found the install still succeeds, the
+KV cache uses the pure-MLX twin (same numbers, slower on CPUs) and expert workers compute
+with mlx-lm's own expert modules."""
 
 import sys
 
@@ -17,6 +19,12 @@ setup(
             sources=["metal/turboquant_cpu.c"],
             extra_compile_args=flags,
             optional=True,
-        )
+        ),
+        Extension(
+            "metal._experts_cpu",
+            sources=["metal/experts_cpu.c"],
+            extra_compile_args=flags,
+            optional=True,
+        ),
     ]
 )

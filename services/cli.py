@@ -35,11 +35,11 @@ def _split(args) -> None:
 def _expert(args) -> None:
     from services.cluster_roles import expert_kwargs
     from services.common.frames import spin_seconds
-    from services.experts.cli_flags import streaming_kwargs
+    from services.experts.cli_flags import compute_kwargs, streaming_kwargs
     from services.experts.server import run_expert_worker
 
     # cluster.toml settings (expert_kwargs) win over the streaming flags' defaults.
-    kwargs = {**streaming_kwargs(args), **expert_kwargs(args)}
+    kwargs = {**streaming_kwargs(args), **compute_kwargs(args), **expert_kwargs(args)}
     run_expert_worker(**kwargs, frame_spin_s=spin_seconds(args.frame_spin_us))
 
 
@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     from services.cluster_tools import add_cluster_commands
     from services.common.frames import add_spin_flag
     from services.core.kv.cli_flags import add_kv_cache_flags
-    from services.experts.cli_flags import add_storage_commands, add_streaming_flags
+    from services.experts.cli_flags import add_compute_flags, add_storage_commands, add_streaming_flags
 
     parser = _ArgvRecordingParser(
         prog="moe-mesh", description="Serve huge MoE models as a core plus expert workers."
@@ -164,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None, help="this worker's name in --config")
     add_cluster_flags(p)
     add_streaming_flags(p)
+    add_compute_flags(p)
     add_spin_flag(p)
     p.set_defaults(func=_expert, parser=p)
 

@@ -143,9 +143,13 @@ def decode(tensor: tensor_pb2.Tensor, field: str, max_bytes: int, ndim: int | No
     mlx_dtype, np_dtype = check(tensor, field, max_bytes, ndim)
     view = np.frombuffer(tensor.data, dtype=np_dtype).reshape(tuple(tensor.shape))
     array = mx.array(view)
-    if mlx_dtype == mx.bfloat16:
-        array = array.view(mx.bfloat16)
-    return array
+    return array.view(mx.bfloat16) if mlx_dtype == mx.bfloat16 else array
+
+
+def to_mlx(host: np.ndarray) -> mx.array:
+    """An MLX array of hidden states held on the host in their wire form (bf16 as uint16)."""
+    array = mx.array(host)
+    return array.view(mx.bfloat16) if hidden_dtype_of(host) == mx.bfloat16 else array
 
 
 # hidden states on the host, in their wire form -> their MLX dtype (bf16 travels as its uint16 bits)

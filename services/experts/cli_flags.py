@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from metal.experts_cpu import KERNELS
 from services.common.cli_types import non_negative_int, positive_float, positive_int
 from services.experts.cache_policy import POLICIES
 from services.experts.io import DEFAULT_IO_THREADS, DEFAULT_MIN_SEGMENT_BYTES, IO_MODES
@@ -43,6 +44,29 @@ def add_streaming_flags(parser: argparse.ArgumentParser) -> None:
         "call that misses few experts still keeps --io-threads reads in flight (default 0: whole "
         "records; bench/stream.py measures whether your disk gains)",
     )
+
+
+def add_compute_flags(parser: argparse.ArgumentParser) -> None:
+    """`moe-mesh expert` flags: --expert-kernel, --compute-threads."""
+    parser.add_argument(
+        "--expert-kernel",
+        choices=KERNELS,
+        default="auto",
+        help="auto: where MLX computes on the CPU, quantized SwitchGLU layers (2/4/8-bit) run on "
+        "moe-mesh's CPU kernel (metal/experts_cpu.c), the rest on mlx-lm's modules; mlx: mlx-lm's "
+        "modules always",
+    )
+    parser.add_argument(
+        "--compute-threads",
+        type=positive_int,
+        default=None,
+        help="threads the CPU kernel may use for a large call (prefill); one-token calls use one "
+        "(default: the CPUs this process may run on)",
+    )
+
+
+def compute_kwargs(args: argparse.Namespace) -> dict:
+    return dict(expert_kernel=args.expert_kernel, compute_threads=args.compute_threads)
 
 
 def streaming_kwargs(args: argparse.Namespace) -> dict:

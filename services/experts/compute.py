@@ -5,6 +5,10 @@ quantized the way mlx-lm would for these weights) loaded with only the owned
 experts, so global expert ids are mapped to local rows. Everything a call carries
 is checked before any math; a failed check raises `CallRejected` naming the field,
 which the servicer returns as INVALID_ARGUMENT without touching the stream.
+
+Where MLX computes on the CPU and a layer's module is a quantized SwitchGLU, the layer is
+computed by metal/experts_cpu.c instead (same numbers to float32 rounding, 8-19x faster than
+MLX's CPU quantized matmul), on the module's own weight memory; `kernel="mlx"` turns it off.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import numpy as np
 from mlx import nn
 from mlx.utils import tree_unflatten
 
+from metal.experts_cpu import KERNELS, SwitchGLUKernel, default_threads
 from services.common import tensor_codec
 from services.common.manifest import Manifest
 from services.common.model_build import (
@@ -30,6 +35,10 @@ from services.experts.store import ExpertStore
 from services.proto.moemesh.v1 import expert_pb2, tensor_pb2
 
 DEFAULT_MAX_CALL_BYTES = 256 * 1024 * 1024
+# multiply-adds a CPU kernel thread should have before another one is worth starting (a thread
+# costs tens of microseconds to start on a loaded machine; a one-token call of a small model is
+# a few million multiply-adds in all)
+MACS_PER_THREAD = 16_000_000
 HIDDEN_WIRE_DTYPES = (tensor_pb2.DType.FLOAT32, tensor_pb2.DType.FLOAT16, tensor_pb2.DType.BFLOAT16)
 
 
@@ -40,13 +49,24 @@ class CallRejected(ValueError):
 
 
 class ExpertCompute:
-    def __init__(self, store: ExpertStore, max_call_bytes: int = DEFAULT_MAX_CALL_BYTES):
+    def __init__(
+        self,
+        store: ExpertStore,
+        max_call_bytes: int = DEFAULT_MAX_CALL_BYTES,
+        kernel: str = "auto",
+        threads: int | None = None,
+    ):
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         self.store = store
         self.manifest: Manifest = store.manifest
         self.max_call_bytes = max_call_bytes
         self._modules: dict[int, nn.Module] = {}
         self._widths: dict[int, int] = {}  # what each layer's experts take: hidden (or latent) size
         self._local_index: dict[int, np.ndarray] = {}
+        self._kernels: dict[int, SwitchGLUKernel] = {}
+        self.threads = max(1, threads or default_threads())
+        use_kernel = kernel == "auto" and mx.default_device() == mx.cpu
         skeleton = build_skeleton(self.manifest.config)
         served = [self.manifest.layer(index) for index in store.owned]
         specs = {
@@ -63,11 +83,21 @@ class ExpertCompute:
             module.update(tree_unflatten(list(store.weights(layer.layer).items())))
             module.eval()
             self._modules[layer.layer] = module
+            found = SwitchGLUKernel.for_module(module) if use_kernel else None
+            if found is not None:
+                self._kernels[layer.layer] = found
             self._widths[layer.layer] = expert_width(module) or self.manifest.hidden_size
             local = np.full(layer.num_experts, -1, dtype=np.int32)
             experts = store.owned[layer.layer]
             local[experts] = np.arange(len(experts), dtype=np.int32)
             self._local_index[layer.layer] = local
+
+    @property
+    def kernel_name(self) -> str:
+        """What computes the served layers: "cpu" (all by the C kernel), "mlx", or "mixed"."""
+        if not self._kernels:
+            return "mlx"
+        return "cpu" if len(self._kernels) == len(self._modules) else "mixed"
 
     def run(self, call: expert_pb2.ExpertCall) -> expert_pb2.ExpertResult:
         """Compute one call. Raises CallRejected for anything malformed."""
@@ -83,7 +113,7 @@ class ExpertCompute:
                     "hidden.dtype",
                     f"{tensor_pb2.DType.Name(call.hidden.dtype)} given; hidden states are FLOAT32, FLOAT16 or BFLOAT16",
                 )
-            hidden = tensor_codec.decode(call.hidden, "hidden", self.max_call_bytes, ndim=2)
+            hidden = tensor_codec.decode_numpy(call.hidden, "hidden", self.max_call_bytes, ndim=2)
         except TensorDecodeError as error:
             raise CallRejected(error.field, str(error).split(": ", 1)[1]) from None
         if call.expert_ids.dtype != tensor_pb2.DType.INT32:
@@ -123,7 +153,11 @@ class ExpertCompute:
         # The store says where each expert's weights sit (reading the missing ones from disk);
         # a call whose experts do not fit its memory together is computed group by group.
         groups = self.store.plan(call.layer, np.unique(ids[asked]).tolist())
-        if len(groups) <= 1:
+        kernel = self._kernels.get(call.layer)
+        if kernel is not None:
+            reply = self._run_kernel(kernel, call.layer, hidden, ids, asked, everything_asked, groups)
+        elif len(groups) <= 1:
+            hidden = tensor_codec.to_mlx(hidden)
             slot = self.store.load(call.layer, groups[0] if groups else [])[ids]
             per_token = None if everything_asked else asked.sum(axis=1)
             if everything_asked:
@@ -144,7 +178,7 @@ class ExpertCompute:
             mx.eval(wire)  # the one synchronisation of the call on the worker side
             reply = np.asarray(wire)
         else:
-            reply = self._run_in_groups(call.layer, module, hidden, ids, asked, groups)
+            reply = self._run_in_groups(call.layer, module, tensor_codec.to_mlx(hidden), ids, asked, groups)
         t2 = time.perf_counter()
         result = expert_pb2.ExpertResult(call_id=call.call_id)
         tensor_codec.encode_numpy(reply, call.hidden.dtype, result.output)
@@ -157,6 +191,25 @@ class ExpertCompute:
         )
         stats.pairs = int(asked.sum())
         return result
+
+    def _run_kernel(self, kernel, layer, hidden, ids, asked, everything_asked, groups) -> np.ndarray:
+        """The asked pairs' rows, in call order, from the CPU kernel, one planned group at a time."""
+        pairs = ids.size if everything_asked else int(asked.sum())
+        threads = min(self.threads, max(1, pairs * 3 * kernel.hidden * kernel.inter // MACS_PER_THREAD))
+        if len(groups) <= 1:
+            slot = self.store.load(layer, groups[0] if groups else [])
+            if everything_asked:
+                token = np.repeat(np.arange(ids.shape[0], dtype=np.int32), ids.shape[1])
+                return kernel(hidden, token, slot[ids].ravel(), threads)
+            rows, cols = np.nonzero(asked)
+            return kernel(hidden, rows, slot[ids[rows, cols]], threads)
+        pair_index = (np.cumsum(asked.ravel()) - 1).reshape(asked.shape)
+        reply = np.empty((pairs, hidden.shape[1]), dtype=hidden.dtype)
+        for group in groups:
+            slot_of = self.store.load(layer, group)
+            rows, cols = np.nonzero(asked & np.isin(ids, group))
+            reply[pair_index[rows, cols]] = kernel(hidden, rows, slot_of[ids[rows, cols]], threads)
+        return reply
 
     def _run_in_groups(self, layer, module, hidden, ids, asked, groups) -> np.ndarray:
         """Rows of the asked pairs, computed one planned group of experts at a time.

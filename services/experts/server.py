@@ -53,6 +53,8 @@ async def serve_expert_worker(
     io_threads: int = 8,
     io_min_segment_bytes: int = DEFAULT_MIN_SEGMENT_BYTES,
     frame_spin_s: float = 0.0,
+    expert_kernel: str = "auto",
+    compute_threads: int | None = None,
 ) -> None:
     """`tls`: serve mTLS only (clients need a certificate from the cluster CA); `metrics`:
     host:port of the Prometheus endpoint (None = none)."""
@@ -73,7 +75,9 @@ async def serve_expert_worker(
         io_threads=io_threads,
         min_segment_bytes=io_min_segment_bytes,
     )
-    compute = ExpertCompute(store, max_call_bytes=max_call_bytes)
+    compute = ExpertCompute(
+        store, max_call_bytes=max_call_bytes, kernel=expert_kernel, threads=compute_threads
+    )
     servicer = ExpertWorkerServicer(compute, worker_id, memory_budget_bytes=budget_bytes)
 
     running = await start_server(
@@ -98,6 +102,7 @@ async def serve_expert_worker(
         address=running.address,
         resident_bytes=store.stats().resident_bytes,
         worker_id=worker_id,
+        expert_kernel=compute.kernel_name,
     )
 
     async def on_stop() -> None:
