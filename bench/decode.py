@@ -32,14 +32,17 @@ import grpc
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
+import numpy as np
 from mlx_lm.generate import generate_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.workdir import bench_workdir
+from metal.experts_cpu import SwitchGLUKernel
 from services.common.frames import spin_for
 from services.common.manifest import Manifest
 from services.common.model_build import expert_modules, replace_modules
 from services.common.synthetic_model import QWEN3_30B_A3B_SHAPE, build_random_checkpoint
+from services.common.tensor_codec import numpy_view, to_mlx
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 from services.up import cache_root, expert_ranges, resolve_split
 from tests.helpers import Workers, spawn, stop, wait_serving
@@ -84,10 +87,35 @@ class SyncedLocalExperts(nn.Module):
         return out.reshape(*indices.shape, x.shape[-1])
 
 
-def monolithic(path: Path, prompt: list[int], tokens: int, synced: bool = False) -> tuple[float, list[int]]:
+class KernelLocalExperts(nn.Module):
+    """The expert module computed in-process by the CPU kernel moe-mesh's workers use
+    (metal/experts_cpu.c), synchronised per layer as it must be: monolithic vs kernel_local is
+    what the kernel alone gives, kernel_local vs moe-mesh the price of the wire."""
+
+    def __init__(self, inner: nn.Module, kernel):
+        super().__init__()
+        self._inner, self._kernel = inner, kernel
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        hidden, ids = x.reshape(-1, x.shape[-1]), indices.reshape(-1, indices.shape[-1]).astype(mx.int32)
+        mx.eval(hidden, ids)
+        host, rows = numpy_view(hidden), np.asarray(ids)
+        tokens = np.repeat(np.arange(rows.shape[0], dtype=np.int32), rows.shape[1])
+        out = to_mlx(self._kernel(host, tokens, rows.ravel()))
+        return out.reshape(*indices.shape, x.shape[-1])
+
+
+def monolithic(path: Path, prompt: list[int], tokens: int, synced: str = "") -> tuple[float, list[int]]:
+    """mlx-lm's generation; synced: "" (as is), "mlx" (SyncedLocalExperts), "kernel" (KernelLocalExperts;
+    layers the kernel does not take stay as mlx-lm built them)."""
     model, _ = mlx_lm.load(str(path))
-    if synced:
+    if synced == "mlx":
         replace_modules(model, {p: SyncedLocalExperts(m) for p, m in expert_modules(model)})
+    elif synced == "kernel":
+        kernels = {p: (m, SwitchGLUKernel.for_module(m)) for p, m in expert_modules(model)}
+        replace_modules(
+            model, {p: KernelLocalExperts(m, k) for p, (m, k) in kernels.items() if k is not None}
+        )
     out, stamps = [], []
     for token, _ in generate_step(mx.array(prompt), model, max_tokens=tokens):
         out.append(int(token))
@@ -117,12 +145,15 @@ def timed_decode(core_address: str, prompt: list[int], tokens: int) -> tuple[lis
         return out, stamps, stub.GetStats(core_pb2.GetStatsRequest()).layer_calls
 
 
-# moe-mesh variants: name -> (workers, extra `moe-mesh core` flags); all run in every round.
+# moe-mesh variants: name -> (workers, extra `moe-mesh core` flags, extra `moe-mesh expert` flags);
+# all run in every round.
 SPLIT_VARIANTS = {
-    "workers_1": (1, []),
-    "workers_2": (2, []),
-    "workers_1_grpc": (1, ["--no-expert-frames"]),
-    "workers_1_no_overlap": (1, ["--expert-overlap", "off"]),
+    "workers_1": (1, [], []),
+    "workers_2": (2, [], []),
+    "workers_1_grpc": (1, ["--no-expert-frames"], []),
+    "workers_1_no_overlap": (1, ["--expert-overlap", "off"], []),
+    "workers_1_mlx_experts": (1, [], ["--expert-kernel", "mlx"]),
+    "workers_2_mlx_experts": (2, [], ["--expert-kernel", "mlx"]),
 }
 
 
@@ -132,14 +163,21 @@ def spin_as_up(workers: int) -> int:
 
 
 @contextlib.contextmanager
-def split_system(split: Path, workdir: Path, workers: int, spin_us: int, core_flags: list[str] = ()):
+def split_system(
+    split: Path,
+    workdir: Path,
+    workers: int,
+    spin_us: int,
+    core_flags: list[str] = (),
+    worker_flags: list[str] = (),
+):
     """`workers` expert workers (experts divided between them) and a core, as real processes on
     Unix sockets in `workdir`, all reading frames with `spin_us` of polling; yields (core address,
     core process) once core serves, stops everything on exit."""
     manifest = Manifest.load(split)
     spin = ["--frame-spin-us", str(spin_us)]
     ranges = expert_ranges(manifest.num_experts, workers)
-    pool = Workers(split, workdir, ranges, tag=f"w{workers}-", extra_args=spin).start()
+    pool = Workers(split, workdir, ranges, tag=f"w{workers}-", extra_args=[*spin, *worker_flags]).start()
     address = f"unix:{workdir / f'core{workers}.sock'}"
     core_log = workdir / f"core{workers}.log"
     core_args = ["core", "--split", str(split), "--listen", address, "--worker", ",".join(pool.addresses)]
@@ -153,10 +191,16 @@ def split_system(split: Path, workdir: Path, workers: int, spin_us: int, core_fl
 
 
 def split_run(
-    split: Path, workdir: Path, workers: int, prompt: list[int], tokens: int, core_flags: list[str]
+    split: Path,
+    workdir: Path,
+    workers: int,
+    prompt: list[int],
+    tokens: int,
+    core_flags: list[str],
+    worker_flags: list[str],
 ) -> dict:
     spin_us = spin_as_up(workers)
-    with split_system(split, workdir, workers, spin_us, core_flags) as (address, _):
+    with split_system(split, workdir, workers, spin_us, core_flags, worker_flags) as (address, _):
         out, stamps, calls = timed_decode(address, prompt, tokens)
     layer = {
         field: round(getattr(calls, field), 1)
@@ -189,27 +233,46 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str) -> dict:
     else:  # random weights: the prompt's meaning is irrelevant, its length is what counts
         prompt = list(range(1000, 1000 + 24))
     workdir = bench_workdir("mm-bench-")
-    results: dict = {"monolithic": [], "synced_local": [], **{name: [] for name in SPLIT_VARIANTS}}
+    results: dict = {
+        "monolithic": [],
+        "synced_local": [],
+        "kernel_local": [],
+        **{name: [] for name in SPLIT_VARIANTS},
+    }
     reference = None
     for round_index in range(rounds):  # interleaved, so drift in machine speed hits every variant alike
         log(f"{name}: round {round_index + 1}/{rounds} monolithic")
         tok_s, reference = monolithic(path, prompt, tokens)
         results["monolithic"].append(tok_s)
         log(f"{name}: round {round_index + 1}/{rounds} mlx-lm with experts synced per layer, in-process")
-        results["synced_local"].append(monolithic(path, prompt, tokens, synced=True)[0])
-        for variant, (workers, core_flags) in SPLIT_VARIANTS.items():
-            log(f"{name}: round {round_index + 1}/{rounds} moe-mesh {variant} {' '.join(core_flags)}")
-            run = split_run(split, workdir, workers, prompt, tokens, core_flags)
+        results["synced_local"].append(monolithic(path, prompt, tokens, synced="mlx")[0])
+        log(
+            f"{name}: round {round_index + 1}/{rounds} mlx-lm with experts on moe-mesh's CPU kernel, in-process"
+        )
+        tok_s, kernel_tokens = monolithic(path, prompt, tokens, synced="kernel")
+        results["kernel_local"].append(
+            {"tok_s": tok_s, "tokens_match_monolithic": kernel_tokens == reference}
+        )
+        for variant, (workers, core_flags, worker_flags) in SPLIT_VARIANTS.items():
+            flags = " ".join([*core_flags, *worker_flags])
+            log(f"{name}: round {round_index + 1}/{rounds} moe-mesh {variant} {flags}")
+            run = split_run(split, workdir, workers, prompt, tokens, core_flags, worker_flags)
             run["tokens_match_monolithic"] = run.pop("tokens") == reference
             results[variant].append(run)
     mono = max(results["monolithic"])
     synced = max(results["synced_local"])
+    kernel = max(r["tok_s"] for r in results["kernel_local"])
     report = {
         "checkpoint": str(path),
         "decode_tokens": tokens,
         "monolithic_tok_s": round(mono, 3),
         "synced_local_tok_s": round(synced, 3),
         "synced_local_ratio_vs_monolithic": round(synced / mono, 3),
+        "kernel_local_tok_s": round(kernel, 3),
+        "kernel_local_ratio_vs_monolithic": round(kernel / mono, 3),
+        "kernel_local_tokens_match_monolithic": all(
+            r["tokens_match_monolithic"] for r in results["kernel_local"]
+        ),
     }
     for key in SPLIT_VARIANTS:
         best = max(results[key], key=lambda r: r["tok_s"])
@@ -217,6 +280,7 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str) -> dict:
             "tok_s": round(best["tok_s"], 3),
             "ratio_vs_monolithic": round(best["tok_s"] / mono, 3),
             "ratio_vs_synced_local": round(best["tok_s"] / synced, 3),
+            "ratio_vs_kernel_local": round(best["tok_s"] / kernel, 3),
             "tokens_match_monolithic": all(r["tokens_match_monolithic"] for r in results[key]),
             "layer_call": best["layer_call"],
             "frame_spin_us": best["frame_spin_us"],

@@ -191,6 +191,7 @@ def run_up(
 ) -> int:
     """`frame_spin_us`: how long core's and the workers' frame reads poll (None: poll when the
     machine has a core for each of them, services.common.frames.spin_for)."""
+    from metal.experts_cpu import default_threads
     from services.common.frames import spin_for
     from services.common.manifest import Manifest
 
@@ -242,12 +243,22 @@ def run_up(
     if frame_spin_us is None:
         frame_spin_us = round(spin_for(experts + 1) * 1e6)
     spin = ["--frame-spin-us", str(frame_spin_us)]
+    # the workers share this machine's cores: a prefill call's kernel threads do not oversubscribe them
+    threads = ["--compute-threads", str(max(1, default_threads() // experts))]
     try:
         for i in range(experts):
             # Each worker keeps at most expert_memory_gb of its experts in RAM, streams the rest.
             budget = ["--memory-gb", str(expert_memory_gb)] if expert_memory_gb else []
             cluster.start(
-                f"expert-{i}", "expert", "--config", str(config), "--name", f"expert-{i}", *budget, *spin
+                f"expert-{i}",
+                "expert",
+                "--config",
+                str(config),
+                "--name",
+                f"expert-{i}",
+                *budget,
+                *spin,
+                *threads,
             )
         cluster.start("core", "core", "--config", str(config), *core_args, *spin)
         cluster.start("gateway", "gateway", "--config", str(config), *gateway_args)
