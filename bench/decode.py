@@ -5,7 +5,11 @@
 
 Prints one JSON object. A third variant, `synced_local`, is mlx-lm's model with its own expert
 modules in-process but synchronised once per layer the way moe-mesh must: monolithic vs
-synced_local is the price of the per-layer sync, synced_local vs moe-mesh the price of the wire. For moe-mesh the core and workers are real processes linked
+synced_local is the price of the per-layer sync, synced_local vs moe-mesh the price of the wire.
+`kernel_local` is the same with the experts computed by the CPU kernel moe-mesh's workers use on
+CPUs (metal/experts_cpu.c): kernel_local vs moe-mesh is the price of the wire for the same math;
+`workers_N_mlx_experts` are moe-mesh runs whose workers compute with mlx-lm's modules
+(`--expert-kernel mlx`), the like-for-like comparison with monolithic mlx-lm. For moe-mesh the core and workers are real processes linked
 by Unix sockets and the tokens are read from Core.Generate over gRPC; per-layer
 expert call percentiles come from core's own timings (Core.GetStats), taken over
 the decode steps only (one token per step). Core sends layer calls through the workers'
@@ -44,7 +48,7 @@ from services.common.model_build import expert_modules, replace_modules
 from services.common.synthetic_model import QWEN3_30B_A3B_SHAPE, build_random_checkpoint
 from services.common.tensor_codec import numpy_view, to_mlx
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
-from services.up import cache_root, expert_ranges, resolve_split
+from services.up import cache_root, expert_ranges, resolve_split, worker_compute_threads
 from tests.helpers import Workers, spawn, stop, wait_serving
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -177,7 +181,10 @@ def split_system(
     manifest = Manifest.load(split)
     spin = ["--frame-spin-us", str(spin_us)]
     ranges = expert_ranges(manifest.num_experts, workers)
-    pool = Workers(split, workdir, ranges, tag=f"w{workers}-", extra_args=[*spin, *worker_flags]).start()
+    threads = ["--compute-threads", str(worker_compute_threads(workers))]  # as `moe-mesh up` sets it
+    pool = Workers(
+        split, workdir, ranges, tag=f"w{workers}-", extra_args=[*spin, *threads, *worker_flags]
+    ).start()
     address = f"unix:{workdir / f'core{workers}.sock'}"
     core_log = workdir / f"core{workers}.log"
     core_args = ["core", "--split", str(split), "--listen", address, "--worker", ",".join(pool.addresses)]

@@ -148,6 +148,15 @@ class Cluster:
                 proc.wait()
 
 
+def worker_compute_threads(experts: int) -> int:
+    """CPU-kernel threads for each of `experts` workers beside a core on this machine: an equal
+    share of the cores, core counted as one (while it waits for a layer it may poll a core busy;
+    a worker's extra threads competing with it cost more than they gain)."""
+    from metal.experts_cpu import default_threads
+
+    return max(1, default_threads() // (experts + 1))
+
+
 def _check_port_free(host: str, port: int) -> None:
     import socket
 
@@ -191,7 +200,6 @@ def run_up(
 ) -> int:
     """`frame_spin_us`: how long core's and the workers' frame reads poll (None: poll when the
     machine has a core for each of them, services.common.frames.spin_for)."""
-    from metal.experts_cpu import default_threads
     from services.common.frames import spin_for
     from services.common.manifest import Manifest
 
@@ -243,8 +251,7 @@ def run_up(
     if frame_spin_us is None:
         frame_spin_us = round(spin_for(experts + 1) * 1e6)
     spin = ["--frame-spin-us", str(frame_spin_us)]
-    # the workers share this machine's cores: a prefill call's kernel threads do not oversubscribe them
-    threads = ["--compute-threads", str(max(1, default_threads() // experts))]
+    threads = ["--compute-threads", str(worker_compute_threads(experts))]
     try:
         for i in range(experts):
             # Each worker keeps at most expert_memory_gb of its experts in RAM, streams the rest.
