@@ -35,10 +35,10 @@ from services.experts.store import ExpertStore
 from services.proto.moemesh.v1 import expert_pb2, tensor_pb2
 
 DEFAULT_MAX_CALL_BYTES = 256 * 1024 * 1024
-# multiply-adds a CPU kernel thread should have before another one is worth starting (a thread
-# costs tens of microseconds to start on a loaded machine; a one-token call of a small model is
-# a few million multiply-adds in all)
-MACS_PER_THREAD = 16_000_000
+# multiply-adds a CPU kernel thread should have before another one is worth starting: threads start
+# per call (tens of microseconds each); a one-token call of the demo model is 2.7 M in all, of a
+# Qwen3-30B-A3B-shaped layer 38 M (0.32 and ~4 ms on one thread; bench/expert_kernel.py)
+MACS_PER_THREAD = 4_000_000
 HIDDEN_WIRE_DTYPES = (tensor_pb2.DType.FLOAT32, tensor_pb2.DType.FLOAT16, tensor_pb2.DType.BFLOAT16)
 
 
