@@ -17,12 +17,14 @@ setup(
         Extension(
             "metal._turboquant_cpu",
             sources=["metal/turboquant_cpu.c"],
+            depends=["metal/half_float.h"],
             extra_compile_args=flags,
             optional=True,
         ),
         Extension(
             "metal._experts_cpu",
             sources=["metal/experts_cpu.c"],
+            depends=["metal/half_float.h"],
             extra_compile_args=flags,
             optional=True,
         ),

@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.decode import checkpoint
-from bench.layer_call import interleaved, percentiles
+from bench.layer_call import interleaved
+from bench.timing import percentiles
 from bench.workdir import bench_workdir
 from services.common.manifest import Manifest
 from services.core.expert_client import ExpertDispatcher

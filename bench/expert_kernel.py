@@ -14,7 +14,6 @@ import argparse
 import json
 import platform
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -23,21 +22,11 @@ from mlx import nn
 from mlx_lm.models.switch_layers import SwitchGLU
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.timing import timed
 from metal.experts_cpu import SwitchGLUKernel, default_threads, simd
 
 # (hidden, moe_intermediate, experts, top-k)
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "demo": (576, 192, 8, 8)}
-
-
-def median_us(fn, calls: int) -> float:
-    for _ in range(max(2, calls // 10)):
-        fn()
-    samples = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e6)
-    return round(float(np.median(samples)), 1)
 
 
 def cpu_model() -> str:
@@ -58,9 +47,9 @@ def measure(module, kernel, ids: np.ndarray, hidden: int, threads: list[int]) ->
     got = kernel(host, token_of, row)
     calls = max(3, 200 // tokens)
     entry = {
-        "mlx_us": median_us(lambda: mx.eval(module(x, mx.array(ids))), max(3, calls // 10)),
+        "mlx_us": timed(lambda: mx.eval(module(x, mx.array(ids))), max(3, calls // 10), warmup=2)["p50_us"],
         "max_rel_diff_vs_mlx": float(np.abs(got - want).max() / np.abs(want).max()),
-        "kernel_us": {n: median_us(lambda n=n: kernel(host, token_of, row, n), calls) for n in threads},
+        "kernel_us": {n: timed(lambda n=n: kernel(host, token_of, row, n), calls)["p50_us"] for n in threads},
     }
     entry["best_speedup_vs_mlx"] = round(entry["mlx_us"] / min(entry["kernel_us"].values()), 1)
     return entry

@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode import checkpoint
 from bench.grpc_echo import EchoLink, start_echo_server
+from bench.timing import percentiles, timed
 from bench.workdir import bench_workdir
 from services.common import tensor_codec
 from services.common.manifest import Manifest
@@ -51,22 +52,6 @@ from services.experts.store import ResidentExpertStore
 from services.proto.moemesh.v1 import expert_pb2
 from services.up import resolve_split
 from tests.helpers import linked_dispatcher
-
-
-def percentiles(samples: list[float]) -> dict:
-    p50, p99 = np.percentile(np.array(samples), [50, 99])
-    return {"p50_us": round(float(p50), 1), "p99_us": round(float(p99), 1)}
-
-
-def timed(fn, calls: int, warmup: int = 20) -> dict:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e6)
-    return percentiles(samples)
 
 
 def interleaved(variants: dict, calls: int, block: int = 25, warmup: int = 20) -> dict[str, list[float]]:

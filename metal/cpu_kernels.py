@@ -12,11 +12,12 @@ evaluation of its inputs and one copy of its small result back into MLX.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 from functools import cache
 
 import mlx.core as mx
 import numpy as np
+
+from metal import load_extension
 
 _F32 = ctypes.POINTER(ctypes.c_float)
 _U8 = ctypes.POINTER(ctypes.c_uint8)
@@ -32,10 +33,9 @@ EVALUATES_INPUTS = True
 
 @cache
 def _library():
-    spec = importlib.util.find_spec("metal._turboquant_cpu")
-    if spec is None or not spec.origin:
+    lib = load_extension("_turboquant_cpu")
+    if lib is None:
         return None
-    lib = ctypes.CDLL(spec.origin)
     lib.tq_cpu_attention.argtypes = [_I, _I, _I, _I, _F32, _F32, _F32, _I32]  # G, L, D, P, q, qr, sq, pos
     lib.tq_cpu_attention.argtypes += [_I, _F32, _F32, _L]  # sinks
     lib.tq_cpu_attention.argtypes += [_I, _I, _U8, _L, _I, _U16, _L, _U16, _L, _U8, _L, _F32, _F32]  # keys

@@ -11,13 +11,14 @@ skips it without a compiler); `available()` says whether it is here.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 from dataclasses import dataclass
 from functools import cache
 
 import mlx.core as mx
 import numpy as np
+
+from metal import load_extension
 
 KERNELS = ("auto", "mlx")  # what an expert worker may compute its layers with (--expert-kernel)
 
@@ -31,10 +32,9 @@ _I = ctypes.c_int
 
 @cache
 def _library():
-    spec = importlib.util.find_spec("metal._experts_cpu")
-    if spec is None or not spec.origin:
+    lib = load_extension("_experts_cpu")
+    if lib is None:
         return None
-    lib = ctypes.CDLL(spec.origin)
     lib.moe_switch_glu.argtypes = [
         _I,
         _I,
