@@ -181,11 +181,18 @@ AVX2 static void row_dot_avx2(const proj_t *p, size_t row, int nb, const float *
 }
 #endif
 
-static row_dot_fn pick_row_dot(int group_size) {
+static int force_scalar = 0; /* tests: the portable path, on a machine that has AVX2 */
+
+void moe_force_scalar(int on) { force_scalar = on; }
+
+static row_dot_fn pick_row_dot(int gate_gs, int down_gs) {
 #if EX_X86
-    if (group_size % 8 == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return row_dot_avx2;
+    if (!force_scalar && gate_gs % 8 == 0 && down_gs % 8 == 0 && __builtin_cpu_supports("avx2") &&
+        __builtin_cpu_supports("fma"))
+        return row_dot_avx2;
 #endif
-    (void)group_size;
+    (void)gate_gs;
+    (void)down_gs;
     return row_dot_scalar;
 }
 
@@ -193,7 +200,8 @@ static row_dot_fn pick_row_dot(int group_size) {
 
 typedef struct {
     proj_t gate, up, down;
-    int hidden, inter, dtype;
+    int hidden, inter, dtype; /* dtype: x's and out's; compute_dtype: where MLX rounds the steps */
+    int compute_dtype;
     int n_pairs;
     const int32_t *pair_token, *pair_slot;
     const int32_t *order;      /* pairs sorted by expert slot */
@@ -229,11 +237,12 @@ static void run_unit(const layer_t *L, int phase, int unit) {
             L->dot(&L->gate, base + o, nb, x, xs, y);
             L->dot(&L->up, base + o, nb, x, xs, z);
             for (int r = 0; r < nb; r++) {
-                /* mlx-lm: silu(gate) * up, each step held in the layer's dtype */
-                float gate = round_to(y[r], L->dtype), up = round_to(z[r], L->dtype);
-                float sig = round_to(1.0f / (1.0f + expf(-gate)), L->dtype);
-                float act = round_to(gate * sig, L->dtype);
-                L->h[(size_t)pairs[r] * L->inter + o] = round_to(act * up, L->dtype);
+                /* mlx-lm: silu(gate) * up, each step held in the type MLX computes in */
+                int ct = L->compute_dtype;
+                float gate = round_to(y[r], ct), up = round_to(z[r], ct);
+                float sig = round_to(1.0f / (1.0f + expf(-gate)), ct);
+                float act = round_to(gate * sig, ct);
+                L->h[(size_t)pairs[r] * L->inter + o] = round_to(act * up, ct);
             }
         }
         for (int r = 0; r < nb; r++) {
@@ -254,7 +263,8 @@ static void run_unit(const layer_t *L, int phase, int unit) {
         size_t base = (size_t)slot * L->hidden;
         for (int o = 0; o < L->hidden; o++) {
             L->dot(&L->down, base + o, nb, x, xs, y);
-            for (int r = 0; r < nb; r++) store_as(L->out, (size_t)pairs[r] * L->hidden + o, y[r], L->dtype);
+            for (int r = 0; r < nb; r++)
+                store_as(L->out, (size_t)pairs[r] * L->hidden + o, round_to(y[r], L->compute_dtype), L->dtype);
         }
     }
 }
@@ -299,9 +309,11 @@ static int proj_ok(const proj_t *p) {
     return p->scale_dtype >= DT_F32 && p->scale_dtype <= DT_BF16;
 }
 
-/* Returns 0, or -1 for a layout it does not take (the caller checked; a guard), -2 out of memory.
- * x: [T, hidden] in `dtype`; pair_token, pair_slot: [P]; out: [P, hidden] in `dtype`. */
-int moe_switch_glu(int n_tokens, int hidden, int inter, int dtype, const void *x, int n_pairs,
+/* Returns 0; -1 for a layout it does not take (the caller checked; a guard), -2 out of memory,
+ * -3 a pair's token or slot out of range. x: [T, hidden] in `dtype`; pair_token, pair_slot: [P];
+ * out: [P, hidden] in `dtype`; the steps are rounded to `compute_dtype` (MLX's promotion of the
+ * hidden states' and the scales' types), the output once more to `dtype`. */
+int moe_switch_glu(int n_tokens, int hidden, int inter, int dtype, int compute_dtype, const void *x, int n_pairs,
                    const int32_t *pair_token, const int32_t *pair_slot, int n_slots, const uint32_t *gate_w,
                    const void *gate_s, const void *gate_b, int gate_bits, int gate_gs, const uint32_t *up_w,
                    const void *up_s, const void *up_b, int up_bits, int up_gs, const uint32_t *down_w,
@@ -314,16 +326,18 @@ int moe_switch_glu(int n_tokens, int hidden, int inter, int dtype, const void *x
         .hidden = hidden,
         .inter = inter,
         .dtype = dtype,
+        .compute_dtype = compute_dtype,
         .n_pairs = n_pairs,
         .pair_token = pair_token,
         .pair_slot = pair_slot,
     };
     if (!proj_ok(&L.gate) || !proj_ok(&L.up) || !proj_ok(&L.down) || gate_gs != up_gs) return -1;
-    if (dtype < DT_F32 || dtype > DT_BF16 || n_pairs < 0 || n_tokens < 0) return -1;
+    if (dtype < DT_F32 || dtype > DT_BF16 || compute_dtype < DT_F32 || compute_dtype > DT_BF16) return -1;
+    if (n_pairs < 0 || n_tokens < 0 || n_slots < 0) return -1;
     for (int i = 0; i < n_pairs; i++)
-        if (pair_token[i] < 0 || pair_token[i] >= n_tokens || pair_slot[i] < 0 || pair_slot[i] >= n_slots) return -1;
+        if (pair_token[i] < 0 || pair_token[i] >= n_tokens || pair_slot[i] < 0 || pair_slot[i] >= n_slots) return -3;
     if (n_pairs == 0) return 0;
-    L.dot = pick_row_dot(gate_gs < down_gs ? gate_gs : down_gs);
+    L.dot = pick_row_dot(gate_gs, down_gs);
 
     int xg = hidden / gate_gs, hg = inter / down_gs;
     float *xf = malloc(sizeof(float) * ((size_t)n_tokens * (hidden + xg) + (size_t)n_pairs * (inter + hg)));

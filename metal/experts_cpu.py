@@ -35,24 +35,19 @@ def _library():
     lib = load_extension("_experts_cpu")
     if lib is None:
         return None
-    lib.moe_switch_glu.argtypes = [
-        _I,
-        _I,
-        _I,
-        _I,
+    # T, H, I, dtype, compute dtype, x, P, tokens, slots, E
+    lib.moe_switch_glu.argtypes = [_I, _I, _I, _I, _I, _P, _I, _P, _P, _I]
+    lib.moe_switch_glu.argtypes += [
         _P,
-        _I,
         _P,
         _P,
         _I,
-    ]  # T, H, I, dtype, x, P, tokens, slots, E
-    lib.moe_switch_glu.argtypes += [_P, _P, _P, _I, _I] * 3 + [
         _I,
-        _P,
-        _I,
-    ]  # gate, up, down; scale dtype, out, threads
+    ] * 3  # gate, up, down: weight, scales, biases, bits, group
+    lib.moe_switch_glu.argtypes += [_I, _P, _I]  # scale dtype, out, threads
     lib.moe_switch_glu.restype = ctypes.c_int
     lib.moe_has_avx2.restype = ctypes.c_int
+    lib.moe_force_scalar.argtypes = [_I]
     return lib
 
 
@@ -63,6 +58,11 @@ def available() -> bool:
 def simd() -> str:
     lib = _library()
     return "none" if lib is None else ("avx2" if lib.moe_has_avx2() else "scalar")
+
+
+def force_portable(on: bool) -> None:
+    """Compute with the portable C loop even where AVX2 is present (tests compare the two)."""
+    _library().moe_force_scalar(int(on))
 
 
 def _host_view(array: mx.array) -> np.ndarray | None:
@@ -93,6 +93,17 @@ class _Projection:
             self.bits,
             self.group_size,
         ]
+
+    def fits(self, experts: int, out_dim: int, in_dim: int) -> bool:
+        """Whether the arrays are what MLX's layout says for [experts, out_dim, in_dim] weights:
+        the C kernel trusts these shapes (mlx-lm's module would refuse anything else)."""
+        groups, rest = divmod(in_dim, self.group_size)
+        return (
+            rest == 0
+            and self.weight.shape == (experts, out_dim, in_dim * self.bits // 32)
+            and self.scales.shape == (experts, out_dim, groups)
+            and self.biases.shape == self.scales.shape
+        )
 
 
 def _projection(linear) -> _Projection | None:
@@ -137,17 +148,14 @@ class SwitchGLUKernel:
         if any(p is None for p in parts):
             return None
         gate, up, down = parts
-        experts, inter, _ = gate.weight.shape
+        experts, inter = gate.weight.shape[:2]
         hidden = down.weight.shape[1]
         if (
             len({p.scale_code for p in parts}) != 1
             or gate.group_size != up.group_size
-            or any(p.weight.shape[0] != experts for p in parts)
-            or gate.scales.shape[-1] * gate.group_size != hidden
-            or up.weight.shape[1] != inter
-            or down.scales.shape[-1] * down.group_size != inter
-            or hidden % gate.group_size
-            or inter % down.group_size
+            or not gate.fits(experts, inter, hidden)
+            or not up.fits(experts, inter, hidden)
+            or not down.fits(experts, hidden, inter)
         ):
             return None
         return cls(gate, up, down, hidden, inter)
@@ -165,19 +173,35 @@ class SwitchGLUKernel:
         hidden = np.ascontiguousarray(hidden)
         token = np.ascontiguousarray(token, dtype=np.int32)
         row = np.ascontiguousarray(row, dtype=np.int32)
+        if token.ndim != 1 or token.shape != row.shape:
+            raise ValueError(f"token and row must be equal-length vectors, got {token.shape} and {row.shape}")
+        # MLX computes in the promotion of the hidden states' and the scales' types: among float32,
+        # float16 and bfloat16 that is the type itself where they agree, float32 otherwise
+        compute = code if code == self._gate.scale_code else _CODES[np.dtype("<f4")]
         out = np.empty((len(token), self.hidden), dtype=hidden.dtype)
         status = _library().moe_switch_glu(
-            hidden.shape[0], self.hidden, self.inter, code, hidden.ctypes.data, len(token),
+            hidden.shape[0], self.hidden, self.inter, code, compute, hidden.ctypes.data, len(token),
             token.ctypes.data, row.ctypes.data, self.experts,
             *self._gate.arguments(), *self._up.arguments(), *self._down.arguments(),
             self._gate.scale_code, out.ctypes.data, max(1, int(threads)),
         )  # fmt: skip
         if status == -2:
             raise MemoryError("expert kernel: out of memory for its scratch buffers")
-        if status != 0:
+        if status == -3:
             raise ValueError("expert kernel: a pair's token or expert row is out of range")
+        if status != 0:
+            raise ValueError(f"expert kernel: layout refused (status {status})")
         return out
 
 
 def default_threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """CPUs this process may use: its affinity set, lowered to a cgroup v2 CPU quota if one is set
+    (a container given 2 CPUs of a 64-core host sees all 64 in its affinity)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return cpus

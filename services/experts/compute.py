@@ -66,6 +66,7 @@ class ExpertCompute:
         self._local_index: dict[int, np.ndarray] = {}
         self._kernels: dict[int, SwitchGLUKernel] = {}
         self.threads = max(1, threads or default_threads())
+        self.macs_per_thread = MACS_PER_THREAD
         use_kernel = kernel == "auto" and mx.default_device() == mx.cpu
         skeleton = build_skeleton(self.manifest.config)
         served = [self.manifest.layer(index) for index in store.owned]
@@ -195,7 +196,7 @@ class ExpertCompute:
     def _run_kernel(self, kernel, layer, hidden, ids, asked, everything_asked, groups) -> np.ndarray:
         """The asked pairs' rows, in call order, from the CPU kernel, one planned group at a time."""
         pairs = ids.size if everything_asked else int(asked.sum())
-        threads = min(self.threads, max(1, pairs * 3 * kernel.hidden * kernel.inter // MACS_PER_THREAD))
+        threads = min(self.threads, max(1, pairs * 3 * kernel.hidden * kernel.inter // self.macs_per_thread))
         if len(groups) <= 1:
             slot = self.store.load(layer, groups[0] if groups else [])
             if everything_asked:
