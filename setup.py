@@ -12,21 +12,15 @@ from setuptools import Extension, setup
 
 flags = [] if sys.platform == "win32" else ["-O3", "-fno-math-errno", "-std=c11"]
 
-setup(
-    ext_modules=[
-        Extension(
-            "metal._turboquant_cpu",
-            sources=["metal/turboquant_cpu.c"],
-            depends=["metal/half_float.h"],
-            extra_compile_args=flags,
-            optional=True,
-        ),
-        Extension(
-            "metal._experts_cpu",
-            sources=["metal/experts_cpu.c"],
-            depends=["metal/half_float.h"],
-            extra_compile_args=flags,
-            optional=True,
-        ),
-    ]
-)
+
+def cpu_kernel(name: str) -> Extension:
+    return Extension(
+        f"metal._{name}",
+        sources=[f"metal/{name}.c"],
+        depends=["metal/half_float.h"],
+        extra_compile_args=flags,
+        optional=True,
+    )
+
+
+setup(ext_modules=[cpu_kernel("turboquant_cpu"), cpu_kernel("experts_cpu")])
