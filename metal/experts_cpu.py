@@ -132,7 +132,10 @@ class SwitchGLUKernel:
     """One layer's SwitchGLU (silu(gate(x)) * up(x), then down) for (token, expert row) pairs."""
 
     def __init__(self, gate: _Projection, up: _Projection, down: _Projection, hidden: int, inter: int):
-        self._gate, self._up, self._down = gate, up, down
+        self._parts = (gate, up, down)  # their views keep the memory the pointers below point into
+        self._scale_code = gate.scale_code
+        # the weights' pointers and packing, as the C call takes them (fixed: built once, not per call)
+        self._weight_args = (*gate.arguments(), *up.arguments(), *down.arguments(), gate.scale_code)
         self.hidden, self.inter = hidden, inter
         self.experts = gate.weight.shape[0]
 
@@ -177,13 +180,12 @@ class SwitchGLUKernel:
             raise ValueError(f"token and row must be equal-length vectors, got {token.shape} and {row.shape}")
         # MLX computes in the promotion of the hidden states' and the scales' types: among float32,
         # float16 and bfloat16 that is the type itself where they agree, float32 otherwise
-        compute = code if code == self._gate.scale_code else _CODES[np.dtype("<f4")]
+        compute = code if code == self._scale_code else _CODES[np.dtype("<f4")]
         out = np.empty((len(token), self.hidden), dtype=hidden.dtype)
         status = _library().moe_switch_glu(
             hidden.shape[0], self.hidden, self.inter, code, compute, hidden.ctypes.data, len(token),
             token.ctypes.data, row.ctypes.data, self.experts,
-            *self._gate.arguments(), *self._up.arguments(), *self._down.arguments(),
-            self._gate.scale_code, out.ctypes.data, max(1, int(threads)),
+            *self._weight_args, out.ctypes.data, max(1, int(threads)),
         )  # fmt: skip
         if status == -2:
             raise MemoryError("expert kernel: out of memory for its scratch buffers")
