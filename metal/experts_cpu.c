@@ -202,7 +202,6 @@ typedef struct {
     proj_t gate, up, down;
     int hidden, inter, dtype; /* dtype: x's and out's; compute_dtype: where MLX rounds the steps */
     int compute_dtype;
-    int n_pairs;
     const int32_t *pair_token, *pair_slot;
     const int32_t *order;      /* pairs sorted by expert slot */
     const int32_t *unit_start; /* work units: runs of <= BLOCK pairs of one slot, in `order` */
@@ -327,7 +326,6 @@ int moe_switch_glu(int n_tokens, int hidden, int inter, int dtype, int compute_d
         .inter = inter,
         .dtype = dtype,
         .compute_dtype = compute_dtype,
-        .n_pairs = n_pairs,
         .pair_token = pair_token,
         .pair_slot = pair_slot,
     };

@@ -25,6 +25,7 @@ KERNELS = ("auto", "mlx")  # what an expert worker may compute its layers with (
 # wire form of a dtype (bf16 travels and is held as its uint16 bits) -> the kernel's code
 _CODES = {np.dtype("<f4"): 0, np.dtype("<f2"): 1, np.dtype("<u2"): 2}
 _MLX_CODES = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
+_FLOAT32 = _MLX_CODES[mx.float32]
 _BITS = (2, 4, 8)
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -180,7 +181,7 @@ class SwitchGLUKernel:
             raise ValueError(f"token and row must be equal-length vectors, got {token.shape} and {row.shape}")
         # MLX computes in the promotion of the hidden states' and the scales' types: among float32,
         # float16 and bfloat16 that is the type itself where they agree, float32 otherwise
-        compute = code if code == self._scale_code else _CODES[np.dtype("<f4")]
+        compute = code if code == self._scale_code else _FLOAT32
         out = np.empty((len(token), self.hidden), dtype=hidden.dtype)
         status = _library().moe_switch_glu(
             hidden.shape[0], self.hidden, self.inter, code, compute, hidden.ctypes.data, len(token),

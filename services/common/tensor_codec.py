@@ -141,15 +141,17 @@ def decode_numpy(
 def decode(tensor: tensor_pb2.Tensor, field: str, max_bytes: int, ndim: int | None = None) -> mx.array:
     """An MLX array built once from the Tensor's bytes."""
     mlx_dtype, np_dtype = check(tensor, field, max_bytes, ndim)
-    view = np.frombuffer(tensor.data, dtype=np_dtype).reshape(tuple(tensor.shape))
-    array = mx.array(view)
-    return array.view(mx.bfloat16) if mlx_dtype == mx.bfloat16 else array
+    return _as_mlx(np.frombuffer(tensor.data, dtype=np_dtype).reshape(tuple(tensor.shape)), mlx_dtype)
 
 
 def to_mlx(host: np.ndarray) -> mx.array:
     """An MLX array of hidden states held on the host in their wire form (bf16 as uint16)."""
-    array = mx.array(host)
-    return array.view(mx.bfloat16) if hidden_dtype_of(host) == mx.bfloat16 else array
+    return _as_mlx(host, hidden_dtype_of(host))
+
+
+def _as_mlx(host: np.ndarray, dtype: mx.Dtype) -> mx.array:
+    array = mx.array(host)  # bf16 arrives as its uint16 bits
+    return array.view(mx.bfloat16) if dtype == mx.bfloat16 else array
 
 
 # hidden states on the host, in their wire form -> their MLX dtype (bf16 travels as its uint16 bits)

@@ -129,7 +129,8 @@ class ExpertCompute:
             raise CallRejected("expert_ids.shape", f"{ids.shape[0]} rows for {tokens} tokens in hidden")
         asked = ids >= 0
         everything_asked = bool(asked.all())
-        reply_bytes = (ids.size if everything_asked else int(asked.sum())) * hidden_size * hidden.itemsize
+        pair_count = ids.size if everything_asked else int(asked.sum())
+        reply_bytes = pair_count * hidden_size * hidden.itemsize
         if reply_bytes > self.max_call_bytes:  # one output row per pair: k times the input
             raise CallRejected(
                 "expert_ids",
@@ -156,7 +157,7 @@ class ExpertCompute:
         groups = self.store.plan(call.layer, np.unique(ids[asked]).tolist())
         kernel = self._kernels.get(call.layer)
         if kernel is not None:
-            reply = self._run_kernel(kernel, call.layer, hidden, ids, asked, everything_asked, groups)
+            reply = self._run_kernel(kernel, call.layer, hidden, ids, asked, pair_count, groups)
         elif len(groups) <= 1:
             hidden = tensor_codec.to_mlx(hidden)
             slot = self.store.load(call.layer, groups[0] if groups else [])[ids]
@@ -190,16 +191,15 @@ class ExpertCompute:
             int((t2 - t1) * 1e6),
             int((t3 - t2) * 1e6),
         )
-        stats.pairs = int(asked.sum())
+        stats.pairs = pair_count
         return result
 
-    def _run_kernel(self, kernel, layer, hidden, ids, asked, everything_asked, groups) -> np.ndarray:
+    def _run_kernel(self, kernel, layer, hidden, ids, asked, pairs, groups) -> np.ndarray:
         """The asked pairs' rows, in call order, from the CPU kernel, one planned group at a time."""
-        pairs = ids.size if everything_asked else int(asked.sum())
         threads = min(self.threads, max(1, pairs * 3 * kernel.hidden * kernel.inter // self.macs_per_thread))
         if len(groups) <= 1:
             slot = self.store.load(layer, groups[0] if groups else [])
-            if everything_asked:
+            if pairs == ids.size:  # every pair asked
                 token = np.repeat(np.arange(ids.shape[0], dtype=np.int32), ids.shape[1])
                 return kernel(hidden, token, slot[ids].ravel(), threads)
             rows, cols = np.nonzero(asked)
