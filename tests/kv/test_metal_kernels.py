@@ -1,15 +1,15 @@
-"""Metal kernels against the pure-MLX twin. Needs an Apple GPU: elsewhere mx.fast.metal_kernel
-cannot run at all, so the comparison is skipped (the twin itself is tested everywhere)."""
+"""Metal kernels against the pure-MLX twin. On an Apple GPU through mx.fast.metal_kernel; everywhere
+else the same source runs on the CPU through tests/kv/metal_emulator.py (its logic, not Apple's
+compiler or its speed), and the twin itself is tested everywhere."""
 
 from __future__ import annotations
-
-import shutil
-import subprocess
 
 import mlx.core as mx
 import pytest
 
 from metal import backend, kernels
+from metal.selfcheck import backend_matches_twin
+from tests.kv import metal_emulator
 
 needs_metal = pytest.mark.skipif(not mx.metal.is_available(), reason="Metal kernels need an Apple GPU")
 
@@ -106,62 +106,75 @@ def test_the_self_check_accepts_the_twin_and_names_what_a_wrong_kernel_breaks():
         assert failures and all(f.startswith(what) for f in failures), (type(broken).__name__, failures)
 
 
-# ---- the Metal source at least parses (no Metal compiler here): C++ with Metal's names mocked ----
+# ---- the Metal source run on this CPU (tests/kv/metal_emulator.py) ----------------------------
 
-_METAL_AS_CPP = """#include <cmath>
-#include <cstdint>
-#include <algorithm>
-#define device
-#define threadgroup
-#define constant const
-using uint = unsigned; using ulong = unsigned long; using half = float;
-struct uint3 { uint x, y, z; };
-enum class mem_flags { mem_threadgroup };
-inline void threadgroup_barrier(mem_flags) {}
-inline float simd_max(float v) { return v; }
-inline float simd_sum(float v) { return v; }
-namespace metal { using std::exp; }
-using std::max; using std::min;
-"""
-# input type letters as in test_cuda_kernels (f float, h half, b uint8, i int32)
-_METAL_TYPES = {"f": "float", "h": "half", "b": "uint8_t", "i": "int32_t"}
-_ATTRIBUTES = ("thread_position_in_grid", "thread_position_in_threadgroup", "threadgroup_position_in_grid")
+needs_emulator = pytest.mark.skipif(
+    not metal_emulator.available(), reason="running Metal sources on the CPU needs a C++20 compiler"
+)
 
 
-def metal_as_cpp(sections: dict[str, str]) -> str:
-    from tests.kv.test_cuda_kernels import _CALLS
-
-    out = [_METAL_AS_CPP, sections["header"]]
-    for name, (inputs, outputs, _) in backend.KERNELS.items():
-        in_types, out_types, template = _CALLS[name]
-        body, params = sections[name], []
-        for input_name, kind in zip(inputs, in_types, strict=True):
-            params.append(f"const {_METAL_TYPES[kind]}* {input_name}")
-            if input_name + "_shape" in body:
-                params.append(f"const int* {input_name}_shape")
-            if input_name + "_strides" in body:
-                params.append(f"const int64_t* {input_name}_strides")
-        params += [f"{_METAL_TYPES[kind]}* {n}" for n, kind in zip(outputs, out_types, strict=True)]
-        params += [f"uint3 {a}" for a in (*_ATTRIBUTES, "threadgroups_per_grid") if a in body]
-        constants = [
-            f"using {k} = {'half' if v == '__half' else v};"
-            if isinstance(v, str)
-            else f"constexpr int {k} = {v};"
-            for k, v in template.items()
-        ]
-        out.append(f"void turboquant_{name}({', '.join(params)}) {{")
-        out += constants + [body, "}"]
-    return "\n".join(out)
+def emulated_backend(source=kernels.SOURCE) -> backend.KernelBackend:
+    """metal/backend.py's own dispatch of `source`, every kernel run by the CPU emulator."""
+    return backend.KernelBackend(source, metal_emulator.metal_kernel, shared_limit=32 * 1024)
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
-def test_every_metal_kernel_parses_with_metal_names_mocked(tmp_path):
-    source = tmp_path / "turboquant_metal.cpp"
-    source.write_text(metal_as_cpp(kernels._sections()))
-    result = subprocess.run(
-        ["g++", "-std=c++17", "-fsyntax-only", "-Wno-unused", str(source)],
-        capture_output=True,
-        text=True,
-        check=False,
+@needs_emulator
+def test_the_metal_source_matches_the_twin_when_run_on_the_cpu():
+    """What a Mac's start-up self-check runs (metal/selfcheck.py), on metal/turboquant.metal
+    itself: its arithmetic, bit layout, barriers and SIMD-group reductions, not Apple's
+    compiler or its speed."""
+    for seed in (0, 1):
+        failures = []
+        assert backend_matches_twin(emulated_backend(), seed, failures), failures
+
+
+@needs_emulator
+def test_the_emulated_self_check_fails_a_broken_metal_kernel(tmp_path):
+    from metal.selfcheck import decode_matches
+
+    source = kernels.SOURCE.read_text()
+    correct = "qjl[r] += up ? qp_s[r * P + j] : -qp_s[r * P + j];"
+    assert source.count(correct) == 1
+    broken = tmp_path / "turboquant.metal"
+    broken.write_text(source.replace(correct, "qjl[r] += up ? -qp_s[r * P + j] : qp_s[r * P + j];"))
+    failures = []
+    assert not decode_matches(emulated_backend(broken), 0, failures)
+    assert failures and all(f.startswith("decode") for f in failures)
+
+
+@needs_emulator
+def test_the_emulator_runs_threadgroups_as_metal_does():
+    """Threadgroup memory shared by a group and not between groups, barriers, simd_sum over
+    32 lanes, a smaller last group, strided views where contiguity is not asked, bfloat16."""
+    body = """
+    uint i = thread_position_in_grid.x;
+    uint j = thread_position_in_threadgroup.x;
+    threadgroup float shared[64];
+    shared[j] = float(x[i * x_strides[0]]);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    sums[i] = simd_sum(shared[j]);
+    neighbour[i] = static_cast<T>(shared[(j + 1) % threads_per_threadgroup.x]);
+    stride[i] = int(x_strides[0]);
+    """
+    kernel = metal_emulator.metal_kernel(
+        "t", ["x"], ["sums", "neighbour", "stride"], body, ensure_row_contiguous=False
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    base = mx.arange(200).astype(mx.bfloat16)
+    x = base[::2]  # 100 elements: groups of 64 and 36, simd groups of 32, 32, 32, 4
+    sums, neighbour, stride = kernel(
+        inputs=[x],
+        template=[("T", mx.bfloat16)],
+        grid=(100, 1, 1),
+        threadgroup=(64, 1, 1),
+        output_shapes=[(100,), (100,), (100,)],
+        output_dtypes=[mx.float32, mx.bfloat16, mx.int32],
+    )
+    values = x.astype(mx.float32)
+    lane_sums = [
+        values[a : min(a + 32, b)].sum().item() for a, b in ((0, 64), (32, 64), (64, 100), (96, 100))
+    ]
+    expected = [lane_sums[min(i // 32, 3)] for i in range(100)]
+    assert sums.tolist() == pytest.approx(expected)
+    rolled = [values[(i // 64) * 64 + (i % 64 + 1) % (64 if i < 64 else 36)].item() for i in range(100)]
+    assert stride.tolist() == [2] * 100  # the view itself, not a copy
+    assert neighbour.dtype == mx.bfloat16 and neighbour.astype(mx.float32).tolist() == rolled
