@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.logging import get_logger
+from services.common.malformed_requests import RejectMalformedRequests
 from services.common.tls import TlsFiles, channel_credentials, server_credentials
 from services.common.unix_sockets import claim_socket_path
 
@@ -177,7 +178,10 @@ async def start_server(
 ) -> RunningServer:
     """A started grpc.aio server with our servicer, health (starting at `serving`) and reflection;
     mTLS-only when `tls` is given."""
-    server = grpc.aio.server(options=server_options(max_message_bytes))
+    # bytes that do not parse get INVALID_ARGUMENT, not grpcio's UNKNOWN
+    server = grpc.aio.server(
+        options=server_options(max_message_bytes), interceptors=[RejectMalformedRequests()]
+    )
     add_servicer(server)
     health_servicer = add_health_and_reflection(server, [service_name])
     address = bind(server, listen, tls)

@@ -201,6 +201,27 @@ async def test_count_tokens_refuses_text_beyond_the_context_and_counts_the_rest(
         assert failure.value.details() == "input: one of chat, prompt is required"
 
 
+async def test_bytes_that_do_not_parse_are_invalid_argument_and_harm_nothing(stack):
+    """grpcio alone answers UNKNOWN ("Unexpected DecodeError"), as if core had failed."""
+    garbage = b"\xff\xff\xff\x07not a message"
+    async with stack.channel() as channel:
+        for method, call in (
+            ("Generate", channel.unary_stream("/moemesh.v1.Core/Generate")),
+            ("CountTokens", channel.unary_unary("/moemesh.v1.Core/CountTokens")),
+            ("GetStats", channel.unary_unary("/moemesh.v1.Core/GetStats")),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as failure:
+                reply = call(garbage, timeout=30)
+                if method == "Generate":
+                    [chunk async for chunk in reply]
+                else:
+                    await reply
+            assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+            assert "does not parse" in failure.value.details(), method
+    request = core_pb2.GenerateRequest(prompt="hi", stopping=core_pb2.StoppingCriteria(max_tokens=3))
+    assert len(tokens_of(await generate(stack, request))) == 3
+
+
 async def test_cancel_frees_the_sequence(stack):
     async with stack.channel() as channel:
         stub = core_pb2_grpc.CoreStub(channel)

@@ -236,3 +236,32 @@ def test_a_call_whose_math_fails_is_answered_internal_in_band():
     result = servicer.answer(good_call(9))
     assert result.call_id == 9 and result.error.code == grpc.StatusCode.INTERNAL.value[0]
     assert "layer 1" in result.error.message and "GatherMM" in result.error.message
+
+
+async def test_bytes_that_do_not_parse_end_the_stream_with_invalid_argument(worker):
+    """A message that is not an ExpertCall has no call id to answer in-band: the calls before it
+    are answered, the stream ends with INVALID_ARGUMENT (not grpcio's UNKNOWN), and the worker
+    serves the next stream."""
+    workers, _ = worker
+    async with grpc.aio.insecure_channel(workers.addresses[0]) as channel:
+        raw = channel.stream_stream(
+            "/moemesh.v1.ExpertWorker/Forward",
+            request_serializer=lambda message: (
+                message if isinstance(message, bytes) else message.SerializeToString()
+            ),
+            response_deserializer=expert_pb2.ExpertResult.FromString,
+        )()
+        await raw.write(good_call(1))
+        first = await raw.read()
+        await raw.write(b"\xff\xff\xff\x07not a call")
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await raw.read()
+        assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "does not parse" in failure.value.details()
+        stream = expert_pb2_grpc.ExpertWorkerStub(channel).Forward()
+        await stream.write(good_call(2))
+        after = await stream.read()
+        await stream.done_writing()
+    assert first.call_id == 1 and not first.HasField("error")
+    assert after.call_id == 2 and not after.HasField("error")
+    assert workers.procs[0].poll() is None
