@@ -49,6 +49,11 @@ SETTINGS = {
     "K2+QJL/V2, window 128": KVCacheSettings(key_bits=2, value_bits=2, **W128),
     "K4+QJL/V4, window 128": KVCacheSettings(key_bits=4, value_bits=4, **W128),
     "K3+QJL/V3, window 384": KVCacheSettings(recent_window=384),
+    "K3+QJL/V3, rescaled norms": KVCacheSettings(rescale_norms=True),
+    "K3+QJL/V3, window 128, rescaled norms": KVCacheSettings(**W128, rescale_norms=True),
+    "K4/V4, window 128, rescaled norms": KVCacheSettings(
+        key_bits=4, value_bits=4, key_qjl=False, **W128, rescale_norms=True
+    ),
     # control: TurboQuant's attention path with nothing compressed (every prompt fits the window),
     # so any answer that moves here moves through the path's arithmetic, not through compression
     "TurboQuant path, nothing compressed (control)": KVCacheSettings(recent_window=1 << 20),
@@ -63,6 +68,13 @@ WINDOW_GRID = {
     "K4/V4": dict(key_bits=4, value_bits=4, key_qjl=False),
     "K4+QJL/V4": dict(key_bits=4, value_bits=4),
     "K2+QJL/V2": dict(key_bits=2, value_bits=2),
+    "K3+QJL/V3, rescaled": dict(rescale_norms=True),
+    "K3+QJL/V3, centered keys, rescaled": dict(center_keys=True, rescale_norms=True),
+    "K3/V3, rescaled": dict(key_qjl=False, rescale_norms=True),
+    "K4/V3, rescaled": dict(key_bits=4, key_qjl=False, rescale_norms=True),
+    "K4/V4, rescaled": dict(key_bits=4, value_bits=4, key_qjl=False, rescale_norms=True),
+    "K4+QJL/V4, rescaled": dict(key_bits=4, value_bits=4, rescale_norms=True),
+    "K2+QJL/V2, rescaled": dict(key_bits=2, value_bits=2, rescale_norms=True),
 }
 QUESTIONS = [
     "What is the capital of France?",
@@ -105,6 +117,7 @@ def perplexity_rows(model, args) -> list:
             )
             for window in args.windows
             for name, kw in WINDOW_GRID.items()
+            if name in args.grid
         ]
     if args.layer_sweep:
         return [
@@ -146,6 +159,9 @@ def main() -> None:
         type=int,
         default=[],
         help="perplexity of each WINDOW_GRID setting at each of these recent windows (instead of --settings)",
+    )
+    parser.add_argument(
+        "--grid", nargs="*", choices=list(WINDOW_GRID), default=list(WINDOW_GRID), help="--windows rows"
     )
     parser.add_argument(
         "--layer-sweep",
