@@ -49,11 +49,6 @@ SETTINGS = {
     "K2+QJL/V2, window 128": KVCacheSettings(key_bits=2, value_bits=2, **W128),
     "K4+QJL/V4, window 128": KVCacheSettings(key_bits=4, value_bits=4, **W128),
     "K3+QJL/V3, window 384": KVCacheSettings(recent_window=384),
-    "K3+QJL/V3, rescaled norms": KVCacheSettings(rescale_norms=True),
-    "K3+QJL/V3, window 128, rescaled norms": KVCacheSettings(**W128, rescale_norms=True),
-    "K4/V4, window 128, rescaled norms": KVCacheSettings(
-        key_bits=4, value_bits=4, key_qjl=False, **W128, rescale_norms=True
-    ),
     # control: TurboQuant's attention path with nothing compressed (every prompt fits the window),
     # so any answer that moves here moves through the path's arithmetic, not through compression
     "TurboQuant path, nothing compressed (control)": KVCacheSettings(recent_window=1 << 20),
@@ -68,13 +63,6 @@ WINDOW_GRID = {
     "K4/V4": dict(key_bits=4, value_bits=4, key_qjl=False),
     "K4+QJL/V4": dict(key_bits=4, value_bits=4),
     "K2+QJL/V2": dict(key_bits=2, value_bits=2),
-    "K3+QJL/V3, rescaled": dict(rescale_norms=True),
-    "K3+QJL/V3, centered keys, rescaled": dict(center_keys=True, rescale_norms=True),
-    "K3/V3, rescaled": dict(key_qjl=False, rescale_norms=True),
-    "K4/V3, rescaled": dict(key_bits=4, key_qjl=False, rescale_norms=True),
-    "K4/V4, rescaled": dict(key_bits=4, value_bits=4, key_qjl=False, rescale_norms=True),
-    "K4+QJL/V4, rescaled": dict(key_bits=4, value_bits=4, rescale_norms=True),
-    "K2+QJL/V2, rescaled": dict(key_bits=2, value_bits=2, rescale_norms=True),
 }
 QUESTIONS = [
     "What is the capital of France?",

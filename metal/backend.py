@@ -156,7 +156,6 @@ class KernelBackend:
                 ("BITS", codec.bits),
                 ("QJL", int(codec.qjl)),
                 ("CODE_BYTES", code_bytes),
-                ("RESCALE", int(codec.rescale_norm)),
             ],
             grid=(n * p, 1, 1),
             threadgroup=(p, 1, 1),

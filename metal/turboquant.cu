@@ -42,7 +42,7 @@ __device__ __forceinline__ float tq_warp_sum(float v) {
 // One block of P threads per vector. Inputs: x [N, D] float, rotation [P, P] (row-major,
 // y = x_pad @ rotation), boundaries [2^BITS - 1], centroids [2^BITS], qjl_t [P, P] (S^T).
 // Outputs: norm [N] half, codes [N, CODE_BYTES] uint8, residual_norm [N] half,
-// signs [N, P/8] uint8. Template: P, D, BITS, QJL, CODE_BYTES, RESCALE.
+// signs [N, P/8] uint8. Template: P, D, BITS, QJL, CODE_BYTES.
 unsigned n = blockIdx.x;
 unsigned j = threadIdx.x;
 __shared__ float unit[P];
@@ -81,17 +81,7 @@ if (BITS == 4) {
         row[P / 4 + j] = uint8_t(v);
     }
 }
-if (RESCALE) {  // MSE-only codecs store |x| / <u, c(u)> (services/core/kv/codec.py, encode)
-    partial[j] = y * centroids[k];
-    __syncthreads();
-    for (unsigned stride = P / 2; stride > 0; stride >>= 1) {
-        if (j < stride) partial[j] += partial[j + stride];
-        __syncthreads();
-    }
-    if (j == 0) norm[n] = __float2half(nrm / fmaxf(partial[0], 1e-12f));
-} else if (j == 0) {
-    norm[n] = __float2half(nrm);
-}
+if (j == 0) norm[n] = __float2half(nrm);
 __syncthreads();  // idx is reused below
 if (QJL) {
     partial[j] = residual[j] * residual[j];

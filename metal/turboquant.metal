@@ -28,7 +28,7 @@ constant float TQ_NEG_INF = -INFINITY;
 // (row-major, y = x_pad @ rotation), boundaries [2^BITS - 1], centroids [2^BITS],
 // qjl_t [P, P] (S^T).
 // Outputs: norm [N] half, codes [N, CODE_BYTES] uint8, residual_norm [N] half,
-// signs [N, P/8] uint8. Template: P, D, BITS, QJL, CODE_BYTES, RESCALE.
+// signs [N, P/8] uint8. Template: P, D, BITS, QJL, CODE_BYTES.
 uint n = threadgroup_position_in_grid.x;
 uint j = thread_position_in_threadgroup.x;
 threadgroup float unit[P];
@@ -67,17 +67,7 @@ if (BITS == 4) {
         row[P / 4 + j] = uint8_t(v);
     }
 }
-if (RESCALE) {  // MSE-only codecs store |x| / <u, c(u)> (services/core/kv/codec.py, encode)
-    partial[j] = y * centroids[k];
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (uint stride = P / 2; stride > 0; stride >>= 1) {
-        if (j < stride) partial[j] += partial[j + stride];
-        threadgroup_barrier(mem_flags::mem_threadgroup);
-    }
-    if (j == 0) norm[n] = half(nrm / max(partial[0], 1e-12f));
-} else if (j == 0) {
-    norm[n] = half(nrm);
-}
+if (j == 0) norm[n] = half(nrm);
 threadgroup_barrier(mem_flags::mem_threadgroup);  // idx is reused below
 if (QJL) {
     partial[j] = residual[j] * residual[j];

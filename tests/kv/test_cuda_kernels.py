@@ -48,7 +48,7 @@ using Strides = cuda::std::array<int64_t, 10>;
 _TYPES = {"f": "float", "h": "__half", "b": "uint8_t", "i": "int32_t"}
 # input types (one letter per input), output types, template of one realistic call
 _CALLS = {
-    "pack": ("fffff", "hbhb", {"P": 128, "D": 80, "BITS": 3, "QJL": 1, "CODE_BYTES": 48, "RESCALE": 0}),
+    "pack": ("fffff", "hbhb", {"P": 128, "D": 80, "BITS": 3, "QJL": 1, "CODE_BYTES": 48}),
     "scores": ("ffbhhbff", "f", {"P": 128, "L": 9, "ROWS": 8, "BITS": 3, "QJL": 1, "CODE_BYTES": 48}),
     "values": ("fbhf", "f", {"P": 64, "L": 3, "ROWS": 8, "CHUNK": 256, "BITS": 4, "CODE_BYTES": 32}),
     "decode_partial": (

@@ -23,9 +23,9 @@ from services.core.kv.token_buffer import TokenBuffer
 
 
 @lru_cache(maxsize=512)
-def shared_codec(dim: int, bits: int, qjl: bool, seed: int, rescale_norm: bool = False) -> TurboQuantCodec:
+def shared_codec(dim: int, bits: int, qjl: bool, seed: int) -> TurboQuantCodec:
     """Codecs hold only constants: one per (layer seed, shape) serves every sequence."""
-    return TurboQuantCodec(dim, bits, qjl, seed, rescale_norm)
+    return TurboQuantCodec(dim, bits, qjl, seed)
 
 
 def _cat(a: mx.array | None, b: mx.array) -> mx.array:
@@ -86,8 +86,8 @@ class TurboQuantKVCache(_BaseCache):
 
     def _codecs(self, keys: mx.array, values: mx.array) -> None:
         s, seed = self.settings, self.settings.seed + 1000 * self.layer
-        self.key_codec = shared_codec(keys.shape[-1], s.key_bits, s.key_qjl, seed, s.rescale_norms)
-        self.value_codec = shared_codec(values.shape[-1], s.value_bits, False, seed + 1, s.rescale_norms)
+        self.key_codec = shared_codec(keys.shape[-1], s.key_bits, s.key_qjl, seed)
+        self.value_codec = shared_codec(values.shape[-1], s.value_bits, False, seed + 1)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         if self.key_codec is None:

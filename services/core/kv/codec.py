@@ -31,10 +31,8 @@ class TurboQuantCodec:
     `qjl`). Deterministic given `seed`; instances hold only constants and may be shared
     by any number of caches and threads."""
 
-    def __init__(self, dim: int, bits: int, qjl: bool, seed: int, rescale_norm: bool = False):
+    def __init__(self, dim: int, bits: int, qjl: bool, seed: int):
         self.dim, self.bits, self.qjl = dim, bits, qjl
-        # MSE-only codecs: store |x| / <u, c(u)> (see encode); QJL keys are unbiased already
-        self.rescale_norm = rescale_norm and not qjl
         self.rotation = RandomizedHadamard(dim, seed)
         self.padded = self.rotation.padded
         centroids, boundaries = codebook_for_dim(bits, self.padded)
@@ -71,13 +69,6 @@ class TurboQuantCodec:
         indices = self.quantize_unit(unit)
         codes = pack_indices(indices, self.bits)
         if not self.qjl:
-            if self.rescale_norm:
-                # Lloyd-Max reconstruction c(u) of the unit vector u is shrunk along u:
-                # <u, c(u)> ~ 1 - D (0.966 at 3 bits). Random errors average out over the
-                # many tokens attention sums; this shrinkage does not. Dividing it out makes
-                # the reconstruction's component along x exactly x, at no cost in bits.
-                along = mx.sum(unit * self.centroids[indices], axis=-1)
-                norm = norm / mx.maximum(along, _TINY)
             return CompressedTokens(norm.astype(mx.float16), codes)
         residual = unit - self.centroids[indices]
         projected = residual @ self.qjl_matrix_t

@@ -43,7 +43,6 @@ class KVCacheSettings:
     seed: int = 0
     center_keys: bool = False
     center_values: bool = False
-    rescale_norms: bool = False
 
     def __post_init__(self) -> None:
         for name in ("key_bits", "value_bits"):
