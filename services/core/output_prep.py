@@ -107,6 +107,13 @@ class OutputPreparer:
                 parse=tokenizer.tool_parser,
                 tools=tools,
             )
+        if tools and tool_format is None and mode == Mode.AUTO:
+            # the template would drop them or the calls would come back as plain text: either
+            # way the client would never learn that its tools were not offered (vLLM: a 400 too)
+            raise GrammarError(
+                "chat.tools: this model has no tool-call format, so it cannot call tools; "
+                "leave tools out or set tool_choice to none"
+            )
         grammar, field = None, ""
         if request.response_format.type != core_pb2.ResponseFormat.TEXT:
             grammar, field = response_format_grammar(request.response_format), "response_format"

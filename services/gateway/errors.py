@@ -101,8 +101,40 @@ class OpenAIError(Exception):
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 
-def error_from_grpc(error: grpc.aio.AioRpcError | grpc.RpcError) -> OpenAIError:
-    """Map a failed core call to the HTTP error the client sees (see the module docstring)."""
+# Core names the GenerateRequest field it refuses first ("sampling: logit_bias: ...",
+# "chat.tools[1].name: ..."); the client knows the API's names for them.
+_CORE_PATH = re.compile(r"[a-z_][a-z0-9_]*(?:\[\d+\])?(?:\.[a-z_][a-z0-9_]*(?:\[\d+\])?)*")
+_PARAM_BY_CORE_PREFIX = (
+    ("chat.template_kwargs_json", "chat_template_kwargs"),
+    ("chat.", ""),
+    ("sampling.", ""),
+    ("stopping.", ""),
+    ("response_format.schema_json", "response_format.json_schema.schema"),
+    ("tool_choice.function_name", "tool_choice.function.name"),
+    ("token_ids", "prompt"),
+)
+
+
+def param_from_core_details(details: str) -> str | None:
+    """The API parameter a core INVALID_ARGUMENT message names, or None."""
+    parts = details.split(": ")
+    if len(parts) < 2 or not _CORE_PATH.fullmatch(parts[0]):
+        return None
+    path = parts[0]
+    if path in ("sampling", "stopping") and len(parts) > 2 and _CORE_PATH.fullmatch(parts[1]):
+        path = parts[1]
+    for prefix, replacement in _PARAM_BY_CORE_PREFIX:
+        if path.startswith(prefix):
+            path = replacement + path[len(prefix) :]
+            break
+    return None if path in ("input", "sampling", "stopping", "chat template") else path or None
+
+
+def error_from_grpc(
+    error: grpc.aio.AioRpcError | grpc.RpcError, prompt_param: str = "messages"
+) -> OpenAIError:
+    """Map a failed core call to the HTTP error the client sees (see the module docstring).
+    `prompt_param`: the request's prompt field ("messages" for chats, "prompt" for completions)."""
     code: grpc.StatusCode = (
         error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
     )
@@ -113,10 +145,11 @@ def error_from_grpc(error: grpc.aio.AioRpcError | grpc.RpcError) -> OpenAIError:
     else:
         message = _SAFE_MESSAGE_BY_HTTP_STATUS.get(status, f"request failed ({code.name.lower()})")
     if status == 400 and details.startswith(CONTEXT_LENGTH_EXCEEDED):
-        return OpenAIError(status, message, param="messages", code=CONTEXT_LENGTH_EXCEEDED)
+        return OpenAIError(status, message, param=prompt_param, code=CONTEXT_LENGTH_EXCEEDED)
     if code == grpc.StatusCode.NOT_FOUND and details.startswith("model "):  # core's check_model
         return OpenAIError(status, message, param="model", code="model_not_found")  # OpenAI's names
-    return OpenAIError(status, message, code=code.name.lower())
+    param = param_from_core_details(details) if status == 400 else None
+    return OpenAIError(status, message, param=param, code=code.name.lower())
 
 
 # pydantic adds union-member tags ("str", "list[...]", "function-after[...]", class names) to error
@@ -126,13 +159,21 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list", "
 
 
 def param_from_location(location: tuple[Any, ...]) -> str | None:
-    """`("body", "messages", 0, "role")` → `"messages[0].role"`; None for the body as a whole."""
-    param = ""
+    """`("body", "messages", 0, "role")` → `"messages[0].role"`; None for the body as a whole.
+
+    A tagged union (content parts, response_format, tool_choice) puts its tag before the member's
+    fields, and OpenAI's tags are the names of the fields they select (`{"type": "text", "text":
+    ...}`), so a name right after itself is the tag: `content[0].text.text` is `content[0].text`."""
+    param, previous = "", None
     for part in location[1:] if location and location[0] == "body" else location:
         if isinstance(part, int):
             param += f"[{part}]"
         elif isinstance(part, str) and _FIELD_NAME.fullmatch(part) and part not in _TYPE_TAGS:
-            param += f".{part}" if param else part
+            if part != previous:
+                param += f".{part}" if param else part
+        else:
+            continue
+        previous = part
     return param or None
 
 

@@ -76,6 +76,10 @@ def _cancelled_by_us(disconnect: _Disconnect) -> bool:
     return disconnect.happened and (task is None or task.cancelling() == 0)
 
 
+def _prompt_param(generate: core_pb2.GenerateRequest) -> str:
+    return "messages" if generate.WhichOneof("input") == "chat" else "prompt"
+
+
 async def serve_generation(
     request: Request,
     generate: core_pb2.GenerateRequest,
@@ -95,7 +99,7 @@ async def serve_generation(
         if stream:
             streaming = True
             return StreamingResponse(
-                _sse(call, first, formatter, disconnect, timer),
+                _sse(call, _prompt_param(generate), first, formatter, disconnect, timer),
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
             )
@@ -108,7 +112,7 @@ async def serve_generation(
         _done(formatter, timer, stream=False)
         return JSONResponse(result)
     except grpc.aio.AioRpcError as error:
-        raise _logged(error_from_grpc(error), error) from None
+        raise _logged(error_from_grpc(error, _prompt_param(generate)), error) from None
     except MissingFinishReason as error:
         log.error(str(error))
         raise internal_error() from None
@@ -124,6 +128,7 @@ async def serve_generation(
 
 async def _sse(
     call: grpc.aio.UnaryStreamCall,
+    prompt_param: str,
     first: Any,
     formatter: ResponseFormatter,
     disconnect: _Disconnect,
@@ -143,7 +148,7 @@ async def _sse(
         yield b"".join(formatter.closing())
         _done(formatter, timer, stream=True)
     except grpc.aio.AioRpcError as error:
-        yield formatter.error_event(_logged(error_from_grpc(error), error))
+        yield formatter.error_event(_logged(error_from_grpc(error, prompt_param), error))
     except MissingFinishReason as error:
         log.error(str(error))
         yield formatter.error_event(internal_error())

@@ -37,6 +37,24 @@ class ApiModel(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI's API, its SDKs' types and vLLM read an explicit null as "not given": a field
+        that has a default takes it (`"n": null` is n=1); a required field stays refused."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        defaulted = {
+            key
+            for key, value in data.items()
+            if value is None
+            and key in fields
+            and not fields[key].is_required()
+            and fields[key].default is not None
+        }
+        return {key: value for key, value in data.items() if key not in defaulted} if defaulted else data
+
     @field_validator("*", mode="after")
     @classmethod
     def _encodable_text(cls, value: Any) -> Any:

@@ -305,6 +305,19 @@ def test_bad_requests_are_invalid_argument_naming_the_field(preparer, request_, 
     assert field in str(error.value), str(error.value)
 
 
+def test_tools_for_a_model_without_a_tool_call_format_are_refused_unless_hidden(
+    preparer, tokenizer, monkeypatch
+):
+    """A template without tools drops them, a model without markers cannot call them: a client
+    that offers tools learns so (vLLM too), and tool_choice none (tools never shown) still works."""
+    monkeypatch.setattr(type(tokenizer), "has_tool_calling", property(lambda self: False))
+    with pytest.raises(RequestError) as error:
+        preparer.prepare(chat_request(), None)
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert str(error.value).startswith("chat.tools: this model has no tool-call format")
+    assert preparer.prepare(chat_request(mode=Mode.NONE), None).output.tool_calls is None
+
+
 def test_logit_bias_at_the_limits_is_accepted(preparer):
     request = core_pb2.GenerateRequest(
         prompt="x", sampling=core_pb2.SamplingParams(logit_bias={5: 100, 6: -100})

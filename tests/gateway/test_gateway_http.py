@@ -42,6 +42,17 @@ def assert_envelope(response: httpx.Response, status: int, param: str | None = N
             },
             "messages[0].content[0]",
         ),
+        (  # the union's tag ("text") is not repeated in the path
+            {**VALID_BODY, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "messages[0].content[0].text",
+        ),
+        (
+            {
+                **VALID_BODY,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": True}},
+            },
+            "response_format.json_schema.schema",
+        ),
         ({**VALID_BODY, "temperature": 5}, "temperature"),
         ({**VALID_BODY, "max_tokens": 0}, "max_tokens"),
         ({**VALID_BODY, "stop": 3}, "stop"),

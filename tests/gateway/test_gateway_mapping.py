@@ -94,6 +94,34 @@ def test_param_from_location(location: tuple[object, ...], param: str | None) ->
     assert param_from_location(location) == param
 
 
+@pytest.mark.parametrize(
+    ("details", "param"),
+    [
+        ("sampling: logit_bias: token id 99999999 is outside the vocabulary", "logit_bias"),
+        ("logit_bias: token id 151936 is outside the vocabulary", "logit_bias"),
+        ("stop_token_ids: token id 151941 is outside the vocabulary", "stop_token_ids"),
+        ("chat.tools[1].name: 'f' is defined twice", "tools[1].name"),
+        ("chat.template_kwargs_json: must be a JSON object", "chat_template_kwargs"),
+        ("response_format.schema_json: not valid JSON: oops", "response_format.json_schema.schema"),
+        ("tool_choice.function_name: no tool named 'x' in chat.tools", "tool_choice.function.name"),
+        ("token_ids: id 5 is outside the vocabulary", "prompt"),
+        ("kv_cache: unknown kind 'x'", "kv_cache"),
+        ("input: one of chat, prompt, token_ids is required", None),
+        ("the prompt is empty", None),
+    ],
+)
+def test_core_errors_name_the_api_parameter(details: str, param: str | None) -> None:
+    error = error_from_grpc(FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, details))
+    assert (error.status, error.param) == (400, param)
+
+
+def test_context_length_names_the_routes_prompt_field() -> None:
+    details = "context_length_exceeded: the prompt has 9 tokens"
+    for prompt_param in ("messages", "prompt"):
+        error = error_from_grpc(FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, details), prompt_param)
+        assert (error.param, error.code) == (prompt_param, "context_length_exceeded")
+
+
 class FakeRpcError(grpc.RpcError):
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         self._code, self._details = code, details

@@ -132,6 +132,20 @@ def test_unset_sampling_stays_unset(gateway_url: str, core: CoreDouble) -> None:
     assert not sent.stopping.HasField("max_tokens")
 
 
+def test_explicit_nulls_mean_not_given(gateway_url: str, core: CoreDouble) -> None:
+    """The SDK's types allow None for these (vLLM reads null as the default): no 400."""
+    client = sync_client(gateway_url)
+    completion = client.chat.completions.create(
+        model=MODEL_ID, messages=MESSAGES, n=None, stream=None, logprobs=None, max_tokens=None
+    )
+    assert completion.choices[0].message.content == ANSWER
+    text = client.completions.create(model=MODEL_ID, prompt="Hello", n=None, stream=None, echo=None)
+    assert text.choices[0].text == ANSWER
+    assert not any(request.echo for request in core.requests)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=MODEL_ID, messages=None)
+
+
 def test_tool_calls_round_trip(gateway_url: str, core: CoreDouble) -> None:
     core.script.words = []
     core.script.finish_reason = core_pb2.TOOL_CALLS
