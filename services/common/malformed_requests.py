@@ -42,27 +42,14 @@ async def _abort(context, method: str, request: MalformedRequest):
     )
 
 
-def _checked_unary_unary(behavior, method):
-    async def handle(request, context):
-        if isinstance(request, MalformedRequest):
-            await _abort(context, method, request)
-        return await behavior(request, context)
-
-    return handle
-
-
-def _checked_unary_stream(behavior, method):
-    async def handle(request, context):
-        if isinstance(request, MalformedRequest):
-            await _abort(context, method, request)
-        result = behavior(request, context)
-        if inspect.isasyncgen(result):
-            async for reply in result:
-                yield reply
-        else:  # a handler that writes through context.write
-            await result
-
-    return handle
+async def _checked(request, context, method: str, streamed: bool):
+    """The request itself, refused when it did not parse; or a stream of them refused at the
+    first that did not."""
+    if streamed:
+        return _checked_requests(request, context, method)
+    if isinstance(request, MalformedRequest):
+        await _abort(context, method, request)
+    return request
 
 
 def _checked_requests(requests, context, method):
@@ -75,30 +62,31 @@ def _checked_requests(requests, context, method):
     return checked()
 
 
-def _checked_stream_unary(behavior, method):
-    async def handle(requests, context):
-        return await behavior(_checked_requests(requests, context, method), context)
+def _checked_unary_response(behavior, method: str, streamed: bool):
+    async def handle(request, context):
+        return await behavior(await _checked(request, context, method, streamed), context)
 
     return handle
 
 
-def _checked_stream_stream(behavior, method):
-    async def handle(requests, context):
-        result = behavior(_checked_requests(requests, context, method), context)
+def _checked_response_stream(behavior, method: str, streamed: bool):
+    async def handle(request, context):
+        result = behavior(await _checked(request, context, method, streamed), context)
         if inspect.isasyncgen(result):
             async for reply in result:
                 yield reply
-        else:
+        else:  # a handler that writes through context.write
             await result
 
     return handle
 
 
+# handler kind: (wrapper, whether the requests come as a stream)
 _WRAPPERS = {
-    "unary_unary": _checked_unary_unary,
-    "unary_stream": _checked_unary_stream,
-    "stream_unary": _checked_stream_unary,
-    "stream_stream": _checked_stream_stream,
+    "unary_unary": (_checked_unary_response, False),
+    "unary_stream": (_checked_response_stream, False),
+    "stream_unary": (_checked_unary_response, True),
+    "stream_stream": (_checked_response_stream, True),
 }
 
 
@@ -109,10 +97,10 @@ class RejectMalformedRequests(grpc.aio.ServerInterceptor):
             return handler
         method = handler_call_details.method
         changes = {"request_deserializer": _tolerant(handler.request_deserializer)}
-        for kind, wrap in _WRAPPERS.items():
+        for kind, (wrap, streamed) in _WRAPPERS.items():
             behavior = getattr(handler, kind)
             if behavior is not None:
                 if not inspect.iscoroutinefunction(behavior) and not inspect.isasyncgenfunction(behavior):
                     return handler  # a synchronous handler (not used here): left as grpcio runs it
-                changes[kind] = wrap(behavior, method)
+                changes[kind] = wrap(behavior, method, streamed)
         return handler._replace(**changes)

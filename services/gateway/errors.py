@@ -127,7 +127,7 @@ def param_from_core_details(details: str) -> str | None:
         if path.startswith(prefix):
             path = replacement + path[len(prefix) :]
             break
-    return None if path in ("input", "sampling", "stopping", "chat template") else path or None
+    return None if path in ("input", "sampling", "stopping") else path or None
 
 
 def error_from_grpc(
