@@ -303,7 +303,7 @@ class Engine:
         try:
             with mx.stream(generation_stream):
                 busy = {kind: g for kind, g in self._generators.items() if self._has_work(kind)}
-                decoding = self._limit_prefill_chunks(list(busy.values()))
+                decoding, self._in_batch = self._limit_prefill_chunks(list(busy.values()))
                 steps = {
                     kind: GeneratorStep(generator, self._scoring(kind)) for kind, generator in busy.items()
                 }
@@ -374,11 +374,13 @@ class Engine:
                     # scored in full: no need to compute the last token and the one after it
                     self._emit_score(sequence, retired=False)
 
-    def _limit_prefill_chunks(self, generators: list[BatchGenerator]) -> int:
+    def _limit_prefill_chunks(self, generators: list[BatchGenerator]) -> tuple[int, int]:
         """Share the step's token budget across every batch of the step: decoding sequences take
         one token each, the sequences being prefilled split the rest. Mirrors how
         `BatchGenerator._next` admits prompts, so the chunks it cuts this step stay within budget.
-        Returns the sequences decoding in the step."""
+        Returns the sequences decoding in the step and all it runs (decoding, prefilling and
+        joining): a prompt counts as running from the step that starts its prefill, not from the
+        end of that step, which on a slow machine is many seconds later."""
         decoding = sum(len(g._generation_batch) for g in generators)
         in_batches = sum(len(g._generation_batch) + len(g._prompt_batch) for g in generators)
         prefilling = {}
@@ -405,7 +407,7 @@ class Engine:
                 if count:
                     generator.prefill_step_size = chunk
                     generator._prompt_batch.prefill_step_size = chunk
-        return decoding
+        return decoding, in_batches
 
     def _after_prefill(self, kind: str, generator: BatchGenerator, prompt_responses, started: float) -> None:
         """Note when each sequence's prefill began, and keep the KV of every prompt whose

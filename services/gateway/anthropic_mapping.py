@@ -5,7 +5,7 @@ Contract: Anthropic's block structure becomes the role/tool-call structure chat 
 as JSON text); a user turn's `tool_result` blocks → `tool` messages carrying `tool_call_id`, in the
 order they appear, with the turn's text around them as user messages; thinking blocks are dropped.
 tool_choice auto/any/tool/none → core's AUTO/REQUIRED/NAMED/NONE; `output_config.format` (structured
-outputs) → a JSON_SCHEMA response format.
+outputs; the beta's `output_format` too) → a JSON_SCHEMA response format.
 """
 
 from __future__ import annotations
@@ -119,11 +119,11 @@ def build_messages_request(request: MessagesRequest, request_id: str) -> core_pb
         sampling=sampling,
         stopping=core_pb2.StoppingCriteria(max_tokens=request.max_tokens, stop=request.stop_sequences or []),
     )
-    if request.output_config is not None and request.output_config.format is not None:
+    if (output := request.json_output()) is not None:
         generate.response_format.CopyFrom(
             core_pb2.ResponseFormat(
                 type=core_pb2.ResponseFormat.JSON_SCHEMA,
-                schema_json=json.dumps(request.output_config.format.json_schema),
+                schema_json=json.dumps(output.json_schema),
                 name="output",
                 strict=True,
             )

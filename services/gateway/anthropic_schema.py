@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictBool, ValidationInfo, field_validator
+from pydantic import Field, StrictBool, ValidationInfo, field_validator, model_validator
 
 from services.gateway.openai_schema import UINT32_MAX, ApiModel, check_tool_schema
 
@@ -105,6 +105,33 @@ class MessagesInput(ApiModel):
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
 
+    @field_validator("messages")
+    @classmethod
+    def _messages_as_anthropic_takes_them(cls, messages: list[Message]) -> list[Message]:
+        """What Anthropic's API refuses, refused here with its wording: an empty message (but a
+        final assistant prefill), an empty text block, and a tool_result whose tool_use_id no
+        tool_use of the message before it carries (a template would pair it with nothing)."""
+        for i, message in enumerate(messages):
+            blocks = message.blocks()
+            last_assistant = i == len(messages) - 1 and message.role == "assistant"
+            if not last_assistant and (not blocks or message.content == ""):
+                raise ValueError(
+                    f"messages[{i}]: all messages must have non-empty content except for the "
+                    "optional final assistant message"
+                )
+            if any(isinstance(b, TextBlock) and not b.text for b in blocks) and message.content != "":
+                raise ValueError(f"messages[{i}]: text content blocks must be non-empty")
+            results = [b.tool_use_id for b in blocks if isinstance(b, ToolResultBlock)]
+            previous = messages[i - 1].blocks() if i and messages[i - 1].role == "assistant" else []
+            uses = {b.id for b in previous if isinstance(b, ToolUseBlock)}
+            if unknown := [tool_id for tool_id in results if tool_id not in uses]:
+                raise ValueError(
+                    f"messages[{i}]: unexpected `tool_use_id` found in `tool_result` blocks: "
+                    f"{', '.join(unknown)}. Each `tool_result` block must have a corresponding "
+                    "`tool_use` block in the previous message."
+                )
+        return messages
+
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice_names_a_tool(cls, choice: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
@@ -136,7 +163,21 @@ class MessagesRequest(MessagesInput):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0, le=2**31 - 1)
     output_config: OutputConfig | None = None
+    # the structured-outputs beta's name for output_config.format, which SDKs still send
+    output_format: JsonOutputFormat | None = None
     metadata: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_output_format(self) -> MessagesRequest:
+        if self.output_format is not None and self.output_config is not None and self.output_config.format:
+            raise ValueError("give output_config.format or the older output_format, not both")
+        return self
+
+    def json_output(self) -> JsonOutputFormat | None:
+        """The JSON Schema the text must follow, under either name."""
+        if self.output_config is not None and self.output_config.format is not None:
+            return self.output_config.format
+        return self.output_format
 
     @field_validator("stop_sequences")
     @classmethod

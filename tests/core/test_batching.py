@@ -170,6 +170,49 @@ async def test_sixteen_concurrent_requests_match_each_run_alone(demo_core):
     assert stats.running_requests == 0 and stats.waiting_requests == 0
 
 
+async def test_a_request_behind_an_abandoned_long_prompt_starts_within_seconds(demo_core):
+    """The QA scenario on the demo model, whose prefill costs ~75 ms a token on this CPU: a long
+    prompt prefilling alone is shown as running (not waiting) from its first step, runs in chunks
+    of a few seconds rather than one 512-token chunk (~40 s here), so a short request sent behind
+    it starts at the next step boundary; a client that abandons the long prompt frees everything."""
+    long_prompt = core_pb2.GenerateRequest(
+        prompt=SYSTEM_PROMPT,  # ~1,500 tokens
+        sampling=GREEDY,
+        stopping=core_pb2.StoppingCriteria(max_tokens=1),
+    )
+    short = core_pb2.GenerateRequest(
+        prompt="Q: What is two plus two?\nA:",
+        sampling=GREEDY,
+        stopping=core_pb2.StoppingCriteria(max_tokens=2),
+    )
+    async with grpc.aio.insecure_channel(demo_core.address) as channel:
+        stub = core_pb2_grpc.CoreStub(channel)
+        long_call = stub.Generate(long_prompt, timeout=600)
+        long_read = asyncio.ensure_future(long_call.read())
+        seen = []
+        for _ in range(100):  # 10 s: the first step of the long prompt is still running
+            stats = await stub.GetStats(core_pb2.GetStatsRequest())
+            seen.append((stats.running_requests, stats.waiting_requests))
+            if stats.running_requests == 1:
+                break
+            await asyncio.sleep(0.1)
+        assert seen[-1] == (1, 0), f"the prefilling prompt was not counted as running: {seen}"
+        tokens, chunks = await run(stub, short)
+        assert not long_read.done(), "the long prompt finished first: the test measured nothing"
+        long_call.cancel()
+        for _ in range(100):
+            stats = await stub.GetStats(core_pb2.GetStatsRequest())
+            if stats.running_requests == 0 and stats.waiting_requests == 0 and stats.kv_cache_bytes == 0:
+                break
+            await asyncio.sleep(0.1)
+    assert len(tokens) == 2
+    # the short request waited for the step under way (a chunk of the long prompt), not for 512
+    # tokens of it: the core's own clock, which counts no client or transport time
+    queued = chunks[-1].timings.queue_seconds
+    assert queued < 0.5 * 512 * 0.075, f"the short request waited {queued:.1f} s for its first step"
+    assert (stats.running_requests, stats.waiting_requests, stats.kv_cache_bytes) == (0, 0, 0), stats
+
+
 async def test_long_prompt_prefill_does_not_freeze_decoding_streams(tiny_cores, tiny_models):
     """Prefill is chunked by --max-num-batched-tokens (64 here) and interleaved with decode."""
     plain, _ = tiny_cores

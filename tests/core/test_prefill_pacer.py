@@ -1,16 +1,29 @@
-"""The prefill chunk beside decoding streams is cut to a step-time target; alone, a prompt takes
-the whole token budget."""
+"""The prefill chunk is cut to a step-time target: beside decoding streams `--max-step-seconds`,
+alone a multiple of it in big chunks."""
 
 from __future__ import annotations
 
-from services.core.prefill_pacer import MIN_TOKENS, PROBE_TOKENS, PrefillPacer
+from services.core.prefill_pacer import ALONE_FACTOR, ALONE_MIN_TOKENS, MIN_TOKENS, PROBE_TOKENS, PrefillPacer
 
 
-def test_with_nothing_decoding_the_whole_budget_goes_to_prefill():
+def test_a_prompt_alone_gets_a_longer_target_in_big_chunks():
     pacer = PrefillPacer(target_s=1.0)
-    pacer.observe(seconds=30.0, prefill_tokens=512, decoding=0)  # slow, but nobody waited
-    assert pacer.budget(512, decoding=0) == 512
-    assert pacer.token_s is None  # a prompt alone teaches nothing: the step's fixed cost is in it
+    # the first chunk alone, before its cost is known: one chunk of the minimum size, not the
+    # whole budget (on a slow CPU that one step would take tens of seconds)
+    assert pacer.budget(512, decoding=0) == ALONE_MIN_TOKENS
+    pacer.observe(seconds=0.05 * 64, prefill_tokens=64, decoding=0)  # 50 ms a token
+    assert pacer.alone_token_s == 0.05 and pacer.token_s is None  # beside decoding: still unknown
+    assert pacer.budget(512, decoding=0) == int(ALONE_FACTOR * 1.0 / 0.05) // 8 * 8  # 80 tokens
+    slow = PrefillPacer(target_s=1.0)
+    slow.observe(seconds=30.0, prefill_tokens=64, decoding=0)
+    assert slow.budget(512, decoding=0) == ALONE_MIN_TOKENS  # never smaller chunks than this
+    assert slow.budget(40, decoding=0) == 40  # a short prompt in one step
+    fast = PrefillPacer(target_s=1.0)  # a GPU: the token budget binds
+    fast.observe(seconds=0.03, prefill_tokens=64, decoding=0)
+    assert fast.budget(512, decoding=0) == 512
+    fast.observe(seconds=0.0, prefill_tokens=512, decoding=0)
+    fast.observe(seconds=0.0, prefill_tokens=512, decoding=0)
+    assert fast.budget(512, decoding=0) == 512  # no division by a zero cost
 
 
 def test_beside_decoding_streams_the_chunk_fits_the_target():
@@ -42,4 +55,6 @@ def test_a_prompt_always_moves_on_and_the_estimates_follow_the_machine():
 def test_no_target_means_tokens_only():
     pacer = PrefillPacer(target_s=0)
     pacer.observe(seconds=30.0, prefill_tokens=32, decoding=1)
+    pacer.observe(seconds=30.0, prefill_tokens=32, decoding=0)
     assert pacer.budget(511, decoding=1) == 511
+    assert pacer.budget(512, decoding=0) == 512

@@ -243,6 +243,89 @@ def test_structured_output_parse(gateway_url: str, core: CoreDouble) -> None:
     assert json.loads(sent.schema_json)["properties"]["capital"]["type"] == "string"
 
 
+def test_the_beta_output_format_is_the_same_structured_output(gateway_url: str, core: CoreDouble) -> None:
+    schema = {"type": "object", "properties": {"capital": {"type": "string"}}, "required": ["capital"]}
+    body = {"model": MODEL_ID, "max_tokens": 32, "messages": QUESTION}
+    response = httpx.post(
+        gateway_url + "/v1/messages",
+        json={**body, "output_format": {"type": "json_schema", "schema": schema}},
+    )
+    assert response.status_code == 200, response.text
+    sent = core.requests[0].response_format
+    assert sent.type == core_pb2.ResponseFormat.JSON_SCHEMA and json.loads(sent.schema_json) == schema
+    both = {
+        **body,
+        "output_format": {"type": "json_schema", "schema": schema},
+        "output_config": {"format": {"type": "json_schema", "schema": schema}},
+    }
+    response = httpx.post(gateway_url + "/v1/messages", json=both)
+    assert response.status_code == 400 and "not both" in response.json()["error"]["message"]
+    assert len(core.requests) == 1
+
+
+@pytest.mark.parametrize(
+    ("messages", "says"),
+    [
+        ([{"role": "user", "content": ""}], "non-empty content"),
+        ([{"role": "user", "content": []}], "non-empty content"),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": ""}]}],
+            "text content blocks must be non-empty",
+        ),
+        (
+            [*QUESTION, {"role": "assistant", "content": "Paris."}, {"role": "user", "content": ""}],
+            "non-empty content",
+        ),
+        (
+            [
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": "1"}],
+                }
+            ],
+            "toolu_9",
+        ),
+        (
+            [
+                *QUESTION,
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "toolu_0", "name": "f", "input": {}}],
+                },
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "1"}],
+                },
+            ],
+            "corresponding `tool_use`",
+        ),
+    ],
+)
+def test_messages_anthropic_refuses_are_refused(gateway_url: str, core: CoreDouble, messages, says) -> None:
+    """Anthropic answers these with a 400; a template given them would render a turn from nothing
+    or a tool result answering no call."""
+    for route in ("/v1/messages", "/v1/messages/count_tokens"):
+        response = httpx.post(
+            gateway_url + route, json={"model": MODEL_ID, "max_tokens": 8, "messages": messages}
+        )
+        assert response.status_code == 400, (route, response.text)
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and says in error["message"], error
+    assert core.requests == []
+
+
+def test_an_empty_final_assistant_turn_is_accepted(gateway_url: str, core: CoreDouble) -> None:
+    response = httpx.post(
+        gateway_url + "/v1/messages",
+        json={
+            "model": MODEL_ID,
+            "max_tokens": 8,
+            "messages": [*QUESTION, {"role": "assistant", "content": ""}],
+        },
+    )
+    assert response.status_code == 200, response.text
+
+
 def test_stop_sequence_is_reported(gateway_url: str, core: CoreDouble) -> None:
     core.script.words = ANSWER_WORDS[:3]
     core.script.matched_stop = " of"
