@@ -1,7 +1,7 @@
 """Core `GenerateChunk`s → OpenAI `text_completion` objects (whole or as SSE chunks).
 
 Completions logprobs use the legacy shape: parallel lists `tokens`, `token_logprobs`,
-`top_logprobs` (one {token: logprob} map per token) and `text_offset` (each token's character
+`top_logprobs` (one {token: logprob} map per token: the most likely and the chosen one) and `text_offset` (each token's character
 offset in the returned text, which starts with the prompt when `echo` is set; core sends the echoed
 prompt as the first chunk's text). With echo, the prompt's own tokens come first, scored by core
 (`prompt_logprobs`); the first has no context, so its logprob and alternatives are null.
@@ -53,7 +53,7 @@ class LegacyLogprobs:
             part.tokens.append(item.token)
             unscored = prompt and index == 0  # nothing comes before the prompt's first token
             part.token_logprobs.append(None if unscored else item.logprob)
-            part.top_logprobs.append(None if unscored else {top.token: top.logprob for top in item.top})
+            part.top_logprobs.append(None if unscored else _with_chosen(item))
             part.text_offset.append(max(end - remaining, floor))
             remaining -= count
         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
@@ -67,6 +67,14 @@ class LegacyLogprobs:
             "top_logprobs": self.top_logprobs,
             "text_offset": self.text_offset,
         }
+
+
+def _with_chosen(item: core_pb2.TokenLogprob) -> dict[str, float]:
+    """The `logprobs` most likely tokens and, as OpenAI's legacy API always returns it, the chosen
+    one: up to logprobs + 1 entries (so `logprobs: 0` gives the chosen token alone, not {})."""
+    top = {entry.token: entry.logprob for entry in item.top}
+    top.setdefault(item.token, item.logprob)
+    return top
 
 
 class CompletionFormatter:

@@ -55,6 +55,17 @@ def test_echo_and_logprobs(gateway_url: str, core: CoreDouble) -> None:
     assert sent.echo and sent.logprobs and sent.top_logprobs == 1 and sent.prompt_logprobs
 
 
+def test_logprobs_zero_still_gives_the_chosen_token(gateway_url: str, core: CoreDouble) -> None:
+    """OpenAI's legacy API always returns the chosen token's logprob, so `logprobs: 0` gives maps of
+    one entry (vLLM alike), and `logprobs: n` up to n + 1."""
+    completion = sync_client(gateway_url).completions.create(
+        model=MODEL_ID, prompt=PROMPT, logprobs=0, max_tokens=3
+    )
+    logprobs = completion.choices[0].logprobs
+    assert logprobs.top_logprobs == [{token: -0.5} for token in logprobs.tokens] and len(logprobs.tokens) == 3
+    assert core.requests[0].logprobs and core.requests[0].top_logprobs == 0
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_echo_with_max_tokens_zero_scores_the_prompt_alone(
     gateway_url: str, core: CoreDouble, stream
