@@ -177,8 +177,9 @@ def param_from_location(location: tuple[Any, ...]) -> str | None:
     return param or None
 
 
-def error_from_validation(exc: RequestValidationError) -> OpenAIError:
-    """422 from FastAPI → 400 naming the most specific failing field."""
+def error_from_validation(exc: RequestValidationError, content_type: str | None = None) -> OpenAIError:
+    """422 from FastAPI → 400 naming the most specific failing field. `content_type`: the
+    request's, named when a body that is not read as JSON is the whole problem."""
     errors = list(exc.errors())
     if not errors:
         return OpenAIError(400, "invalid request body")
@@ -190,6 +191,9 @@ def error_from_validation(exc: RequestValidationError) -> OpenAIError:
     message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
     if param is None and error.get("type") in ("missing", "model_attributes_type", "dict_type"):
         message = "request body must be a JSON object"
+        if content_type and not _is_json(content_type):
+            # curl -d without -H sends form encoding; FastAPI then reads no JSON at all
+            message += f", sent as Content-Type: application/json (this request said {content_type!r})"
     elif error.get("type") == "missing":
         message = "field required"
     elif error.get("type") == "union_tag_invalid":  # e.g. a content part type we do not serve yet
@@ -203,9 +207,15 @@ async def _openai_error_handler(request: Request, exc: Exception) -> JSONRespons
     return exc.response(path=request.url.path)
 
 
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
 async def _validation_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return error_from_validation(exc).response(path=request.url.path)
+    content_type = request.headers.get("content-type")
+    return error_from_validation(exc, content_type).response(path=request.url.path)
 
 
 async def _http_error_handler(request: Request, exc: Exception) -> JSONResponse:

@@ -83,6 +83,27 @@ def test_invalid_requests_are_400_naming_the_field(gateway_url: str, core: CoreD
     assert core.requests == []  # refused before core is asked
 
 
+def test_a_json_body_sent_as_a_form_is_told_what_content_type_to_send(
+    gateway_url: str, core: CoreDouble
+) -> None:
+    """`curl -d '{...}'` without -H sends application/x-www-form-urlencoded, which FastAPI does not
+    read as JSON: the error says so instead of calling a JSON object not one."""
+    import json
+
+    for route in (CHAT, "/v1/completions", "/v1/messages"):
+        response = httpx.post(
+            gateway_url + route,
+            content=json.dumps(VALID_BODY),
+            headers={"content-type": "application/x-www-form-urlencoded"},
+        )
+        assert response.status_code == 400, response.text
+        message = response.json()["error"]["message"]
+        assert "Content-Type: application/json" in message and "x-www-form-urlencoded" in message, message
+    plain = httpx.post(gateway_url + CHAT, json=[VALID_BODY])  # JSON, just not an object
+    assert plain.json()["error"]["message"] == "request body must be a JSON object"
+    assert core.requests == []
+
+
 def test_n_message_is_clear(gateway_url: str, core: CoreDouble) -> None:
     error = assert_envelope(httpx.post(gateway_url + CHAT, json={**VALID_BODY, "n": 2}), 400, "n")
     assert "n=1" in error["message"]
