@@ -1,9 +1,9 @@
 """Core `GenerateChunk`s → OpenAI `text_completion` objects (whole or as SSE chunks).
 
 Completions logprobs use the legacy shape: parallel lists `tokens`, `token_logprobs`,
-`top_logprobs` (one {token: logprob} map per token: the most likely and the chosen one) and `text_offset` (each token's character
-offset in the returned text, which starts with the prompt when `echo` is set; core sends the echoed
-prompt as the first chunk's text). With echo, the prompt's own tokens come first, scored by core
+`top_logprobs` (one {token: logprob} map per token: the most likely and the chosen one) and
+`text_offset` (each token's character offset in the returned text, which starts with the prompt when
+`echo` is set; core sends the echoed prompt as the first chunk's text). With echo, the prompt's own tokens come first, scored by core
 (`prompt_logprobs`); the first has no context, so its logprob and alternatives are null.
 """
 
