@@ -126,7 +126,11 @@ def test_completions_echo_scores_the_prompt_as_mlx_lm_does(up):
     logprobs = choice.logprobs
     assert "".join(logprobs.tokens) == text and logprobs.token_logprobs[0] is None
     assert logprobs.token_logprobs[1:] == pytest.approx(expected.tolist(), abs=2e-3)
-    assert all(len(top) == 2 for top in logprobs.top_logprobs[1:])
+    # the 2 most likely tokens, and the prompt's own where it is neither (OpenAI: up to logprobs + 1)
+    for token, logprob, top in zip(
+        logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:], strict=True
+    ):
+        assert len(top) in (2, 3) and top[token] == pytest.approx(logprob), (token, top)
     # "Paris" after "The capital of France is" is the model's own first choice
     paris = logprobs.tokens.index(" Paris")
     assert max(logprobs.top_logprobs[paris], key=logprobs.top_logprobs[paris].get) == " Paris"

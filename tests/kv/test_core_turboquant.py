@@ -25,7 +25,10 @@ def core(tiny_models):
     workers = Workers(split, workdir, ["0-7"]).start()
     address = f"unix:{workdir / 'core.sock'}"
     argv = ["core", "--split", str(split), "--listen", address, "--worker", ",".join(workers.addresses)]
-    proc = spawn([*argv, "--kv-cache", "turboquant", "--kv-recent-window", "8"], workdir / "core.log")
+    # chunks cut by tokens alone (the whole 150-token prompt in one, as generate_step prefills it):
+    # TurboQuant's tokens depend on chunking, and the step-time pacer's chunks follow the clock
+    flags = ["--kv-cache", "turboquant", "--kv-recent-window", "8", "--max-step-seconds", "0"]
+    proc = spawn([*argv, *flags], workdir / "core.log")
     wait_serving(address, timeout_s=60)
     yield address, tiny_models.checkpoint("qwen3_moe", None)
     stop([proc])
