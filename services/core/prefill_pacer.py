@@ -11,6 +11,10 @@ While sequences decode, the target is `--max-step-seconds`. With nothing decodin
 cancels wait, so a prompt prefilling alone gets ALONE_FACTOR times that, in chunks of at least
 ALONE_MIN_TOKENS: big enough that a slow machine's prefill throughput does not suffer, and a short
 request arriving behind an abandoned long prompt starts within seconds, not after the whole chunk.
+
+Chunks that follow the clock are not repeatable, and a compressed KV cache's numbers depend on them
+(a chunk's queries see earlier chunks as stored): with TurboQuant, `--max-step-seconds 0` is the way
+to repeatable tokens.
 """
 
 from __future__ import annotations
