@@ -39,10 +39,8 @@ class PrefillPacer:
         if self.target_s <= 0 or tokens <= MIN_TOKENS:
             return tokens
         if decoding == 0:
-            if tokens <= ALONE_MIN_TOKENS:
-                return tokens
             if self.alone_token_s is None:
-                return ALONE_MIN_TOKENS
+                return min(tokens, ALONE_MIN_TOKENS)
             return _fitting(
                 tokens, ALONE_FACTOR * self.target_s / max(self.alone_token_s, 1e-9), ALONE_MIN_TOKENS
             )

@@ -119,7 +119,9 @@ class MessagesInput(ApiModel):
                     f"messages[{i}]: all messages must have non-empty content except for the "
                     "optional final assistant message"
                 )
-            if any(isinstance(b, TextBlock) and not b.text for b in blocks) and message.content != "":
+            if isinstance(message.content, list) and any(
+                isinstance(b, TextBlock) and not b.text for b in blocks
+            ):
                 raise ValueError(f"messages[{i}]: text content blocks must be non-empty")
             results = [b.tool_use_id for b in blocks if isinstance(b, ToolResultBlock)]
             previous = messages[i - 1].blocks() if i and messages[i - 1].role == "assistant" else []
