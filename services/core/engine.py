@@ -27,6 +27,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generation_stream
 
 from services.common.logging import get_logger
+from services.common.mlx_threads import releasing_mlx
 from services.core.batch_step import GeneratorStep
 from services.core.engine_metrics import ENGINE_FORWARDS, ENGINE_STEPS
 from services.core.expert_client import BATCH_REQUEST_IDS, ExpertCallError
@@ -142,7 +143,7 @@ class Engine:
         # One batch per KV cache kind: a batch's caches merge into one batched cache, so kinds
         # cannot share one. Their forwards still share each step's expert calls (step_merge).
         self._generators: dict[str, BatchGenerator] = {}
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread = threading.Thread(target=releasing_mlx(self._run), name="engine", daemon=True)
 
     # ---- called from other threads ---------------------------------------------------------
 

@@ -24,6 +24,7 @@ from google.protobuf.message import DecodeError
 
 from services.common.frames import HEADER, FrameError, frame, frame_length, receive_exact
 from services.common.logging import get_logger
+from services.common.mlx_threads import releasing_mlx
 from services.common.unix_sockets import claim_socket_path
 from services.proto.moemesh.v1 import expert_pb2
 
@@ -50,6 +51,7 @@ class FrameServer:
         self._listener.bind(path)
         self._listener.listen(MAX_CONNECTIONS)
         self._connections: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()  # one per connection; they compute with MLX
         self._lock = threading.Lock()
         self._closed = False
         self._acceptor = threading.Thread(target=self._accept_loop, name="frames-accept", daemon=True)
@@ -70,7 +72,11 @@ class FrameServer:
                     connection.close()  # core then calls over gRPC
                     continue
                 self._connections.add(connection)
-            threading.Thread(target=self._serve, args=(connection,), name="frames-conn", daemon=True).start()
+                thread = threading.Thread(
+                    target=releasing_mlx(self._serve), args=(connection,), name="frames-conn", daemon=True
+                )
+                self._threads.add(thread)
+            thread.start()
 
     def _serve(self, connection: socket.socket) -> None:
         try:
@@ -94,10 +100,11 @@ class FrameServer:
         finally:
             with self._lock:
                 self._connections.discard(connection)
+                self._threads.discard(threading.current_thread())
             connection.close()
 
     def close(self) -> None:
-        """Stops accepting, ends every connection and removes the socket file."""
+        """Stops accepting, ends every connection (and waits for its thread) and removes the socket file."""
         with self._lock:
             self._closed = True
             connections = list(self._connections)
@@ -108,6 +115,10 @@ class FrameServer:
                 pass
         self._listener.close()
         self._acceptor.join(timeout=2)
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:  # each frees its MLX state as it ends (services/common/mlx_threads.py)
+            thread.join(timeout=2)
         try:
             os.unlink(self.path)
         except FileNotFoundError:

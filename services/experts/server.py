@@ -108,6 +108,7 @@ async def serve_expert_worker(
     async def on_stop() -> None:
         if frames is not None:
             await asyncio.to_thread(frames.close)
+        await asyncio.to_thread(servicer.close)
         stats = store.stats()
         log.info(
             "worker_stopping",

@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import structlog
 
 from services.common.logging import REQUEST_ID_METADATA_KEY, get_logger
+from services.common.mlx_threads import MlxThread
 from services.experts.compute import CallRejected, ExpertCompute
 from services.experts.store import ExpertFileError
 from services.experts.store_setup import describe_cache
@@ -42,7 +42,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         # Calls come from the event loop (Forward) and from frame-socket threads; the store
         # and MLX see one call at a time.
         self._answering = threading.Lock()
-        self._long_calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="long-call")
+        self._long_calls = MlxThread("long-call")
 
     async def Describe(self, request, context):
         store = self.compute.store
@@ -75,6 +75,10 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             else:
                 yield self.answer(call)
         log.info("forward_stream_closed", peer=context.peer())
+
+    def close(self) -> None:
+        """Ends the thread that answers long calls (after the server has stopped)."""
+        self._long_calls.close()
 
     def answer(self, call: expert_pb2.ExpertCall) -> expert_pb2.ExpertResult:
         """The result of one call, for Forward and the frame socket alike: a malformed call or

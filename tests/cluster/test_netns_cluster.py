@@ -232,5 +232,6 @@ async def test_sigterm_drains_the_in_flight_request(hosts):
         while (chunk := await call.read()) is not grpc.aio.EOF:
             rest.append(chunk)
     assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 60
-    assert await asyncio.to_thread(hosts.core.wait, 30) == 0
+    code = await asyncio.to_thread(hosts.core.wait, 30)
+    assert code == 0, hosts.core_log.read_text()[-3000:]
     assert '"event": "draining"' in hosts.core_log.read_text()
