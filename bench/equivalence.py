@@ -51,7 +51,7 @@ def main() -> None:
     report = {"device": str(mx.default_device()), "arch": args.arch, "dtype": args.dtype, "bits": args.bits}
     for ranges in (["0-7"], ["0-2", "3-5", "6-7"]):
         with linked_dispatcher(split, work, ranges, tag=f"w{len(ranges)}-") as (_, dispatcher, manifest):
-            core = load_core_model(split, manifest, dispatcher)
+            core, _ = load_core_model(split, manifest, dispatcher)
             got = core(prompt[None])[0, -1].astype(mx.float32)
             tokens = [int(t) for t, _ in generate_step(prompt, core, max_tokens=32)]
             agree = next((i for i, (a, b) in enumerate(zip(tokens, want_tokens, strict=True)) if a != b), 32)

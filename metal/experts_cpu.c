@@ -385,6 +385,89 @@ int moe_switch_glu(int n_tokens, int hidden, int inter, int dtype, int compute_d
     return 0;
 }
 
+/* ---- one dense projection ------------------------------------------------------------ */
+
+/* Core's attention projections (and lm_head for a decode step) on a Linux CPU go through the
+ * same row dots: out[t, o] = dot(row o, x[t]) for T tokens, rounded once to `dtype` (x's type).
+ * Threads take contiguous row ranges; within one, a tile of rows meets every block of up to
+ * BLOCK tokens while both are in L1. */
+#define ROW_TILE 32
+
+typedef struct {
+    const proj_t *p;
+    const float *x, *xsum; /* [T, in], [T, in / group] */
+    int n_tokens, dtype, row0, row1;
+    void *out; /* [T, out] */
+    row_dot_fn dot;
+} linear_job_t;
+
+static void *run_linear(void *arg) {
+    const linear_job_t *J = arg;
+    const proj_t *p = J->p;
+    int in = p->in_dim, xg = in / p->group_size;
+    const float *x[BLOCK], *xs[BLOCK];
+    float y[BLOCK];
+    for (int tile = J->row0; tile < J->row1; tile += ROW_TILE) {
+        int tile_end = tile + ROW_TILE < J->row1 ? tile + ROW_TILE : J->row1;
+        for (int t0 = 0; t0 < J->n_tokens; t0 += BLOCK) {
+            int nb = J->n_tokens - t0 < BLOCK ? J->n_tokens - t0 : BLOCK;
+            for (int r = 0; r < nb; r++) {
+                x[r] = J->x + (size_t)(t0 + r) * in;
+                xs[r] = J->xsum + (size_t)(t0 + r) * xg;
+            }
+            for (int o = tile; o < tile_end; o++) {
+                J->dot(p, (size_t)o, nb, x, xs, y);
+                for (int r = 0; r < nb; r++) store_as(J->out, (size_t)(t0 + r) * p->out_dim + o, y[r], J->dtype);
+            }
+        }
+    }
+    return NULL;
+}
+
+/* Returns 0; -1 for a layout it does not take, -2 out of memory. x: [T, in] in `dtype`; weight
+ * uint32 [out, in * bits / 32], scales and biases [out, in / group] in `scale_dtype`; out:
+ * [T, out] in `dtype`. */
+int moe_quantized_linear(int n_tokens, int in_dim, int out_dim, int dtype, const void *x, const uint32_t *w,
+                         const void *scales, const void *biases, int bits, int group_size, int scale_dtype,
+                         void *out, int threads) {
+    proj_t p = {w, scales, biases, out_dim, in_dim, bits, group_size, scale_dtype};
+    if (!proj_ok(&p) || dtype < DT_F32 || dtype > DT_BF16 || n_tokens < 0 || out_dim < 0) return -1;
+    if (n_tokens == 0 || out_dim == 0) return 0;
+    int xg = in_dim / group_size;
+    float *xf = malloc(sizeof(float) * (size_t)n_tokens * (in_dim + xg));
+    if (!xf) return -2;
+    float *xsum = xf + (size_t)n_tokens * in_dim;
+    for (int t = 0; t < n_tokens; t++) {
+        for (int j = 0; j < in_dim; j++) xf[(size_t)t * in_dim + j] = load_as_float(x, (size_t)t * in_dim + j, dtype);
+        for (int g = 0; g < xg; g++) {
+            float s = 0.f;
+            for (int j = 0; j < group_size; j++) s += xf[(size_t)t * in_dim + g * group_size + j];
+            xsum[(size_t)t * xg + g] = s;
+        }
+    }
+    row_dot_fn dot = pick_row_dot(group_size, group_size);
+    int tiles = (out_dim + ROW_TILE - 1) / ROW_TILE;
+    if (threads > tiles) threads = tiles;
+    if (threads > 64) threads = 64;
+    if (threads < 1) threads = 1;
+    pthread_t ids[64];
+    linear_job_t jobs[64];
+    int per = (tiles + threads - 1) / threads * ROW_TILE, started = 0;
+    for (int t = 0; t < threads; t++) {
+        int row0 = t * per < out_dim ? t * per : out_dim, row1 = (t + 1) * per < out_dim ? (t + 1) * per : out_dim;
+        jobs[t] = (linear_job_t){&p, xf, xsum, n_tokens, dtype, row0, row1, out, dot};
+    }
+    for (int t = 1; t < threads; t++) {
+        if (pthread_create(&ids[t], NULL, run_linear, &jobs[t]) != 0) break;
+        started = t;
+    }
+    run_linear(&jobs[0]);
+    for (int t = 1; t <= started; t++) pthread_join(ids[t], NULL);
+    for (int t = started + 1; t < threads; t++) run_linear(&jobs[t]); /* the ones no thread took */
+    free(xf);
+    return 0;
+}
+
 int moe_has_avx2(void) {
 #if EX_X86
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");

@@ -47,6 +47,9 @@ def _library():
     ] * 3  # gate, up, down: weight, scales, biases, bits, group
     lib.moe_switch_glu.argtypes += [_I, _P, _I]  # scale dtype, out, threads
     lib.moe_switch_glu.restype = ctypes.c_int
+    # T, in, out, dtype, x, weight, scales, biases, bits, group, scale dtype, out, threads
+    lib.moe_quantized_linear.argtypes = [_I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _I, _P, _I]
+    lib.moe_quantized_linear.restype = ctypes.c_int
     lib.moe_has_avx2.restype = ctypes.c_int
     lib.moe_force_scalar.argtypes = [_I]
     return lib

@@ -56,6 +56,7 @@ def _core(args) -> None:
         expert_frames=not args.no_expert_frames,
         frame_spin_s=spin_seconds(args.frame_spin_us),
         expert_overlap={"auto": None, "on": True, "off": False}[args.expert_overlap],
+        dense_kernel=args.dense_kernel,
         engine_config=EngineConfig(
             max_num_seqs=args.max_num_seqs,
             max_queue=args.max_queue,
@@ -203,6 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "on", "off"],
         default="auto",
         help="build the next layer while a layer's experts compute (auto: on the CPU, off on GPUs)",
+    )
+    p.add_argument(
+        "--dense-kernel",
+        choices=["auto", "mlx"],
+        default="auto",
+        help="quantized projections (attention, shared experts, lm_head at decode) on the CPU: "
+        "auto = moe-mesh's C kernel where MLX runs on the CPU, mlx = MLX's own op",
     )
     add_spin_flag(p)
     add_cluster_flags(p)

@@ -14,13 +14,18 @@ from mlx import nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_tokenizer
 
+from metal.linear_cpu import use_cpu_kernels
 from services.common.manifest import Manifest
 from services.common.model_build import build_skeleton, quantize_like_mlx_lm, replace_modules
 from services.core.expert_client import ExpertDispatcher
 from services.core.remote_experts import RemoteExperts
 
 
-def load_core_model(split_dir: Path, manifest: Manifest, dispatcher: ExpertDispatcher) -> nn.Module:
+def load_core_model(
+    split_dir: Path, manifest: Manifest, dispatcher: ExpertDispatcher, dense_kernel: str = "auto"
+) -> tuple[nn.Module, int]:
+    """(model, how many quantized projections compute with metal/linear_cpu.py): with
+    `dense_kernel` "auto", those where MLX runs on the CPU; "mlx" keeps MLX's own op."""
     model = build_skeleton(manifest.config)
     replace_modules(
         model, {layer.module: RemoteExperts(layer.layer, dispatcher) for layer in manifest.layers}
@@ -30,7 +35,10 @@ def load_core_model(split_dir: Path, manifest: Manifest, dispatcher: ExpertDispa
     model.eval()
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
-    return model
+    on_kernel = 0
+    if dense_kernel == "auto" and mx.default_device() == mx.cpu:
+        on_kernel = use_cpu_kernels(model)
+    return model, on_kernel
 
 
 def load_core_tokenizer(split_dir: Path, manifest: Manifest) -> TokenizerWrapper:

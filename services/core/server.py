@@ -41,6 +41,7 @@ def build_engine(
     expert_frames: bool = True,
     frame_spin_s: float = 0.0,
     expert_overlap: bool | None = None,
+    dense_kernel: str = "auto",
 ) -> tuple[Engine, RequestPreparer, core_pb2.ModelInfo]:
     manifest = Manifest.load(split_dir)
     tokenizer = load_core_tokenizer(split_dir, manifest)
@@ -61,9 +62,12 @@ def build_engine(
         )
         engine.closers.append(dispatcher.close)
         started = time.monotonic()
-        model = load_core_model(split_dir, manifest, dispatcher)
+        model, on_kernel = load_core_model(split_dir, manifest, dispatcher, dense_kernel)
         log.info(
-            "core_model_loaded", seconds=round(time.monotonic() - started, 2), layers=len(manifest.layers)
+            "core_model_loaded",
+            seconds=round(time.monotonic() - started, 2),
+            layers=len(manifest.layers),
+            projections_on_cpu_kernel=on_kernel,
         )
         # The grammar engine's view of the vocabulary takes seconds and holds the GIL: build it
         # before core reports SERVING, not on the first constrained request of a live server.
@@ -107,11 +111,13 @@ async def serve_core(
     expert_frames: bool = True,
     frame_spin_s: float = 0.0,
     expert_overlap: bool | None = None,
+    dense_kernel: str = "auto",
 ) -> None:
     """`tls`: mTLS for the Core server and the links to workers; `metrics`: host:port of the
     Prometheus endpoint (None = none); `expert_frames`: use same-host workers' frame sockets;
     `frame_spin_s`: how long reading their answers polls before it sleeps; `expert_overlap`:
-    build the next layer while a layer's experts compute (ExpertDispatcher.call)."""
+    build the next layer while a layer's experts compute (ExpertDispatcher.call); `dense_kernel`:
+    "auto" computes quantized projections with metal/linear_cpu.py where MLX runs on the CPU."""
     engine, preparer, info = build_engine(
         split_dir,
         workers,
@@ -121,6 +127,7 @@ async def serve_core(
         expert_frames,
         frame_spin_s,
         expert_overlap,
+        dense_kernel,
     )
     running = await start_server(
         lambda server: core_pb2_grpc.add_CoreServicer_to_server(CoreServicer(engine, preparer, info), server),

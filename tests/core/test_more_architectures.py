@@ -35,7 +35,7 @@ def test_split_model_matches_mlx_lm(tiny_models, short_tmp, arch, bits, dtypes):
     split = tiny_models.split(arch, bits, dtypes)
     prompt = mx.array(list(range(1000, 1016)))
     with linked_dispatcher(split, short_tmp, ["0-2", "3-5", "6-7"]) as (_, dispatcher, manifest):
-        core = load_core_model(split, manifest, dispatcher)
+        core, _ = load_core_model(split, manifest, dispatcher)
         want, got = reference(prompt[None])[0, -1], core(prompt[None])[0, -1]
         assert (mx.abs(got - want).max() / mx.abs(want).max()).item() < 1e-4
 

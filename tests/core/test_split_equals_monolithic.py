@@ -8,6 +8,7 @@ import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
 
+from metal import linear_cpu
 from services.core.model_loader import load_core_model
 from tests.helpers import linked_dispatcher
 
@@ -32,7 +33,9 @@ def test_split_model_matches_mlx_lm(tiny_models, short_tmp, arch, bits, ranges):
     prompt = mx.array(tokenizer.encode(PROMPT))
 
     with linked_dispatcher(split, short_tmp, ranges) as (_, dispatcher, manifest):
-        core = load_core_model(split, manifest, dispatcher)
+        core, on_kernel = load_core_model(split, manifest, dispatcher)
+        # 4-bit: the core's projections run in metal/linear_cpu.py (this CPU), with the experts
+        assert (on_kernel > 0) == (bits is not None and linear_cpu.available())
 
         want = reference(prompt[None])[0, -1]
         got = core(prompt[None])[0, -1]

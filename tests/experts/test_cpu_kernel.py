@@ -249,7 +249,7 @@ def test_worker_flag_picks_what_computes_and_core_still_matches_mlx_lm(tiny_mode
         dispatcher,
         manifest,
     ):
-        core = load_core_model(split, manifest, dispatcher)
+        core, _ = load_core_model(split, manifest, dispatcher)
         want, got = reference(prompt)[0, -1], core(prompt)[0, -1]
         assert (mx.abs(got - want).max() / mx.abs(want).max()).item() < 1e-4
     serving = [
