@@ -1,10 +1,11 @@
 """The compiled pieces of moe-mesh: TurboQuant's CPU decode-attention kernels
-(metal/turboquant_cpu.c) and the routed experts' CPU kernel (metal/experts_cpu.c).
+(metal/turboquant_cpu.c) and the CPU kernel for quantized routed experts and core's quantized
+projections (metal/experts_cpu.c).
 Everything else is declared in pyproject.toml.
 
 Both extensions are optional: where no C compiler is found the install still succeeds, the
-KV cache uses the pure-MLX twin (same numbers, slower on CPUs) and expert workers compute
-with mlx-lm's own expert modules."""
+KV cache uses the pure-MLX twin (same numbers, slower on CPUs), expert workers compute
+with mlx-lm's own expert modules and core with MLX's quantized matmul."""
 
 import sys
 

@@ -1,7 +1,8 @@
 /* Routed experts of one MoE layer for CPUs: mlx-lm's SwitchGLU (gate and up projections,
  * SwiGLU, down projection) over MLX's affine-quantized weights, for a list of
  * (token, expert) pairs, in one call (loaded by metal/experts_cpu.py through ctypes; built by
- * setup.py as metal._experts_cpu).
+ * setup.py as metal._experts_cpu). The same row dots compute one dense quantized projection
+ * (moe_quantized_linear, for core's attention projections: metal/linear_cpu.py).
  *
  * Why: MLX's CPU backend computes a quantized matmul one scalar multiply-add at a time
  * (a strict float sum, no SIMD), so a one-token layer of a small model spends milliseconds
