@@ -8,8 +8,8 @@ packed rows with SIMD; a dense projection is one expert's matrix.
 `use_cpu_kernels(model)` swaps the class of each eligible `nn.QuantizedLinear` (and the tied
 `nn.QuantizedEmbedding` of `as_linear`) for a subclass whose product runs in C on the module's own
 weight memory: the parameters and their paths stay as loaded. A product is eager (the kernel needs
-x's values), so it first settles a layer call in flight (services/core/in_flight.py), then
-evaluates x. That is free where the output is always used (projections feed the KV cache and the
+x's values), so it first runs the `settle` hook `use_cpu_kernels` was given (core's: finish a
+layer call in flight, services/core/in_flight.py), then evaluates x. That is free where the output is always used (projections feed the KV cache and the
 next layer); an output head is not: mlx-lm evaluates only the last position's logits of a prompt
 and MLX prunes the rest, so heads take the kernel only for one position per sequence (decode steps)
 and leave longer inputs to MLX. Anything the kernel does not take (3/5/6-bit, mxfp4, no biases,
@@ -19,6 +19,7 @@ an input inside mx.compile or vmap) stays on MLX's own op.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -45,9 +46,14 @@ class _Rows:
     group_size: int
     dtype: mx.Dtype  # of the scales: MLX computes in the promotion of x's and this type
     heads_only_at_one_position: bool
+    settle: Callable[[], None]  # run before x is evaluated
 
 
-def _rows(module: nn.Module, head: bool) -> _Rows | None:
+def _nothing_to_settle() -> None:
+    pass
+
+
+def _rows(module: nn.Module, head: bool, settle: Callable[[], None] = _nothing_to_settle) -> _Rows | None:
     if getattr(module, "mode", "affine") != "affine" or module.bits not in _BITS:
         return None
     if getattr(module, "global_scale", None) is not None:
@@ -69,7 +75,7 @@ def _rows(module: nn.Module, head: bool) -> _Rows | None:
     views = [_host_view(a) for a in (weight, scales, biases)]
     if any(v is None for v in views):
         return None
-    return _Rows(*views, out_dim, in_dim, module.bits, module.group_size, scales.dtype, head)
+    return _Rows(*views, out_dim, in_dim, module.bits, module.group_size, scales.dtype, head, settle)
 
 
 def _threads(macs: int) -> int:
@@ -86,9 +92,7 @@ def product(rows: _Rows, x: mx.array) -> mx.array | None:
         return None
     if rows.heads_only_at_one_position and (x.ndim < 2 or x.shape[-2] != 1):
         return None
-    from services.core.in_flight import settle_pending
-
-    settle_pending()  # x may hang on a layer call in flight
+    rows.settle()  # in core, x may hang on a layer call in flight
     dtype = x.dtype if x.dtype == rows.dtype else mx.float32  # MLX's promotion among these three
     x = x.astype(dtype)
     try:
@@ -134,9 +138,10 @@ def available() -> bool:
     return lib is not None and hasattr(lib, "moe_quantized_linear")
 
 
-def use_cpu_kernels(model: nn.Module) -> int:
+def use_cpu_kernels(model: nn.Module, settle: Callable[[], None] = _nothing_to_settle) -> int:
     """Move the model's eligible quantized projections onto the C kernel; returns how many moved.
-    Call after the weights are loaded (the kernel reads their memory in place)."""
+    Call after the weights are loaded (the kernel reads their memory in place). `settle()` runs
+    before each product evaluates its input."""
     if not available():
         return 0
     moved = 0
@@ -148,7 +153,7 @@ def use_cpu_kernels(model: nn.Module) -> int:
             target, head = KernelQuantizedEmbedding, True  # its products are the tied head's
         else:
             continue
-        rows = _rows(module, head)
+        rows = _rows(module, head, settle)
         if rows is None:
             continue
         module.__class__ = target

@@ -18,6 +18,7 @@ from metal.linear_cpu import use_cpu_kernels
 from services.common.manifest import Manifest
 from services.common.model_build import build_skeleton, quantize_like_mlx_lm, replace_modules
 from services.core.expert_client import ExpertDispatcher
+from services.core.in_flight import settle_pending
 from services.core.remote_experts import RemoteExperts
 
 
@@ -37,7 +38,7 @@ def load_core_model(
     mx.eval(model.parameters())
     on_kernel = 0
     if dense_kernel == "auto" and mx.default_device() == mx.cpu:
-        on_kernel = use_cpu_kernels(model)
+        on_kernel = use_cpu_kernels(model, settle=settle_pending)
     return model, on_kernel
 
 

@@ -96,7 +96,10 @@ def test_use_cpu_kernels_keeps_the_parameters_and_the_outputs():
     before = {k: v for k, v in tree_flatten(model.parameters())}
     ids = mx.array([[1, 5, 7, 9]])
     want_all, want_last = model(ids), model(ids[:, -1:])
-    assert linear_cpu.use_cpu_kernels(model) == 3  # proj, lm_head, the quantized embedding
+    settled = []
+    assert (
+        linear_cpu.use_cpu_kernels(model, settle=lambda: settled.append(1)) == 3
+    )  # proj, lm_head, embedding
     after = {k: v for k, v in tree_flatten(model.parameters())}
     assert before.keys() == after.keys() and all(after[k] is before[k] for k in before)
     assert isinstance(model.proj, nn.QuantizedLinear) and isinstance(
@@ -104,6 +107,7 @@ def test_use_cpu_kernels_keeps_the_parameters_and_the_outputs():
     )
     for got, want in ((model(ids), want_all), (model(ids[:, -1:]), want_last)):
         assert mx.abs(got - want).max().item() <= 1e-5 * mx.abs(want).max().item()
+    assert len(settled) == 1 + 2  # proj at 4 positions (the head: MLX), then proj and head at one
 
 
 def test_an_output_head_takes_the_kernel_for_one_position_only():
