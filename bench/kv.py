@@ -5,6 +5,7 @@
     python bench/kv.py --model PATH --dtype float16     # any mlx-lm checkpoint
     python bench/kv.py --dequantize                     # on a CPU (see below)
     python bench/kv.py --dequantize --random-fill       # decode only, caches filled at random
+    python bench/kv.py --dense-kernel                   # on a CPU, projections as core computes them
 
 Monolithic mlx-lm (the model's own attention code, TurboQuant reached through
 install_turboquant_attention). For each context: the prompt (the bundled GPL-3 text,
@@ -17,7 +18,10 @@ from the same run. Prints one JSON object.
 `--dequantize` turns the 4-bit weights into float32 first: MLX's CPU quantized matmul is
 orders of magnitude slower than its float32 one (a 256-token prefill of the demo model
 takes ~35 s quantized on a 2-core x86), while the KV cache and attention, all this bench
-compares, do not depend on how the projections are stored.
+compares, do not depend on how the projections are stored. `--dense-kernel` keeps the 4-bit
+weights and computes them with core's CPU kernel (metal/linear_cpu.py), as `moe-mesh core` does on a
+CPU since session 14: ~10x faster projections, so attention is a larger share of each step and the
+ratios are the ones a CPU core sees.
 """
 
 from __future__ import annotations
@@ -163,6 +167,11 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--dequantize", action="store_true", help="float32 weights (fast on a CPU)")
     parser.add_argument(
+        "--dense-kernel",
+        action="store_true",
+        help="quantized projections on core's CPU kernel (metal/linear_cpu.py)",
+    )
+    parser.add_argument(
         "--random-weights", action="store_true", help="the model's shapes from its config, random weights"
     )
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -183,6 +192,15 @@ def main() -> None:
 
         model = dequantize_model(model)
         model.set_dtype(getattr(mx, args.dtype or "float32"))
+    on_kernel = 0
+    if args.dense_kernel:
+        from metal.linear_cpu import use_cpu_kernels
+
+        on_kernel = use_cpu_kernels(model)
+        if not on_kernel:
+            raise SystemExit(
+                "--dense-kernel: no projection moved (quantized weights and the C extension needed)"
+            )
     settings = KVCacheSettings()
     config = model.args
     heads = getattr(config, "num_key_value_heads", None)
@@ -197,7 +215,8 @@ def main() -> None:
         "head_dim": head_dim,
         "fp16_bytes_per_token": 2 * 2 * layers * heads * head_dim,
         "weights": ("random, " if args.random_weights else "")
-        + ("float32 (dequantized)" if args.dequantize else "as stored"),
+        + ("float32 (dequantized)" if args.dequantize else "as stored")
+        + (f", {on_kernel} projections on core's CPU kernel" if on_kernel else ""),
         "twin_max_abs_error": round(twin_error(), 7),
         "kernels": kernel_backend_name(),
         "rounds": args.rounds,

@@ -88,3 +88,26 @@ def test_compressed_bytes_per_token_at_head_dim_128_are_3_5x_below_fp16():
     assert fp16_bytes / cache.nbytes >= 3.5
     # K: 3-bit codes + 1-bit QJL + two fp16 norms; V: 3-bit codes + one fp16 norm
     assert cache.nbytes == 512 * 4 * ((48 + 16 + 4) + (48 + 2))
+
+
+@pytest.mark.parametrize(
+    "lengths", [[3], [20], [20, 1], [9, 5]], ids=["sinks-only", "prefill", "decode", "chunks"]
+)
+def test_within_sinks_and_window_it_is_the_fp16_caches_own_attention(lengths):
+    """Nothing compressed yet (most chats): the same fused call over the same keys as mlx-lm's
+    KVCache, so the numbers are identical, not merely close."""
+    from mlx_lm.models.cache import KVCache
+
+    settings = KVCacheSettings(sink_tokens=4, recent_window=32, block_size=8)
+    cache, reference = TurboQuantKVCache(settings, layer=0), KVCache()
+    mx.random.seed(7)
+    for n in lengths:
+        keys, values = mx.random.normal((1, 2, n, 48)) * 3, mx.random.normal((1, 2, n, 48))
+        cache.update_and_fetch(keys, values)
+        all_keys, all_values = reference.update_and_fetch(keys, values)
+        queries = mx.random.normal((1, 6, n, 48))
+        want = mx.fast.scaled_dot_product_attention(
+            queries, all_keys, all_values, scale=0.15, mask="causal" if n > 1 else None
+        )
+        assert cache.compressed_length == 0
+        assert mx.array_equal(turboquant_attention(queries, cache, scale=0.15), want).item()

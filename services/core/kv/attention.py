@@ -45,7 +45,9 @@ def _stored_attention(
     (default: the last L positions of the cache). Queries past the cache's end see
     every key (their rows are padding in a batch and are never read).
 
-    Decode steps (L <= 8, the queries at the end) take `decode_attention`: one compiled
+    While nothing is compressed (a context within the sinks and the window) queries at the end
+    take `_exact_attention`, the fp16 cache's own fused call. Decode steps (L <= 8, the queries
+    at the end) take the fused kernels, else `decode_attention`: one compiled
     graph that scores straight from the codes. Longer query runs (prefill) run in the
     rotated domain through one fused mx.fast.scaled_dot_product_attention call: the
     query is rotated once, compressed keys are decoded for this call into the
@@ -58,6 +60,8 @@ def _stored_attention(
     if cache.offset == 0:
         return mx.zeros_like(queries)
     start = cache.offset - L if query_start is None else query_start
+    if not cache.compressed_length and start + L == cache.offset:
+        return _exact_attention(queries, cache, scale)
     if L <= 8 and cache.compressed_length and kernels_ready():  # (no views built per step)
         out = kernel_attention(queries, cache, scale, start)  # fused kernels: straight from the codes
         if out is not None:
@@ -95,6 +99,27 @@ def _stored_attention(
         mask = mask | (query_pos[:, None] >= cache.offset)  # padding rows: see all
     out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
     return values_codec.unrotate(out.astype(mx.float32)).astype(queries.dtype)
+
+
+def _exact_attention(queries: mx.array, cache: TurboQuantKVCache, scale: float) -> mx.array:
+    """Nothing compressed yet (a context within the sinks and the window, most chats): the two
+    exact runs hold every token in order, so this is the fp16 cache's own fused attention, with
+    no rotation and no mask beyond the causal one. (Keys stored centred differ from the raw ones
+    by one vector, which shifts each query's scores by one constant: the softmax ignores it.)"""
+    runs = [
+        (keys, values)
+        for keys, values in ((cache.sink_keys, cache.sink_values), (cache.recent_keys, cache.recent_values))
+        if keys is not None and keys.shape[2]
+    ]
+    keys = mx.concatenate([k for k, _ in runs], axis=2) if len(runs) > 1 else runs[0][0]
+    values = mx.concatenate([v for _, v in runs], axis=2) if len(runs) > 1 else runs[0][1]
+    return mx.fast.scaled_dot_product_attention(
+        queries,
+        keys.astype(queries.dtype),
+        values.astype(queries.dtype),
+        scale=scale,
+        mask="causal" if queries.shape[2] > 1 else None,
+    )
 
 
 def _attention_for(cache, queries: mx.array, scale: float) -> mx.array | None:
