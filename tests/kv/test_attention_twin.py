@@ -34,6 +34,7 @@ def test_twin_equals_attention_over_the_decoded_cache(queries_len, attention_pat
     settings = KVCacheSettings(key_qjl=False, sink_tokens=4, recent_window=8, block_size=8)
     cache = filled_cache(settings, [30, 13, queries_len])
     assert cache.compressed_length > 0 and cache.sink_keys.shape[2] == 4
+    cache.just_aged = None  # queries over the stored runs alone (the last update's: test_chunk_invariance)
     keys, values = decoded(cache)
     queries = mx.random.normal((1, 6, queries_len, 48))
     positions = cache.offset - queries_len + mx.arange(queries_len)
@@ -47,6 +48,7 @@ def test_twin_equals_attention_over_the_decoded_cache(queries_len, attention_pat
 def test_twin_with_qjl_equals_softmax_over_the_estimated_scores(queries_len, attention_path):
     settings = KVCacheSettings(key_qjl=True, sink_tokens=4, recent_window=8, block_size=8)
     cache = filled_cache(settings, [40, queries_len])
+    cache.just_aged = None  # queries over the stored runs (the last update's own: test_chunk_invariance)
     codec = cache.key_codec
     queries = mx.random.normal((1, 2, queries_len, 48))
     scores = mx.concatenate(

@@ -25,9 +25,9 @@ def core(tiny_models):
     workers = Workers(split, workdir, ["0-7"]).start()
     address = f"unix:{workdir / 'core.sock'}"
     argv = ["core", "--split", str(split), "--listen", address, "--worker", ",".join(workers.addresses)]
-    # chunks cut by tokens alone (the whole 150-token prompt in one, as generate_step prefills it):
-    # TurboQuant's tokens depend on chunking, and the step-time pacer's chunks follow the clock
-    flags = ["--kv-cache", "turboquant", "--kv-recent-window", "8", "--max-step-seconds", "0"]
+    # the prompt in chunks of at most 37 tokens (and whatever the step-time pacer cuts), where
+    # generate_step prefills all 150 at once: TurboQuant's tokens must not depend on chunking
+    flags = ["--kv-cache", "turboquant", "--kv-recent-window", "8", "--max-num-batched-tokens", "37"]
     proc = spawn([*argv, *flags], workdir / "core.log")
     wait_serving(address, timeout_s=60)
     yield address, tiny_models.checkpoint("qwen3_moe", None)

@@ -23,7 +23,9 @@ from tests.kv.test_metal_kernels import TwinBackend
 
 def prefilled(qjl: bool, new_tokens: int, seed: int = 0) -> TurboQuantKVCache:
     """A cache holding 90 tokens (sinks 4, window 8, blocks of 8: a compressed run of ~72),
-    then `new_tokens` more appended as one prefill chunk."""
+    then `new_tokens` more appended as one prefill chunk. The queries here see the stored runs
+    as they are (how the last update's own queries see the tokens it compressed is
+    test_chunk_invariance's)."""
     settings = KVCacheSettings(key_qjl=qjl, sink_tokens=4, recent_window=8, block_size=8)
     mx.random.seed(seed)
     cache = TurboQuantKVCache(settings, layer=4)
@@ -31,6 +33,7 @@ def prefilled(qjl: bool, new_tokens: int, seed: int = 0) -> TurboQuantKVCache:
     values = mx.random.normal((1, 2, 90 + new_tokens, 48))
     cache.update_and_fetch(keys[:, :, :90], values[:, :, :90])
     cache.update_and_fetch(keys[:, :, 90:], values[:, :, 90:])
+    cache.just_aged = None
     return cache
 
 

@@ -46,8 +46,11 @@ def _stored_attention(
     every key (their rows are padding in a batch and are never read).
 
     While nothing is compressed (a context within the sinks and the window) queries at the end
-    take `_exact_attention`, the fp16 cache's own fused call. Decode steps (L <= 8, the queries
-    at the end) take the fused kernels, else `decode_attention`: one compiled
+    take `_exact_attention`, the fp16 cache's own fused call. Where the update that stored these
+    queries' tokens compressed some (`cache.just_aged`), its earlier queries must see those exact
+    (`_chunk_invariant_mask`): such runs take the fused path below with the exact copies added.
+    Otherwise decode steps (L <= 8, the queries at the end) take the fused kernels, else
+    `decode_attention`: one compiled
     graph that scores straight from the codes. Longer query runs (prefill) run in the
     rotated domain through one fused mx.fast.scaled_dot_product_attention call: the
     query is rotated once, compressed keys are decoded for this call into the
@@ -55,18 +58,21 @@ def _stored_attention(
     rotated query is the unbiased estimate), compressed values into |v| c, exact runs
     are rotated (a few hundred tokens), and the output is rotated back once. Where that
     transient copy would exceed prefill_attention.DECODED_BUDGET_BYTES, `blockwise_attention`
-    reads the run one block at a time under an online softmax instead."""
+    reads the run one block at a time under an online softmax instead (there, the tokens this
+    update compressed are seen as stored: past ~128K tokens, chunking shows)."""
     B, n_q_heads, L, D = queries.shape
     if cache.offset == 0:
         return mx.zeros_like(queries)
     start = cache.offset - L if query_start is None else query_start
     if not cache.compressed_length and start + L == cache.offset:
         return _exact_attention(queries, cache, scale)
-    if L <= 8 and cache.compressed_length and kernels_ready():  # (no views built per step)
+    # this update compressed tokens that its earlier queries see exact (one query: none)
+    aged = cache.just_aged if L > 1 else None
+    if L <= 8 and aged is None and cache.compressed_length and kernels_ready():  # (no views built per step)
         out = kernel_attention(queries, cache, scale, start)  # fused kernels: straight from the codes
         if out is not None:
             return out
-    if L <= 8 and start + L == cache.offset:
+    if L <= 8 and aged is None and start + L == cache.offset:
         return decode_attention(queries, cache, scale)
     dtype = prefill_dtype(queries)
     if not decoded_run_fits(cache, dtype):
@@ -86,10 +92,15 @@ def _stored_attention(
             run_keys, run_values = decoded_run(keys_codec, values_codec, packed_k, packed_v, dtype)
             keys.append(run_keys)
             values.append(run_values)
+    if aged is not None:  # exact copies of the tokens this update compressed, after the runs
+        keys.append(keys_codec.rotation.forward(aged[0]).astype(dtype))
+        values.append(values_codec.rotation.forward(aged[1]).astype(dtype))
     keys = mx.concatenate(keys, axis=2) if len(keys) > 1 else keys[0]
     values = mx.concatenate(values, axis=2) if len(values) > 1 else values[0]
 
-    if start + L == cache.offset:
+    if aged is not None:
+        mask = _chunk_invariant_mask(cache, start, L)
+    elif start + L == cache.offset:
         # the queries are the newest tokens: bottom-right causal, which lets MLX use its
         # fused kernel instead of materialising [L, offset] scores against an array mask
         mask = "causal" if L > 1 else None
@@ -99,6 +110,50 @@ def _stored_attention(
         mask = mask | (query_pos[:, None] >= cache.offset)  # padding rows: see all
     out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
     return values_codec.unrotate(out.astype(mx.float32)).astype(queries.dtype)
+
+
+def _chunk_invariant_mask(cache: TurboQuantKVCache, start: int, L: int) -> mx.array:
+    """[L, keys] visibility for queries start..start+L-1 over the keys in `_stored_attention`'s
+    order (sinks, compressed run, window, then exact copies of the tokens this update compressed).
+
+    Query p sees what it would have seen had the prompt come one token at a time: the tokens
+    compressed at that point (the cache compresses whole blocks once the window passes
+    recent_window + block_size, so that boundary is a function of p alone) from their codes, the
+    rest exact. Then a prompt's tokens do not depend on how it was cut into prefill chunks, which
+    follows the clock and the batch (services/core/prefill_pacer.py). Rows past the cache's end
+    (padding in a batch) see everything."""
+    s = cache.settings
+    sinks = _length(cache.sink_keys)
+    compressed, recent = cache.compressed_length, _length(cache.recent_keys)
+    aged_keys, _, first_aged = cache.just_aged
+    position = mx.concatenate(
+        [
+            mx.arange(sinks),
+            sinks + mx.arange(compressed),
+            sinks + compressed + mx.arange(recent),
+            first_aged + mx.arange(aged_keys.shape[2]),
+        ]
+    )[None, :]
+    from_codes = mx.concatenate(
+        [
+            mx.zeros(sinks, mx.bool_),
+            mx.ones(compressed, mx.bool_),
+            mx.zeros(recent + aged_keys.shape[2], mx.bool_),
+        ]
+    )[None, :]
+    in_aged_copies = mx.arange(position.shape[1])[None, :] >= sinks + compressed + recent
+    query = (start + mx.arange(L))[:, None]
+    # where the compressed run ended when the cache held query + 1 tokens (never before this
+    # update's first compressed token: older ones were compressed already)
+    grown = ((query + 1 - sinks - s.recent_window) // s.block_size) * s.block_size
+    boundary = mx.clip(sinks + grown, first_aged, sinks + compressed)
+    visible = mx.where(from_codes, position < boundary, position <= query)
+    visible = visible & ~(in_aged_copies & (position < boundary))
+    return visible | (query >= cache.offset)
+
+
+def _length(a: mx.array | None) -> int:
+    return 0 if a is None else a.shape[2]
 
 
 def _exact_attention(queries: mx.array, cache: TurboQuantKVCache, scale: float) -> mx.array:

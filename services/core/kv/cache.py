@@ -81,6 +81,11 @@ class TurboQuantKVCache(_BaseCache):
         # first block is compressed (None: nothing subtracted)
         self.key_offset: mx.array | None = None
         self.value_offset: mx.array | None = None
+        # The tokens the last update compressed, as they were stored exact (keys, values), and
+        # the position of the first: that update's queries still see the ones younger than their
+        # own window exact (attention._stored_attention), so a prompt's tokens do not depend on
+        # how it was cut into chunks. Cleared by the next update, trim and copies.
+        self.just_aged: tuple[mx.array, mx.array, int] | None = None
 
     # ---- writing --------------------------------------------------------------------
 
@@ -93,6 +98,7 @@ class TurboQuantKVCache(_BaseCache):
         if self.key_codec is None:
             self._codecs(keys, values)
         returned, n = (keys, values), keys.shape[2]
+        self.just_aged = None
         keys, values = self._centered(keys, values)
         to_sinks = max(0, min(n, self.settings.sink_tokens - _length(self.sink_keys)))
         if to_sinks:
@@ -108,8 +114,8 @@ class TurboQuantKVCache(_BaseCache):
     def _centered(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         return _shifted(keys, self.key_offset), _shifted(values, self.value_offset)
 
-    def _start_centering(self, keys: mx.array, values: mx.array, aged: int):
-        """Fixes the offsets as the means of the tokens about to be compressed first and
+    def _start_centering(self, keys: mx.array, values: mx.array):
+        """Fixes the offsets as the means of the first block about to be compressed and
         re-stores every exact token minus them (a one-time pass over sinks and window), so
         that all tokens of the sequence share one shift. Returns the incoming tokens,
         centered. Why a shift is free: scores q.(k - mu) = q.k - q.mu move by one constant
@@ -120,7 +126,9 @@ class TurboQuantKVCache(_BaseCache):
 
         def first_mean(which: int, incoming: mx.array) -> mx.array:
             run = mx.concatenate([recent.views()[which], incoming], axis=2) if held else incoming
-            return mx.mean(run[:, :, :aged].astype(mx.float32), axis=2, keepdims=True)
+            # the first block, however many blocks this update ages: the same shift for every
+            # way of cutting the sequence into updates
+            return mx.mean(run[:, :, : s.block_size].astype(mx.float32), axis=2, keepdims=True)
 
         if s.center_keys:
             self.key_offset = first_mean(0, keys)
@@ -144,7 +152,7 @@ class TurboQuantKVCache(_BaseCache):
         excess = held + keys.shape[2] - s.recent_window
         aged = (excess // s.block_size) * s.block_size if excess >= s.block_size else 0
         if aged and (s.center_keys or s.center_values) and not self.centering:
-            keys, values = self._start_centering(keys, values, aged)
+            keys, values = self._start_centering(keys, values)
             recent = self.recent_buffer
         if aged == 0:
             self.recent_buffer = (
@@ -160,6 +168,7 @@ class TurboQuantKVCache(_BaseCache):
                 values = mx.concatenate([recent.views()[1], values], axis=2)
             old_k, old_v = keys[:, :, :aged], values[:, :, :aged]
             self.recent_buffer = self._new_recent((keys[:, :, aged:], values[:, :, aged:]))
+        self.just_aged = (old_k, old_v, _length(self.sink_keys) + self.compressed_length)
         self._append_compressed(_encode(self.key_codec, old_k), _encode(self.value_codec, old_v))
 
     def _new_recent(self, arrays) -> TokenBuffer:
@@ -207,6 +216,7 @@ class TurboQuantKVCache(_BaseCache):
         """Drops the newest n tokens: from the window first, then the compressed run, then
         the sinks. Trimmed buffers are cut to size, so the memory is given back."""
         n = min(self.offset, n)
+        self.just_aged = None
         cut = min(n, _length(self.recent_buffer))
         if cut:
             self.recent_buffer = self.recent_buffer.truncated(self.recent_buffer.length - cut)
@@ -271,7 +281,9 @@ class TurboQuantKVCache(_BaseCache):
     def __deepcopy__(self, memo):
         # Arrays are immutable here and codecs are shared constants: a shallow copy is
         # a full, independent copy as far as any later update or trim is concerned.
-        return copy.copy(self)
+        twin = copy.copy(self)
+        twin.just_aged = None  # transient (one attention call): a stored copy need not hold it
+        return twin
 
 
 def _tokens(buffer: TokenBuffer | None) -> CompressedTokens | None:
