@@ -79,6 +79,9 @@ def _stored_attention(
         return blockwise_attention(queries, cache, scale, start, dtype=dtype)  # a block at a time
     keys_codec, values_codec = cache.key_codec, cache.value_codec
     q = keys_codec.rotate_queries(queries).astype(dtype)
+    if aged is not None:
+        out = _attention_by_boundary(q, cache, scale, start, dtype)
+        return values_codec.unrotate(out.astype(mx.float32)).astype(queries.dtype)
     keys, values = [], []
     for exact_k, exact_v, packed_k, packed_v in (
         (cache.sink_keys, cache.sink_values, None, None),
@@ -92,15 +95,10 @@ def _stored_attention(
             run_keys, run_values = decoded_run(keys_codec, values_codec, packed_k, packed_v, dtype)
             keys.append(run_keys)
             values.append(run_values)
-    if aged is not None:  # exact copies of the tokens this update compressed, after the runs
-        keys.append(keys_codec.rotation.forward(aged[0]).astype(dtype))
-        values.append(values_codec.rotation.forward(aged[1]).astype(dtype))
     keys = mx.concatenate(keys, axis=2) if len(keys) > 1 else keys[0]
     values = mx.concatenate(values, axis=2) if len(values) > 1 else values[0]
 
-    if aged is not None:
-        mask = _chunk_invariant_mask(cache, start, L)
-    elif start + L == cache.offset:
+    if start + L == cache.offset:
         # the queries are the newest tokens: bottom-right causal, which lets MLX use its
         # fused kernel instead of materialising [L, offset] scores against an array mask
         mask = "causal" if L > 1 else None
@@ -112,44 +110,72 @@ def _stored_attention(
     return values_codec.unrotate(out.astype(mx.float32)).astype(queries.dtype)
 
 
-def _chunk_invariant_mask(cache: TurboQuantKVCache, start: int, L: int) -> mx.array:
-    """[L, keys] visibility for queries start..start+L-1 over the keys in `_stored_attention`'s
-    order (sinks, compressed run, window, then exact copies of the tokens this update compressed).
+def compressed_boundary(cache: TurboQuantKVCache, position: int) -> int:
+    """Where the compressed run ended when the cache held the tokens up to `position`, had they
+    come one at a time (the cache compresses whole blocks once the window holds recent_window +
+    block_size tokens, so this is a function of the position alone), but never before the first
+    token the last update compressed (older ones were compressed already) nor past the run."""
+    s, sinks = cache.settings, _length(cache.sink_keys)
+    _, _, first_aged = cache.just_aged
+    grown = ((position + 1 - sinks - s.recent_window) // s.block_size) * s.block_size
+    return min(max(sinks + grown, first_aged), sinks + cache.compressed_length)
 
-    Query p sees what it would have seen had the prompt come one token at a time: the tokens
-    compressed at that point (the cache compresses whole blocks once the window passes
-    recent_window + block_size, so that boundary is a function of p alone) from their codes, the
-    rest exact. Then a prompt's tokens do not depend on how it was cut into prefill chunks, which
-    follows the clock and the batch (services/core/prefill_pacer.py). Rows past the cache's end
-    (padding in a batch) see everything."""
-    s = cache.settings
+
+def _attention_by_boundary(
+    q: mx.array, cache: TurboQuantKVCache, scale: float, start: int, dtype
+) -> mx.array:
+    """Rotated-domain attention of rotated queries q [B, Hq, L, P] (positions start..) over a
+    cache whose last update compressed tokens (`cache.just_aged`): each query sees what it would
+    have seen had the prompt come one token at a time, the tokens compressed by its own position
+    from their codes and the rest exact (the update's exact copies of what it compressed). Then a
+    prompt's tokens do not depend on how it was cut into prefill chunks, which follows the clock
+    and the batch (services/core/prefill_pacer.py). Queries sharing a boundary (runs of
+    block_size positions) take one fused causal call over keys in position order, so the work is
+    that of one causal call over the whole chunk. Rows past the cache's end (padding in a batch)
+    come out zero; nothing reads them."""
+    keys_codec, values_codec = cache.key_codec, cache.value_codec
     sinks = _length(cache.sink_keys)
-    compressed, recent = cache.compressed_length, _length(cache.recent_keys)
-    aged_keys, _, first_aged = cache.just_aged
-    position = mx.concatenate(
-        [
-            mx.arange(sinks),
-            sinks + mx.arange(compressed),
-            sinks + compressed + mx.arange(recent),
-            first_aged + mx.arange(aged_keys.shape[2]),
+    aged_keys, aged_values, first_aged = cache.just_aged
+    run_keys, run_values = decoded_run(
+        keys_codec, values_codec, cache.compressed_keys, cache.compressed_values, dtype
+    )  # positions sinks .. sinks + compressed_length
+
+    def rotated(keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return keys_codec.rotation.forward(keys).astype(dtype), values_codec.rotation.forward(values).astype(
+            dtype
+        )
+
+    exact = [rotated(aged_keys, aged_values)]  # positions first_aged .. the cache's end
+    if _length(cache.recent_keys):
+        exact.append(rotated(cache.recent_keys, cache.recent_values))
+    exact_keys = mx.concatenate([k for k, _ in exact], axis=2) if len(exact) > 1 else exact[0][0]
+    exact_values = mx.concatenate([v for _, v in exact], axis=2) if len(exact) > 1 else exact[0][1]
+    head = [rotated(cache.sink_keys, cache.sink_values)] if sinks else []
+    L, real = q.shape[2], max(0, min(q.shape[2], cache.offset - start))
+    outputs, a = [], start
+    while a < start + real:
+        boundary, b = compressed_boundary(cache, a), a + 1
+        while b < start + real and compressed_boundary(cache, b) == boundary:
+            b += 1
+        cut_run, cut_exact = boundary - sinks, boundary - first_aged
+        keys = [k for k, _ in head] + [run_keys[:, :, :cut_run], exact_keys[:, :, cut_exact : b - first_aged]]
+        values = [v for _, v in head] + [
+            run_values[:, :, :cut_run],
+            exact_values[:, :, cut_exact : b - first_aged],
         ]
-    )[None, :]
-    from_codes = mx.concatenate(
-        [
-            mx.zeros(sinks, mx.bool_),
-            mx.ones(compressed, mx.bool_),
-            mx.zeros(recent + aged_keys.shape[2], mx.bool_),
-        ]
-    )[None, :]
-    in_aged_copies = mx.arange(position.shape[1])[None, :] >= sinks + compressed + recent
-    query = (start + mx.arange(L))[:, None]
-    # where the compressed run ended when the cache held query + 1 tokens (never before this
-    # update's first compressed token: older ones were compressed already)
-    grown = ((query + 1 - sinks - s.recent_window) // s.block_size) * s.block_size
-    boundary = mx.clip(sinks + grown, first_aged, sinks + compressed)
-    visible = mx.where(from_codes, position < boundary, position <= query)
-    visible = visible & ~(in_aged_copies & (position < boundary))
-    return visible | (query >= cache.offset)
+        outputs.append(
+            mx.fast.scaled_dot_product_attention(
+                q[:, :, a - start : b - start],
+                mx.concatenate(keys, axis=2),  # positions 0 .. b - 1, in order
+                mx.concatenate(values, axis=2),
+                scale=scale,
+                mask="causal" if b - a > 1 else None,
+            )
+        )
+        a = b
+    if real < L:
+        outputs.append(mx.zeros((*q.shape[:2], L - real, q.shape[3]), dtype=q.dtype))
+    return mx.concatenate(outputs, axis=2) if len(outputs) > 1 else outputs[0]
 
 
 def _length(a: mx.array | None) -> int:
