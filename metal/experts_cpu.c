@@ -74,6 +74,20 @@ static inline void store_as(void *p, size_t i, float v, int dtype) {
     }
 }
 
+/* x [n, width] in `dtype` as float32 rows (xf), and each row's sums per group of `group` (xsum
+ * [n, width / group]): the row dots take the bias term of a group as bias * sum(x_g). */
+static void rows_as_float(const void *x, int dtype, int n, int width, int group, float *xf, float *xsum) {
+    int groups = width / group;
+    for (int t = 0; t < n; t++) {
+        for (int j = 0; j < width; j++) xf[(size_t)t * width + j] = load_as_float(x, (size_t)t * width + j, dtype);
+        for (int g = 0; g < groups; g++) {
+            float s = 0.f;
+            for (int j = 0; j < group; j++) s += xf[(size_t)t * width + g * group + j];
+            xsum[(size_t)t * groups + g] = s;
+        }
+    }
+}
+
 /* ---- one weight row against NB input rows ------------------------------------------ */
 
 /* y[r] = dot(row o of expert e, x[r]) for r < nb. xsum[r][g] is the sum of x[r]'s group g. */
@@ -349,14 +363,7 @@ int moe_switch_glu(int n_tokens, int hidden, int inter, int dtype, int compute_d
     float *xsum = xf + (size_t)n_tokens * hidden;
     L.h = xsum + (size_t)n_tokens * xg;
     L.hsum = L.h + (size_t)n_pairs * inter;
-    for (int t = 0; t < n_tokens; t++) {
-        for (int j = 0; j < hidden; j++) xf[(size_t)t * hidden + j] = load_as_float(x, (size_t)t * hidden + j, dtype);
-        for (int g = 0; g < xg; g++) {
-            float s = 0.f;
-            for (int j = 0; j < gate_gs; j++) s += xf[(size_t)t * hidden + g * gate_gs + j];
-            xsum[(size_t)t * xg + g] = s;
-        }
-    }
+    rows_as_float(x, dtype, n_tokens, hidden, gate_gs, xf, xsum);
     L.x = xf;
     L.xsum = xsum;
     L.out = out;
@@ -438,14 +445,7 @@ int moe_quantized_linear(int n_tokens, int in_dim, int out_dim, int dtype, const
     float *xf = malloc(sizeof(float) * (size_t)n_tokens * (in_dim + xg));
     if (!xf) return -2;
     float *xsum = xf + (size_t)n_tokens * in_dim;
-    for (int t = 0; t < n_tokens; t++) {
-        for (int j = 0; j < in_dim; j++) xf[(size_t)t * in_dim + j] = load_as_float(x, (size_t)t * in_dim + j, dtype);
-        for (int g = 0; g < xg; g++) {
-            float s = 0.f;
-            for (int j = 0; j < group_size; j++) s += xf[(size_t)t * in_dim + g * group_size + j];
-            xsum[(size_t)t * xg + g] = s;
-        }
-    }
+    rows_as_float(x, dtype, n_tokens, in_dim, group_size, xf, xsum);
     row_dot_fn dot = pick_row_dot(group_size, group_size);
     int tiles = (out_dim + ROW_TILE - 1) / ROW_TILE;
     if (threads > tiles) threads = tiles;
