@@ -28,7 +28,6 @@ import numpy as np
 
 from metal.experts_cpu import _BITS, _MLX_CODES, _host_view, _library
 
-KERNELS = ("auto", "mlx")  # what core may compute its quantized projections with (--dense-kernel)
 PARALLEL_MACS = 1 << 21  # a product smaller than this runs on the calling thread (threads cost ~20 µs)
 _NUMPY_OF = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16}
 
@@ -81,9 +80,8 @@ def _rows(module: nn.Module, head: bool, settle: Callable[[], None] = _nothing_t
 def _threads(macs: int) -> int:
     if macs < PARALLEL_MACS:
         return 1
-    return max(
-        1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(), 8)
-    )
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(cores, 8)
 
 
 def product(rows: _Rows, x: mx.array) -> mx.array | None:

@@ -47,8 +47,8 @@ def _stored_attention(
 
     While nothing is compressed (a context within the sinks and the window) queries at the end
     take `_exact_attention`, the fp16 cache's own fused call. Where the update that stored these
-    queries' tokens compressed some (`cache.just_aged`), its earlier queries must see those exact
-    (`_chunk_invariant_mask`): such runs take the fused path below with the exact copies added.
+    queries' tokens compressed some (`cache.just_aged`), its earlier queries must see those exact:
+    such runs take `_attention_by_boundary`.
     Otherwise decode steps (L <= 8, the queries at the end) take the fused kernels, else
     `decode_attention`: one compiled
     graph that scores straight from the codes. Longer query runs (prefill) run in the
@@ -59,7 +59,7 @@ def _stored_attention(
     are rotated (a few hundred tokens), and the output is rotated back once. Where that
     transient copy would exceed prefill_attention.DECODED_BUDGET_BYTES, `blockwise_attention`
     reads the run one block at a time under an online softmax instead (there, the tokens this
-    update compressed are seen as stored: past ~128K tokens, chunking shows)."""
+    update compressed are seen as stored: at such lengths, chunking shows)."""
     B, n_q_heads, L, D = queries.shape
     if cache.offset == 0:
         return mx.zeros_like(queries)
@@ -141,9 +141,8 @@ def _attention_by_boundary(
     )  # positions sinks .. sinks + compressed_length
 
     def rotated(keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        return keys_codec.rotation.forward(keys).astype(dtype), values_codec.rotation.forward(values).astype(
-            dtype
-        )
+        keys = keys_codec.rotation.forward(keys)
+        return keys.astype(dtype), values_codec.rotation.forward(values).astype(dtype)
 
     exact = [rotated(aged_keys, aged_values)]  # positions first_aged .. the cache's end
     if _length(cache.recent_keys):
