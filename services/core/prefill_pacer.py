@@ -12,9 +12,9 @@ cancels wait, so a prompt prefilling alone gets ALONE_FACTOR times that, in chun
 ALONE_MIN_TOKENS: big enough that a slow machine's prefill throughput does not suffer, and a short
 request arriving behind an abandoned long prompt starts within seconds, not after the whole chunk.
 
-Chunks that follow the clock are not repeatable; what the model computes does not depend on them,
-with the fp16 cache and with TurboQuant alike (each query sees the tokens compressed by its own
-position, services/core/kv/attention.py).
+Chunks that follow the clock are not repeatable; what the model computes does not depend on them
+with the fp16 cache, nor with TurboQuant on CPUs (each query sees the tokens compressed by its own
+position, services/core/kv/cache.py CHUNK_INVARIANT_PREFILL; on GPUs it may).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """A prompt's attention over a TurboQuant cache does not depend on how it was cut into prefill
 chunks: each query sees what it would have seen had the prompt come one token at a time (the
-chunks follow the clock and the batch, services/core/prefill_pacer.py)."""
+chunks follow the clock and the batch, services/core/prefill_pacer.py). On CPUs, where the tests
+run (cache.CHUNK_INVARIANT_PREFILL; GPUs keep one fused call over the runs as stored)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import mlx.core as mx
 import pytest
 
 from services.core.kv import KVCacheSettings, TurboQuantKVCache, turboquant_attention
+from services.core.kv import cache as cache_module
 
 TOKENS = 45
 
@@ -40,3 +42,11 @@ def test_every_way_of_chunking_a_prompt_gives_the_token_by_token_attention(chunk
     one_at_a_time = attention_by_chunks(settings, [1] * TOKENS)
     got = attention_by_chunks(settings, chunks)
     assert mx.allclose(got, one_at_a_time, atol=2e-4).item(), mx.abs(got - one_at_a_time).max().item()
+
+
+def test_without_chunk_invariance_a_chunk_sees_what_it_compressed_as_stored(monkeypatch):
+    """The GPU setting: no exact copies are kept, and a one-chunk prompt differs from token by token."""
+    settings = KVCacheSettings(sink_tokens=4, recent_window=8, block_size=8)
+    one_at_a_time = attention_by_chunks(settings, [1] * TOKENS)
+    monkeypatch.setattr(cache_module, "CHUNK_INVARIANT_PREFILL", False)
+    assert not mx.allclose(attention_by_chunks(settings, [TOKENS]), one_at_a_time, atol=2e-4).item()

@@ -47,8 +47,8 @@ def _stored_attention(
 
     While nothing is compressed (a context within the sinks and the window) queries at the end
     take `_exact_attention`, the fp16 cache's own fused call. Where the update that stored these
-    queries' tokens compressed some (`cache.just_aged`), its earlier queries must see those exact:
-    such runs take `_attention_by_boundary`.
+    queries' tokens compressed some (`cache.just_aged`, kept on CPUs: cache.CHUNK_INVARIANT_PREFILL),
+    its earlier queries must see those exact: such runs take `_attention_by_boundary`.
     Otherwise decode steps (L <= 8, the queries at the end) take the fused kernels, else
     `decode_attention`: one compiled
     graph that scores straight from the codes. Longer query runs (prefill) run in the
@@ -110,15 +110,17 @@ def _stored_attention(
     return values_codec.unrotate(out.astype(mx.float32)).astype(queries.dtype)
 
 
-def compressed_boundary(cache: TurboQuantKVCache, position: int) -> int:
-    """Where the compressed run ended when the cache held the tokens up to `position`, had they
-    come one at a time (the cache compresses whole blocks once the window holds recent_window +
-    block_size tokens, so this is a function of the position alone), but never before the first
-    token the last update compressed (older ones were compressed already) nor past the run."""
+def compressed_boundaries(cache: TurboQuantKVCache, start: int, L: int) -> mx.array:
+    """[L] int: for each query position start + i, where the compressed run ended when the cache
+    held the tokens up to it, had they come one at a time (the cache compresses whole blocks once
+    the window holds recent_window + block_size tokens, so this is a function of the position
+    alone), but never before the first token the last update compressed (older ones were
+    compressed already) nor past the run."""
     s, sinks = cache.settings, _length(cache.sink_keys)
     _, _, first_aged = cache.just_aged
+    position = start + mx.arange(L)
     grown = ((position + 1 - sinks - s.recent_window) // s.block_size) * s.block_size
-    return min(max(sinks + grown, first_aged), sinks + cache.compressed_length)
+    return mx.clip(sinks + grown, first_aged, sinks + cache.compressed_length)
 
 
 def _attention_by_boundary(
@@ -130,9 +132,9 @@ def _attention_by_boundary(
     from their codes and the rest exact (the update's exact copies of what it compressed). Then a
     prompt's tokens do not depend on how it was cut into prefill chunks, which follows the clock
     and the batch (services/core/prefill_pacer.py). Queries sharing a boundary (runs of
-    block_size positions) take one fused causal call over keys in position order, so the work is
-    that of one causal call over the whole chunk. Rows past the cache's end (padding in a batch)
-    come out zero; nothing reads them."""
+    block_size positions) take one causal call over the keys before them, in position order, so
+    no call scores a masked key. Rows past the cache's end (padding in a batch) come out zero;
+    nothing reads them."""
     keys_codec, values_codec = cache.key_codec, cache.value_codec
     sinks = _length(cache.sink_keys)
     aged_keys, aged_values, first_aged = cache.just_aged
@@ -144,35 +146,41 @@ def _attention_by_boundary(
         keys = keys_codec.rotation.forward(keys)
         return keys.astype(dtype), values_codec.rotation.forward(values).astype(dtype)
 
+    head = [rotated(cache.sink_keys, cache.sink_values)] if sinks else []
     exact = [rotated(aged_keys, aged_values)]  # positions first_aged .. the cache's end
     if _length(cache.recent_keys):
         exact.append(rotated(cache.recent_keys, cache.recent_values))
+    L = q.shape[2]
+    boundaries = compressed_boundaries(cache, start, L)
     exact_keys = mx.concatenate([k for k, _ in exact], axis=2) if len(exact) > 1 else exact[0][0]
     exact_values = mx.concatenate([v for _, v in exact], axis=2) if len(exact) > 1 else exact[0][1]
-    head = [rotated(cache.sink_keys, cache.sink_values)] if sinks else []
-    L, real = q.shape[2], max(0, min(q.shape[2], cache.offset - start))
-    outputs, a = [], start
-    while a < start + real:
-        boundary, b = compressed_boundary(cache, a), a + 1
-        while b < start + real and compressed_boundary(cache, b) == boundary:
+    real = max(0, min(L, cache.offset - start))
+    cuts = boundaries.tolist()
+    outputs, a = [], 0
+    while a < real:  # queries a..b-1 share a boundary: one causal call over positions 0..b-1
+        b = a + 1
+        while b < real and cuts[b] == cuts[a]:
             b += 1
-        cut_run, cut_exact = boundary - sinks, boundary - first_aged
-        keys = [k for k, _ in head] + [run_keys[:, :, :cut_run], exact_keys[:, :, cut_exact : b - first_aged]]
+        end = start + b - first_aged
+        keys = [k for k, _ in head] + [
+            run_keys[:, :, : cuts[a] - sinks],
+            exact_keys[:, :, cuts[a] - first_aged : end],
+        ]
         values = [v for _, v in head] + [
-            run_values[:, :, :cut_run],
-            exact_values[:, :, cut_exact : b - first_aged],
+            run_values[:, :, : cuts[a] - sinks],
+            exact_values[:, :, cuts[a] - first_aged : end],
         ]
         outputs.append(
             mx.fast.scaled_dot_product_attention(
-                q[:, :, a - start : b - start],
-                mx.concatenate(keys, axis=2),  # positions 0 .. b - 1, in order
+                q[:, :, a:b],
+                mx.concatenate(keys, axis=2),
                 mx.concatenate(values, axis=2),
                 scale=scale,
                 mask="causal" if b - a > 1 else None,
             )
         )
         a = b
-    if real < L:
+    if real < L:  # padding rows of a batch: never read
         outputs.append(mx.zeros((*q.shape[:2], L - real, q.shape[3]), dtype=q.dtype))
     return mx.concatenate(outputs, axis=2) if len(outputs) > 1 else outputs[0]
 

@@ -21,6 +21,15 @@ from services.core.kv.compressed import CompressedTokens
 from services.core.kv.settings import KVCacheSettings
 from services.core.kv.token_buffer import TokenBuffer
 
+# Where a prefill chunk's queries see the tokens the chunk itself compresses as they would had the
+# prompt come one token at a time (attention._attention_by_boundary), so that TurboQuant's tokens
+# do not depend on chunking. On CPUs it is also the faster prefill (1.30x fp16 at 1K against
+# 0.95x, bench/results/kv-cpu-prefill-v4-dense-kernel.json). On GPUs, where the pacer keeps 512-token
+# chunks unless the machine is loaded, one fused causal call over the runs as stored is kept: the
+# per-position view took the H200's prefill from 0.52x to 0.17x fp16 at 16K as one masked call and
+# to 0.04x as calls per group (bench/results/kv-h200-chunk-invariance.json).
+CHUNK_INVARIANT_PREFILL = mx.default_device() == mx.cpu
+
 
 @lru_cache(maxsize=512)
 def shared_codec(dim: int, bits: int, qjl: bool, seed: int) -> TurboQuantCodec:
@@ -84,7 +93,8 @@ class TurboQuantKVCache(_BaseCache):
         # The tokens the last update compressed, as they were stored exact (keys, values), and
         # the position of the first: that update's queries still see the ones younger than their
         # own window exact (attention._stored_attention), so a prompt's tokens do not depend on
-        # how it was cut into chunks. Cleared by the next update, trim and copies.
+        # how it was cut into chunks. Cleared by the next update, trim and copies; kept only where
+        # CHUNK_INVARIANT_PREFILL.
         self.just_aged: tuple[mx.array, mx.array, int] | None = None
 
     # ---- writing --------------------------------------------------------------------
@@ -168,7 +178,8 @@ class TurboQuantKVCache(_BaseCache):
                 values = mx.concatenate([recent.views()[1], values], axis=2)
             old_k, old_v = keys[:, :, :aged], values[:, :, :aged]
             self.recent_buffer = self._new_recent((keys[:, :, aged:], values[:, :, aged:]))
-        self.just_aged = (old_k, old_v, _length(self.sink_keys) + self.compressed_length)
+        if CHUNK_INVARIANT_PREFILL:
+            self.just_aged = (old_k, old_v, _length(self.sink_keys) + self.compressed_length)
         self._append_compressed(_encode(self.key_codec, old_k), _encode(self.value_codec, old_v))
 
     def _new_recent(self, arrays) -> TokenBuffer:
