@@ -15,6 +15,7 @@ that is not TurboQuant. Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -112,8 +113,13 @@ def perplexity_rows(model, args) -> list:
             (f"K3+QJL/V3, window 128, layer {layer} exact", lambda layer=layer: one_layer_exact(model, layer))
             for layer in range(len(model.layers))
         ]
+
+    def settings(name: str) -> KVCacheSettings:
+        chosen = SETTINGS[name]
+        return chosen if args.seed is None else dataclasses.replace(chosen, seed=args.seed)
+
     return [
-        (name, lambda name=name: make_kv_cache(model, "turboquant", SETTINGS[name])) for name in args.settings
+        (name, lambda name=name: make_kv_cache(model, "turboquant", settings(name))) for name in args.settings
     ]
 
 
@@ -138,9 +144,15 @@ def main() -> None:
     )
     parser.add_argument("--dequantize", action="store_true", help="float32 weights (fast on a CPU)")
     parser.add_argument(
+        "--dense-kernel",
+        action="store_true",
+        help="quantized projections (and the head, every position) on core's CPU kernel (metal/linear_cpu.py)",
+    )
+    parser.add_argument(
         "--settings", nargs="*", choices=list(SETTINGS), default=list(SETTINGS), help="perplexity rows"
     )
     parser.add_argument("--perplexity-only", action="store_true", help="no greedy answers")
+    parser.add_argument("--seed", type=int, default=None, help="rotation seed of the --settings rows")
     parser.add_argument(
         "--windows",
         nargs="*",
@@ -170,6 +182,13 @@ def main() -> None:
 
         model = dequantize_model(model)
         model.set_dtype(mx.float32)
+    if args.dense_kernel:
+        from metal.linear_cpu import use_cpu_kernels
+
+        if not use_cpu_kernels(model, heads_at_one_position_only=False):
+            raise SystemExit(
+                "--dense-kernel: no projection moved (quantized weights and the C extension needed)"
+            )
 
     ids = tokenizer.encode(TEXT.read_text())[: args.tokens + 1]
     if len(ids) < args.tokens + 1:

@@ -136,10 +136,13 @@ def available() -> bool:
     return lib is not None and hasattr(lib, "moe_quantized_linear")
 
 
-def use_cpu_kernels(model: nn.Module, settle: Callable[[], None] = _nothing_to_settle) -> int:
+def use_cpu_kernels(
+    model: nn.Module, settle: Callable[[], None] = _nothing_to_settle, heads_at_one_position_only: bool = True
+) -> int:
     """Move the model's eligible quantized projections onto the C kernel; returns how many moved.
     Call after the weights are loaded (the kernel reads their memory in place). `settle()` runs
-    before each product evaluates its input."""
+    before each product evaluates its input. `heads_at_one_position_only=False`: output heads take
+    the kernel for every position too (a caller that uses every position's logits: perplexity)."""
     if not available():
         return 0
     moved = 0
@@ -151,7 +154,7 @@ def use_cpu_kernels(model: nn.Module, settle: Callable[[], None] = _nothing_to_s
             target, head = KernelQuantizedEmbedding, True  # its products are the tied head's
         else:
             continue
-        rows = _rows(module, head, settle)
+        rows = _rows(module, head and heads_at_one_position_only, settle)
         if rows is None:
             continue
         module.__class__ = target

@@ -120,6 +120,18 @@ def test_an_output_head_takes_the_kernel_for_one_position_only():
     assert linear_cpu.product(linear_cpu._rows(module, head=False), mx.random.normal((1, 6, 128))) is not None
 
 
+def test_a_caller_that_uses_every_positions_logits_can_put_the_head_on_the_kernel_too():
+    model = TinyLM()
+    nn.quantize(model, group_size=64, bits=4)
+    mx.eval(model.parameters())
+    ids = mx.array([[1, 5, 7, 9]])
+    want = model(ids)
+    linear_cpu.use_cpu_kernels(model, heads_at_one_position_only=False)
+    assert not model.lm_head._cpu_rows.heads_only_at_one_position
+    assert linear_cpu.product(model.lm_head._cpu_rows, mx.random.normal((1, 4, 128))) is not None
+    assert mx.abs(model(ids) - want).max().item() <= 1e-5 * mx.abs(want).max().item()
+
+
 def test_inside_mx_compile_the_projection_is_mlx_own():
     module = quantized(128, 64, 4, 64)
     linear_cpu.use_cpu_kernels(module)
