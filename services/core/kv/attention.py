@@ -15,7 +15,7 @@ import sys
 import mlx.core as mx
 from mlx_lm.models import base as mlx_base
 
-from services.core.kv.cache import TurboQuantKVCache
+from services.core.kv.cache import TurboQuantKVCache, _length
 from services.core.kv.decode_attention import decode_attention
 from services.core.kv.metal_attention import decoded_run, kernel_attention, kernels_ready
 from services.core.kv.prefill_attention import blockwise_attention, decoded_run_fits, prefill_dtype
@@ -95,8 +95,7 @@ def _stored_attention(
             run_keys, run_values = decoded_run(keys_codec, values_codec, packed_k, packed_v, dtype)
             keys.append(run_keys)
             values.append(run_values)
-    keys = mx.concatenate(keys, axis=2) if len(keys) > 1 else keys[0]
-    values = mx.concatenate(values, axis=2) if len(values) > 1 else values[0]
+    keys, values = _along_tokens(keys), _along_tokens(values)
 
     if start + L == cache.offset:
         # the queries are the newest tokens: bottom-right causal, which lets MLX use its
@@ -142,39 +141,35 @@ def _attention_by_boundary(
         keys_codec, values_codec, cache.compressed_keys, cache.compressed_values, dtype
     )  # positions sinks .. sinks + compressed_length
 
-    def rotated(keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        keys = keys_codec.rotation.forward(keys)
-        return keys.astype(dtype), values_codec.rotation.forward(values).astype(dtype)
+    def rotated_keys(runs: list[mx.array]) -> list[mx.array]:
+        return [keys_codec.rotation.forward(k).astype(dtype) for k in runs]
 
-    head = [rotated(cache.sink_keys, cache.sink_values)] if sinks else []
-    exact = [rotated(aged_keys, aged_values)]  # positions first_aged .. the cache's end
-    if _length(cache.recent_keys):
-        exact.append(rotated(cache.recent_keys, cache.recent_values))
+    def rotated_values(runs: list[mx.array]) -> list[mx.array]:
+        return [values_codec.rotation.forward(v).astype(dtype) for v in runs]
+
+    sink_keys = rotated_keys([cache.sink_keys] if sinks else [])  # positions 0 .. sinks
+    sink_values = rotated_values([cache.sink_values] if sinks else [])
+    recent = bool(_length(cache.recent_keys))  # exact runs: first_aged .. the cache's end
+    exact_keys = _along_tokens(rotated_keys([aged_keys, cache.recent_keys] if recent else [aged_keys]))
+    exact_values = _along_tokens(
+        rotated_values([aged_values, cache.recent_values] if recent else [aged_values])
+    )
     L = q.shape[2]
-    boundaries = compressed_boundaries(cache, start, L)
-    exact_keys = mx.concatenate([k for k, _ in exact], axis=2) if len(exact) > 1 else exact[0][0]
-    exact_values = mx.concatenate([v for _, v in exact], axis=2) if len(exact) > 1 else exact[0][1]
     real = max(0, min(L, cache.offset - start))
-    cuts = boundaries.tolist()
+    cuts = compressed_boundaries(cache, start, L).tolist()
     outputs, a = [], 0
     while a < real:  # queries a..b-1 share a boundary: one causal call over positions 0..b-1
         b = a + 1
         while b < real and cuts[b] == cuts[a]:
             b += 1
-        end = start + b - first_aged
-        keys = [k for k, _ in head] + [
-            run_keys[:, :, : cuts[a] - sinks],
-            exact_keys[:, :, cuts[a] - first_aged : end],
-        ]
-        values = [v for _, v in head] + [
-            run_values[:, :, : cuts[a] - sinks],
-            exact_values[:, :, cuts[a] - first_aged : end],
-        ]
+        exact_part = slice(cuts[a] - first_aged, start + b - first_aged)
+        keys = [run_keys[:, :, : cuts[a] - sinks], exact_keys[:, :, exact_part]]
+        values = [run_values[:, :, : cuts[a] - sinks], exact_values[:, :, exact_part]]
         outputs.append(
             mx.fast.scaled_dot_product_attention(
                 q[:, :, a:b],
-                mx.concatenate(keys, axis=2),
-                mx.concatenate(values, axis=2),
+                _along_tokens([*sink_keys, *keys]),
+                _along_tokens([*sink_values, *values]),
                 scale=scale,
                 mask="causal" if b - a > 1 else None,
             )
@@ -182,11 +177,12 @@ def _attention_by_boundary(
         a = b
     if real < L:  # padding rows of a batch: never read
         outputs.append(mx.zeros((*q.shape[:2], L - real, q.shape[3]), dtype=q.dtype))
-    return mx.concatenate(outputs, axis=2) if len(outputs) > 1 else outputs[0]
+    return _along_tokens(outputs)
 
 
-def _length(a: mx.array | None) -> int:
-    return 0 if a is None else a.shape[2]
+def _along_tokens(arrays: list[mx.array]) -> mx.array:
+    """[B, H, T, D] arrays joined along T (a lone one as it is)."""
+    return mx.concatenate(arrays, axis=2) if len(arrays) > 1 else arrays[0]
 
 
 def _exact_attention(queries: mx.array, cache: TurboQuantKVCache, scale: float) -> mx.array:
@@ -197,10 +193,9 @@ def _exact_attention(queries: mx.array, cache: TurboQuantKVCache, scale: float) 
     runs = [
         (keys, values)
         for keys, values in ((cache.sink_keys, cache.sink_values), (cache.recent_keys, cache.recent_values))
-        if keys is not None and keys.shape[2]
+        if _length(keys)
     ]
-    keys = mx.concatenate([k for k, _ in runs], axis=2) if len(runs) > 1 else runs[0][0]
-    values = mx.concatenate([v for _, v in runs], axis=2) if len(runs) > 1 else runs[0][1]
+    keys, values = _along_tokens([k for k, _ in runs]), _along_tokens([v for _, v in runs])
     return mx.fast.scaled_dot_product_attention(
         queries,
         keys.astype(queries.dtype),
