@@ -29,27 +29,19 @@ from services.core.kv import KVCacheSettings, make_kv_cache
 from services.core.kv.quality import load_bench_model, perplexity
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "assets" / "gpl-3.0.txt"
-W128 = dict(recent_window=128)
 CENTERED = dict(center_keys=True)  # keys quantized minus their mean (KVCacheSettings.center_keys)
-SETTINGS = {
+SETTINGS = {  # at the default window (128 tokens) unless named
     "K3+QJL/V3 (default)": KVCacheSettings(),
     "K3+QJL/V3, centered keys": KVCacheSettings(**CENTERED),
+    "K3+QJL/V3, centered keys and values": KVCacheSettings(**CENTERED, center_values=True),
     "K4/V4": KVCacheSettings(key_bits=4, value_bits=4, key_qjl=False),
+    "K4/V4, centered keys": KVCacheSettings(key_bits=4, value_bits=4, key_qjl=False, **CENTERED),
     "K2+QJL/V2": KVCacheSettings(key_bits=2, value_bits=2, key_qjl=True),
-    "K3+QJL/V3, window 128": KVCacheSettings(**W128),
-    "K3+QJL/V3, window 128, centered keys": KVCacheSettings(**W128, **CENTERED),
-    "K3+QJL/V3, window 128, centered keys and values": KVCacheSettings(
-        **W128, **CENTERED, center_values=True
-    ),
-    "K3/V3, window 128": KVCacheSettings(key_qjl=False, **W128),
-    "K4/V3, window 128": KVCacheSettings(key_bits=4, key_qjl=False, **W128),
-    "K4/V4, window 128": KVCacheSettings(key_bits=4, value_bits=4, key_qjl=False, **W128),
-    "K4/V4, window 128, centered keys": KVCacheSettings(
-        key_bits=4, value_bits=4, key_qjl=False, **W128, **CENTERED
-    ),
-    "K2+QJL/V2, window 128": KVCacheSettings(key_bits=2, value_bits=2, **W128),
-    "K4+QJL/V4, window 128": KVCacheSettings(key_bits=4, value_bits=4, **W128),
+    "K3/V3": KVCacheSettings(key_qjl=False),
+    "K4/V3": KVCacheSettings(key_bits=4, key_qjl=False),
+    "K4+QJL/V4": KVCacheSettings(key_bits=4, value_bits=4),
     "K3+QJL/V3, window 384": KVCacheSettings(recent_window=384),
+    "K3+QJL/V3, window 512": KVCacheSettings(recent_window=512),
     # control: TurboQuant's attention path with nothing compressed (every prompt fits the window),
     # so any answer that moves here moves through the path's arithmetic, not through compression
     "TurboQuant path, nothing compressed (control)": KVCacheSettings(recent_window=1 << 20),
@@ -110,7 +102,7 @@ def perplexity_rows(model, args) -> list:
         ]
     if args.layer_sweep:
         return [
-            (f"K3+QJL/V3, window 128, layer {layer} exact", lambda layer=layer: one_layer_exact(model, layer))
+            (f"K3+QJL/V3, layer {layer} exact", lambda layer=layer: one_layer_exact(model, layer))
             for layer in range(len(model.layers))
         ]
 
@@ -124,8 +116,8 @@ def perplexity_rows(model, args) -> list:
 
 
 def one_layer_exact(model, layer: int) -> list:
-    """The window-128 default's caches, except that `layer` keeps mlx-lm's exact cache."""
-    caches = make_kv_cache(model, "turboquant", KVCacheSettings(**W128))
+    """The default's caches, except that `layer` keeps mlx-lm's exact cache."""
+    caches = make_kv_cache(model, "turboquant", KVCacheSettings())
     caches[layer] = make_kv_cache(model, "fp16")[layer]
     return caches
 
@@ -166,7 +158,7 @@ def main() -> None:
     parser.add_argument(
         "--layer-sweep",
         action="store_true",
-        help="perplexity of the window-128 default with one layer kept exact, for each layer in turn",
+        help="perplexity of the default with one layer kept exact, for each layer in turn",
     )
     parser.add_argument(
         "--greedy-settings",

@@ -30,12 +30,7 @@ from services.core.kv import cache as kv_cache
 from services.core.kv import make_kv_cache, rotation
 from services.core.kv.quality import load_bench_model, perplexity
 
-DEFAULT_SETTINGS = [
-    "K3+QJL/V3, window 128",
-    "K4/V4, window 128",
-    "K3+QJL/V3, window 128, centered keys",
-    "K3+QJL/V3, window 384",
-]
+DEFAULT_SETTINGS = ["K3+QJL/V3 (default)", "K4/V4", "K3+QJL/V3, centered keys", "K3+QJL/V3, window 384"]
 _HADAMARD_INIT = rotation.RandomizedHadamard.__init__
 
 

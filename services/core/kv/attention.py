@@ -29,9 +29,11 @@ def turboquant_attention(
     """softmax(q k^T * scale + causal mask) v over everything `cache` holds (see
     `_stored_attention`), with the value offset of a value-centred cache added back."""
     out = _stored_attention(queries, cache, scale, query_start)
-    if cache.value_offset is None:
+    offset = cache.value_offset  # [B, H_kv, 1, D] or None, as the values just read were stored
+    cache.age()  # what this update left exact for its own queries (cache.CHUNK_INVARIANT_PREFILL)
+    if offset is None:
         return out
-    offset = cache.value_offset  # [B, H_kv, 1, D]: the weights sum to 1, so add it once
+    # the weights sum to 1, so the offset is added once
     offset = mx.repeat(offset, queries.shape[1] // offset.shape[1], axis=1)
     return (out.astype(mx.float32) + offset).astype(out.dtype)
 

@@ -29,6 +29,12 @@ from services.core.kv.token_buffer import TokenBuffer
 # per-position view took the H200's prefill from 0.52x to 0.17x fp16 at 16K as one masked call and
 # to 0.04x as calls per group (bench/results/kv-h200-chunk-invariance.json).
 CHUNK_INVARIANT_PREFILL = mx.default_device() == mx.cpu
+# Elsewhere a multi-token update's tokens age only after its attention call ran (`age`, called by
+# attention.turboquant_attention): every query of the chunk then sees at least its own recent
+# window exact (the window before the chunk plus the chunk's tokens up to it), as a query does when
+# tokens come one at a time, yet the chunk still takes one fused causal call over the runs as
+# stored. Without it a 512-token chunk's early queries saw their newest tokens compressed, which
+# cost the demo model +12.7 % perplexity at window 128 against +1.1 % (kv_quality-cpu-per-token-window.json).
 
 
 @lru_cache(maxsize=512)
@@ -96,6 +102,9 @@ class TurboQuantKVCache(_BaseCache):
         # how it was cut into chunks. Cleared by the next update, trim and copies; kept only where
         # CHUNK_INVARIANT_PREFILL.
         self.just_aged: tuple[mx.array, mx.array, int] | None = None
+        # the last update appended its tokens without compressing any (see CHUNK_INVARIANT_PREFILL):
+        # `age` compresses what exceeds the window once that update's attention ran
+        self.aging_deferred = False
 
     # ---- writing --------------------------------------------------------------------
 
@@ -109,13 +118,15 @@ class TurboQuantKVCache(_BaseCache):
             self._codecs(keys, values)
         returned, n = (keys, values), keys.shape[2]
         self.just_aged = None
+        self.age()  # in case the last update's attention did not come through the hook
         keys, values = self._centered(keys, values)
         to_sinks = max(0, min(n, self.settings.sink_tokens - _length(self.sink_keys)))
         if to_sinks:
             self.sink_keys = _cat(self.sink_keys, keys[:, :, :to_sinks])
             self.sink_values = _cat(self.sink_values, values[:, :, :to_sinks])
         if to_sinks < n:
-            self._append_recent(keys[:, :, to_sinks:], values[:, :, to_sinks:])
+            defer = n > 1 and not CHUNK_INVARIANT_PREFILL
+            self._append_recent(keys[:, :, to_sinks:], values[:, :, to_sinks:], defer_aging=defer)
         self.offset += n
         return returned
 
@@ -154,13 +165,19 @@ class TurboQuantKVCache(_BaseCache):
     def centering(self) -> bool:
         return self.key_offset is not None or self.value_offset is not None
 
-    def _append_recent(self, keys: mx.array, values: mx.array) -> None:
+    def _beyond_window(self, tokens: int) -> int:
+        """How many of `tokens` exact tokens the window compresses: the whole blocks beyond it."""
+        s = self.settings
+        return max(0, tokens - s.recent_window) // s.block_size * s.block_size
+
+    def _append_recent(self, keys: mx.array, values: mx.array, defer_aging: bool = False) -> None:
         """New tokens enter the window; once it holds recent_window + block_size tokens,
-        the oldest whole blocks are compressed and appended to the compressed run."""
+        the oldest whole blocks are compressed and appended to the compressed run (with
+        defer_aging, not before `age` is called)."""
         s, recent = self.settings, self.recent_buffer
         held = _length(recent)
-        excess = held + keys.shape[2] - s.recent_window
-        aged = (excess // s.block_size) * s.block_size if excess >= s.block_size else 0
+        aged = 0 if defer_aging else self._beyond_window(held + keys.shape[2])
+        self.aging_deferred = defer_aging
         if aged and (s.center_keys or s.center_values) and not self.centering:
             keys, values = self._start_centering(keys, values)
             recent = self.recent_buffer
@@ -180,6 +197,25 @@ class TurboQuantKVCache(_BaseCache):
             self.recent_buffer = self._new_recent((keys[:, :, aged:], values[:, :, aged:]))
         if CHUNK_INVARIANT_PREFILL:
             self.just_aged = (old_k, old_v, _length(self.sink_keys) + self.compressed_length)
+        self._append_compressed(_encode(self.key_codec, old_k), _encode(self.value_codec, old_v))
+
+    def age(self) -> None:
+        """Compresses the whole blocks a deferred update (CHUNK_INVARIANT_PREFILL) left beyond
+        the window, and gives the window's spare room back."""
+        if not self.aging_deferred:
+            return
+        self.aging_deferred = False
+        s, recent = self.settings, self.recent_buffer
+        aged = self._beyond_window(_length(recent))
+        if not aged:
+            return
+        if (s.center_keys or s.center_values) and not self.centering:
+            self._start_centering(*(a[:, :, :0] for a in recent.views()))
+            recent = self.recent_buffer
+        old_k, old_v = (a[:, :, :aged] for a in recent.arrays)
+        rest = recent.without_first(aged)
+        compact = rest.capacity <= s.recent_window + s.block_size
+        self.recent_buffer = rest if compact else self._new_recent(rest.views())
         self._append_compressed(_encode(self.key_codec, old_k), _encode(self.value_codec, old_v))
 
     def _new_recent(self, arrays) -> TokenBuffer:
