@@ -26,6 +26,7 @@ from mlx_lm.generate import generate_step
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.core.kv import KVCacheSettings, make_kv_cache
+from services.core.kv import cache as kv_cache_module
 from services.core.kv.quality import load_bench_model, perplexity
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "assets" / "gpl-3.0.txt"
@@ -72,7 +73,7 @@ MLX_LM_CONTROLS = {"mlx-lm 8-bit KV (control)": 8, "mlx-lm 4-bit KV (control)": 
 
 def greedy(
     model, tokenizer, prompt: list[int], kind: str, settings, max_tokens: int, mlx_lm_kv_bits=None
-) -> str:
+) -> list[int]:
     cache = make_kv_cache(model, kind, settings)
     quantized = (
         {} if mlx_lm_kv_bits is None else dict(kv_bits=mlx_lm_kv_bits, kv_group_size=64, quantized_kv_start=0)
@@ -83,7 +84,23 @@ def greedy(
         if token in tokenizer.eos_token_ids:
             break
         out.append(token)
-    return tokenizer.decode(out)
+    return out
+
+
+def fp16_margin(model, prompt: list[int], fp16_answer: list[int], other: list[int]) -> dict | None:
+    """Where `other` first departs from fp16's greedy answer: the position and how far fp16's own
+    choice led the other's token there (log-probability difference, nats, under the fp16 cache).
+    A small margin is a near tie that any perturbation of the cache may flip."""
+    at = next((i for i, (a, b) in enumerate(zip(fp16_answer, other, strict=False)) if a != b), None)
+    if at is None:
+        return None
+    logits = model(mx.array(prompt + fp16_answer[:at])[None], cache=make_kv_cache(model, "fp16"))
+    logprobs = logits[0, -1].astype(mx.float32)
+    logprobs = logprobs - mx.logsumexp(logprobs)
+    return {
+        "token": at,
+        "fp16_margin_nats": round((logprobs[fp16_answer[at]] - logprobs[other[at]]).item(), 4),
+    }
 
 
 def perplexity_rows(model, args) -> list:
@@ -144,6 +161,13 @@ def main() -> None:
         "--settings", nargs="*", choices=list(SETTINGS), default=list(SETTINGS), help="perplexity rows"
     )
     parser.add_argument("--perplexity-only", action="store_true", help="no greedy answers")
+    parser.add_argument(
+        "--aging",
+        choices=["device", "per-token", "deferred"],
+        default="device",
+        help="what a prefill chunk's queries see of the tokens the chunk compresses: as token by token"
+        " (CPUs), or exact, the chunk aging after its attention (GPUs); default: this device's",
+    )
     parser.add_argument("--seed", type=int, default=None, help="rotation seed of the --settings rows")
     parser.add_argument(
         "--windows",
@@ -168,6 +192,9 @@ def main() -> None:
         help="settings whose greedy answers are compared with fp16",
     )
     args = parser.parse_args()
+    if args.aging != "device":
+        kv_cache_module.CHUNK_INVARIANT_PREFILL = args.aging == "per-token"
+    aging = "per-token" if kv_cache_module.CHUNK_INVARIANT_PREFILL else "deferred"
     model, tokenizer, args.model = load_bench_model(args.model, args.dtype)
     if args.dequantize:
         from mlx_lm.utils import dequantize_model
@@ -201,19 +228,21 @@ def main() -> None:
         messages = [{"role": "user", "content": f"{context}\n\n{question}"}]
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         row = {"question": question, "prompt_tokens": len(prompt)}
-        row["fp16"] = greedy(model, tokenizer, prompt, "fp16", None, args.answer_tokens)
+        reference = greedy(model, tokenizer, prompt, "fp16", None, args.answer_tokens)
+        row["fp16"], row["departures"], got = tokenizer.decode(reference), {}, {}
         for name in args.greedy_settings:
-            row[name] = greedy(model, tokenizer, prompt, "turboquant", SETTINGS[name], args.answer_tokens)
-            same[name] += row[name] == row["fp16"]
+            got[name] = greedy(model, tokenizer, prompt, "turboquant", SETTINGS[name], args.answer_tokens)
         for name, bits in MLX_LM_CONTROLS.items():
             try:
-                row[name] = greedy(model, tokenizer, prompt, "fp16", None, args.answer_tokens, bits)
+                got[name] = greedy(model, tokenizer, prompt, "fp16", None, args.answer_tokens, bits)
             except RuntimeError as error:  # MLX CUDA has no quantized attention for every head shape
                 row[name] = f"unavailable on this backend: {str(error)[:120]}"
                 same.pop(name, None)
-                continue
-            if name in same:
-                same[name] += row[name] == row["fp16"]
+        for name, answer in got.items():
+            row[name] = tokenizer.decode(answer)
+            same[name] += answer == reference
+            if answer != reference:
+                row["departures"][name] = fp16_margin(model, prompt, reference, answer)
         answers.append(row)
         print(json.dumps({"progress": question, **row}), file=sys.stderr, flush=True)
     print(
@@ -223,6 +252,7 @@ def main() -> None:
                 "model": Path(args.model).name,
                 "device": str(mx.default_device()),
                 "tokens": args.tokens,
+                "aging": aging,
                 "perplexity": table,
                 "greedy_identical": {name: f"{n}/{len(QUESTIONS)}" for name, n in same.items()},
                 "greedy": answers,

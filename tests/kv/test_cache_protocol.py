@@ -18,6 +18,7 @@ from services.core.kv import (
     kv_cache_bytes,
     make_kv_cache,
 )
+from services.core.kv import cache as kv_cache_module
 
 ARCHS = ["qwen3_moe", "mixtral", "qwen3_5_moe"]
 COMPRESSING = KVCacheSettings(sink_tokens=4, recent_window=8, block_size=8)
@@ -29,6 +30,14 @@ def tiny(request, tiny_models):
     model, _ = load(str(tiny_models.checkpoint(request.param, None)))
     install_turboquant_attention(model)
     return request.param, model
+
+
+@pytest.fixture(params=["per-token", "deferred"])
+def aging(request, monkeypatch):
+    """Both ways a prefill chunk's compressed tokens are seen: as token by token (CPUs) and
+    exact, the chunk aging after its attention (GPUs): services/core/kv/cache.py."""
+    monkeypatch.setattr(kv_cache_module, "CHUNK_INVARIANT_PREFILL", request.param == "per-token")
+    return request.param
 
 
 def greedy(model, prompt, cache, n=8):
@@ -72,7 +81,7 @@ def test_compressing_cache_is_smaller_and_hook_falls_through_for_fp16(tiny):
     assert kv_cache_bytes(tq) == sum(c.nbytes for c in tq)
 
 
-def test_batch_generator_matches_one_sequence_at_a_time(tiny):
+def test_batch_generator_matches_one_sequence_at_a_time(tiny, aging):
     _, model = tiny
     alone = [greedy(model, p, make_kv_cache(model, "turboquant", COMPRESSING)) for p in PROMPTS]
     generator = BatchGenerator(model, completion_batch_size=3, prefill_batch_size=3, prefill_step_size=16)
@@ -91,7 +100,7 @@ def test_batch_generator_matches_one_sequence_at_a_time(tiny):
     assert [out[uid] for uid in uids] == alone
 
 
-def test_deepcopy_is_independent_and_trim_rewinds(tiny):
+def test_deepcopy_is_independent_and_trim_rewinds(tiny, aging):
     _, model = tiny
     cache = make_kv_cache(model, "turboquant", COMPRESSING)
     prompt = PROMPTS[2]
@@ -111,7 +120,7 @@ def test_deepcopy_is_independent_and_trim_rewinds(tiny):
     assert twin_layer.nbytes < before[1]
 
 
-def test_trim_and_refeed_reproduces_the_logits(tiny):
+def test_trim_and_refeed_reproduces_the_logits(tiny, aging):
     """Prefix reuse: rewind a cache and feed the same tokens again. With every token kept
     exact the logits must be identical (the rewound compressed run is covered above)."""
     _, model = tiny
