@@ -3,7 +3,8 @@
 A sequence's tokens live in three runs, in position order:
   sinks (the first `sink_tokens`, exact) | compressed (TurboQuant codes) | recent (exact)
 New tokens enter `recent`; once it holds `recent_window + block_size` tokens, the
-oldest whole blocks are compressed. Exact runs keep the model's dtype, as mlx-lm's
+oldest whole blocks are compressed (on GPUs, a prefill chunk's only after its attention
+ran: see CHUNK_INVARIANT_PREFILL). Exact runs keep the model's dtype, as mlx-lm's
 KVCache does. Attention over this cache is `services.core.kv.attention`, reached from
 mlx-lm's unchanged attention code through `install_turboquant_attention`.
 """
