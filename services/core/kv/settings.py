@@ -28,9 +28,9 @@ class KVCacheSettings:
     model's keys share a large common part (the demo model's mean key holds ~55% of the
     squared norm), so centering halves the key error. The shift is free: scores move by
     one constant per query (q.mu), which the softmax ignores, and the value offset is
-    added back to the output once. Off by default: measured on the demo model it cuts
-    K3+QJL's perplexity loss at window 128 from +15.2% to +8.9%, but at the default
-    window (and for K4) it does not help (bench/results/kv_quality-h200-v2.json)."""
+    added back to the output once. Off by default: on the demo model it halves K3+QJL's
+    perplexity loss (+1.07% -> +0.49%) but left 2 of 6 greedy answers as fp16's where the
+    default leaves 4 (bench/results/kv_quality-cpu-w128-greedy-centered.json)."""
 
     key_bits: int = 3
     value_bits: int = 3
