@@ -34,8 +34,9 @@ CHUNK_INVARIANT_PREFILL = mx.default_device() == mx.cpu
 # attention.turboquant_attention): every query of the chunk then sees at least its own recent
 # window exact (the window before the chunk plus the chunk's tokens up to it), as a query does when
 # tokens come one at a time, yet the chunk still takes one fused causal call over the runs as
-# stored. Without it a 512-token chunk's early queries saw their newest tokens compressed, which
-# cost the demo model +12.7 % perplexity at window 128 against +1.1 % (kv_quality-cpu-per-token-window.json).
+# stored. Without it a 512-token chunk's early queries saw their newest tokens compressed: the demo
+# model lost ~13 % perplexity at window 128, against +0.50 % with it and +1.07 % token by token
+# (bench/results/kv_quality-cpu-w128-deferred.json, kv_quality-cpu-w128-per-token.json).
 
 
 @lru_cache(maxsize=512)
