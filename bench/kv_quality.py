@@ -66,6 +66,24 @@ QUESTIONS = [
     "What gas do plants absorb from the air?",
     "Summarize the license text above in one sentence.",
 ]
+# --more-questions: short factual questions after the same license text, for a larger sample of
+# answers (the six above are the fixed set the README reports)
+MORE_QUESTIONS = [
+    "What is the largest planet in our solar system?",
+    "How many days are there in a week?",
+    "What is the boiling point of water in degrees Celsius?",
+    "What is the chemical symbol for gold?",
+    "Which ocean is the largest?",
+    "How many legs does a spider have?",
+    "What is the capital of Japan?",
+    "What is 7 plus 8?",
+    "Who painted the Mona Lisa?",
+    "What language is spoken in Brazil?",
+    "What is the freezing point of water in degrees Fahrenheit?",
+    "How many continents are there?",
+    "What is the square root of 81?",
+    "What color is the sky on a clear day?",
+]
 
 
 MLX_LM_CONTROLS = {"mlx-lm 8-bit KV (control)": 8, "mlx-lm 4-bit KV (control)": 4}
@@ -162,6 +180,9 @@ def main() -> None:
     )
     parser.add_argument("--perplexity-only", action="store_true", help="no greedy answers")
     parser.add_argument(
+        "--more-questions", action="store_true", help=f"{len(MORE_QUESTIONS)} more factual greedy prompts"
+    )
+    parser.add_argument(
         "--aging",
         choices=["device", "per-token", "deferred"],
         default="device",
@@ -224,7 +245,8 @@ def main() -> None:
     context = TEXT.read_text()[: args.context_chars]
     greedy_names = [] if args.perplexity_only else [*args.greedy_settings, *MLX_LM_CONTROLS]
     answers, same = [], {name: 0 for name in greedy_names}
-    for question in [] if args.perplexity_only else QUESTIONS:
+    questions = [*QUESTIONS, *MORE_QUESTIONS] if args.more_questions else QUESTIONS
+    for question in [] if args.perplexity_only else questions:
         messages = [{"role": "user", "content": f"{context}\n\n{question}"}]
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         row = {"question": question, "prompt_tokens": len(prompt)}
@@ -254,7 +276,7 @@ def main() -> None:
                 "tokens": args.tokens,
                 "aging": aging,
                 "perplexity": table,
-                "greedy_identical": {name: f"{n}/{len(QUESTIONS)}" for name, n in same.items()},
+                "greedy_identical": {name: f"{n}/{len(questions)}" for name, n in same.items()},
                 "greedy": answers,
             }
         )
