@@ -179,6 +179,7 @@ def main() -> None:
         "--settings", nargs="*", choices=list(SETTINGS), default=list(SETTINGS), help="perplexity rows"
     )
     parser.add_argument("--perplexity-only", action="store_true", help="no greedy answers")
+    parser.add_argument("--no-controls", action="store_true", help="greedy answers without mlx-lm's caches")
     parser.add_argument(
         "--more-questions", action="store_true", help=f"{len(MORE_QUESTIONS)} more factual greedy prompts"
     )
@@ -243,7 +244,8 @@ def main() -> None:
         print(json.dumps({"progress": name, **table[name]}), file=sys.stderr, flush=True)
 
     context = TEXT.read_text()[: args.context_chars]
-    greedy_names = [] if args.perplexity_only else [*args.greedy_settings, *MLX_LM_CONTROLS]
+    controls = {} if args.no_controls else MLX_LM_CONTROLS
+    greedy_names = [] if args.perplexity_only else [*args.greedy_settings, *controls]
     answers, same = [], {name: 0 for name in greedy_names}
     questions = [*QUESTIONS, *MORE_QUESTIONS] if args.more_questions else QUESTIONS
     for question in [] if args.perplexity_only else questions:
@@ -254,7 +256,7 @@ def main() -> None:
         row["fp16"], row["departures"], got = tokenizer.decode(reference), {}, {}
         for name in args.greedy_settings:
             got[name] = greedy(model, tokenizer, prompt, "turboquant", SETTINGS[name], args.answer_tokens)
-        for name, bits in MLX_LM_CONTROLS.items():
+        for name, bits in controls.items():
             try:
                 got[name] = greedy(model, tokenizer, prompt, "fp16", None, args.answer_tokens, bits)
             except RuntimeError as error:  # MLX CUDA has no quantized attention for every head shape
