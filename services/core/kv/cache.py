@@ -137,87 +137,64 @@ class TurboQuantKVCache(_BaseCache):
     def _centered(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         return _shifted(keys, self.key_offset), _shifted(values, self.value_offset)
 
-    def _start_centering(self, keys: mx.array, values: mx.array):
-        """Fixes the offsets as the means of the first block about to be compressed and
-        re-stores every exact token minus them (a one-time pass over sinks and window), so
-        that all tokens of the sequence share one shift. Returns the incoming tokens,
-        centered. Why a shift is free: scores q.(k - mu) = q.k - q.mu move by one constant
-        per query, which the softmax ignores; the weights sum to 1, so the weighted sum
-        of v - nu is the output minus nu, added back once (`value_offset`)."""
+    def _start_centering(self) -> None:
+        """Fixes the offsets as the means of the window's first block (the first to be compressed)
+        and re-stores every exact token minus them (a one-time pass over sinks and window), so
+        that all tokens of the sequence share one shift. Why a shift is free: scores
+        q.(k - mu) = q.k - q.mu move by one constant per query, which the softmax ignores; the
+        weights sum to 1, so the weighted sum of v - nu is the output minus nu, added back once
+        (`value_offset`)."""
         s, recent = self.settings, self.recent_buffer
-        held = _length(recent)
 
-        def first_mean(which: int, incoming: mx.array) -> mx.array:
-            run = mx.concatenate([recent.views()[which], incoming], axis=2) if held else incoming
+        def first_mean(which: int) -> mx.array:
             # the first block, however many blocks this update ages: the same shift for every
             # way of cutting the sequence into updates
-            return mx.mean(run[:, :, : s.block_size].astype(mx.float32), axis=2, keepdims=True)
+            run = recent.views()[which][:, :, : s.block_size]
+            return mx.mean(run.astype(mx.float32), axis=2, keepdims=True)
 
         if s.center_keys:
-            self.key_offset = first_mean(0, keys)
+            self.key_offset = first_mean(0)
         if s.center_values:
-            self.value_offset = first_mean(1, values)
+            self.value_offset = first_mean(1)
         if self.sink_keys is not None:
             self.sink_keys, self.sink_values = self._centered(self.sink_keys, self.sink_values)
-        if held:
-            self.recent_buffer = self._new_recent(self._centered(*recent.views()))
-        return self._centered(keys, values)
+        self.recent_buffer = self._new_recent(self._centered(*recent.views()))
 
     @property
     def centering(self) -> bool:
         return self.key_offset is not None or self.value_offset is not None
 
-    def _beyond_window(self, tokens: int) -> int:
-        """How many of `tokens` exact tokens the window compresses: the whole blocks beyond it."""
-        s = self.settings
-        return max(0, tokens - s.recent_window) // s.block_size * s.block_size
-
     def _append_recent(self, keys: mx.array, values: mx.array, defer_aging: bool = False) -> None:
-        """New tokens enter the window; once it holds recent_window + block_size tokens,
-        the oldest whole blocks are compressed and appended to the compressed run (with
-        defer_aging, not before `age` is called)."""
-        s, recent = self.settings, self.recent_buffer
-        held = _length(recent)
-        aged = 0 if defer_aging else self._beyond_window(held + keys.shape[2])
-        self.aging_deferred = defer_aging
-        if aged and (s.center_keys or s.center_values) and not self.centering:
-            keys, values = self._start_centering(keys, values)
-            recent = self.recent_buffer
-        if aged == 0:
-            self.recent_buffer = (
-                recent.appended((keys, values)) if recent is not None else self._new_recent((keys, values))
-            )
-            return
-        if aged <= held:  # decode steps: the aged tokens are all in the window already
-            old_k, old_v = (a[:, :, :aged] for a in recent.arrays)
-            self.recent_buffer = recent.without_first(aged).appended((keys, values))
-        else:
-            if recent is not None and held:
-                keys = mx.concatenate([recent.views()[0], keys], axis=2)
-                values = mx.concatenate([recent.views()[1], values], axis=2)
-            old_k, old_v = keys[:, :, :aged], values[:, :, :aged]
-            self.recent_buffer = self._new_recent((keys[:, :, aged:], values[:, :, aged:]))
-        if CHUNK_INVARIANT_PREFILL:
-            self.just_aged = (old_k, old_v, _length(self.sink_keys) + self.compressed_length)
-        self._append_compressed(_encode(self.key_codec, old_k), _encode(self.value_codec, old_v))
+        """New tokens enter the window, then `age` compresses the whole blocks beyond it (with
+        defer_aging, once this update's attention ran)."""
+        recent = self.recent_buffer
+        self.recent_buffer = (
+            recent.appended((keys, values)) if recent is not None else self._new_recent((keys, values))
+        )
+        self.aging_deferred = True
+        if not defer_aging:
+            self.age()
 
     def age(self) -> None:
-        """Compresses the whole blocks a deferred update (CHUNK_INVARIANT_PREFILL) left beyond
-        the window, and gives the window's spare room back."""
+        """Compresses the whole blocks the window holds beyond recent_window tokens, if the last
+        update left any (see CHUNK_INVARIANT_PREFILL), and gives the window's spare room back."""
         if not self.aging_deferred:
             return
         self.aging_deferred = False
-        s, recent = self.settings, self.recent_buffer
-        aged = self._beyond_window(_length(recent))
+        s = self.settings
+        aged = max(0, _length(self.recent_buffer) - s.recent_window) // s.block_size * s.block_size
         if not aged:
             return
         if (s.center_keys or s.center_values) and not self.centering:
-            self._start_centering(*(a[:, :, :0] for a in recent.views()))
-            recent = self.recent_buffer
+            self._start_centering()
+        recent, limit = self.recent_buffer, s.recent_window + s.block_size
         old_k, old_v = (a[:, :, :aged] for a in recent.arrays)
-        rest = recent.without_first(aged)
-        compact = rest.capacity <= s.recent_window + s.block_size
-        self.recent_buffer = rest if compact else self._new_recent(rest.views())
+        if recent.capacity <= limit:  # decode steps: shift within the same arrays
+            self.recent_buffer = recent.without_first(aged)
+        else:  # a chunk outgrew the window's arrays: keep only what stays, at the window's size
+            self.recent_buffer = self._new_recent(tuple(a[:, :, aged : recent.length] for a in recent.arrays))
+        if CHUNK_INVARIANT_PREFILL:
+            self.just_aged = (old_k, old_v, _length(self.sink_keys) + self.compressed_length)
         self._append_compressed(_encode(self.key_codec, old_k), _encode(self.value_codec, old_v))
 
     def _new_recent(self, arrays) -> TokenBuffer:
