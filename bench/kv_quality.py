@@ -21,15 +21,25 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.core.kv import KVCacheSettings, make_kv_cache
 from services.core.kv import cache as kv_cache_module
+from services.core.kv.answers import (
+    CONTEXT_CHARS,
+    MORE_QUESTIONS,
+    QUESTIONS,
+    TEXT,
+    departure,
+    greedy_answer,
+    is_near_tie,
+    prefill,
+    question_prompts,
+    shared_prefix_length,
+)
 from services.core.kv.quality import load_bench_model, perplexity
 
-TEXT = Path(__file__).resolve().parents[1] / "tests" / "assets" / "gpl-3.0.txt"
 CENTERED = dict(center_keys=True)  # keys quantized minus their mean (KVCacheSettings.center_keys)
 SETTINGS = {  # at the default window (128 tokens) unless named
     "K3+QJL/V3 (default)": KVCacheSettings(),
@@ -58,67 +68,12 @@ WINDOW_GRID = {
     "K4+QJL/V4": dict(key_bits=4, value_bits=4),
     "K2+QJL/V2": dict(key_bits=2, value_bits=2),
 }
-QUESTIONS = [
-    "What is the capital of France?",
-    "Name three primary colors.",
-    "What is 12 times 12?",
-    "Who wrote Romeo and Juliet?",
-    "What gas do plants absorb from the air?",
-    "Summarize the license text above in one sentence.",
-]
-# --more-questions: short factual questions after the same license text, for a larger sample of
-# answers (the six above are the fixed set the README reports)
-MORE_QUESTIONS = [
-    "What is the largest planet in our solar system?",
-    "How many days are there in a week?",
-    "What is the boiling point of water in degrees Celsius?",
-    "What is the chemical symbol for gold?",
-    "Which ocean is the largest?",
-    "How many legs does a spider have?",
-    "What is the capital of Japan?",
-    "What is 7 plus 8?",
-    "Who painted the Mona Lisa?",
-    "What language is spoken in Brazil?",
-    "What is the freezing point of water in degrees Fahrenheit?",
-    "How many continents are there?",
-    "What is the square root of 81?",
-    "What color is the sky on a clear day?",
-]
-
-
 MLX_LM_CONTROLS = {"mlx-lm 8-bit KV (control)": 8, "mlx-lm 4-bit KV (control)": 4}
 
 
-def greedy(
-    model, tokenizer, prompt: list[int], kind: str, settings, max_tokens: int, mlx_lm_kv_bits=None
-) -> list[int]:
-    cache = make_kv_cache(model, kind, settings)
-    quantized = (
-        {} if mlx_lm_kv_bits is None else dict(kv_bits=mlx_lm_kv_bits, kv_group_size=64, quantized_kv_start=0)
-    )
-    out = []
-    steps = generate_step(mx.array(prompt), model, prompt_cache=cache, max_tokens=max_tokens, **quantized)
-    for token, _ in steps:
-        if token in tokenizer.eos_token_ids:
-            break
-        out.append(token)
-    return out
-
-
-def fp16_margin(model, prompt: list[int], fp16_answer: list[int], other: list[int]) -> dict | None:
-    """Where `other` first departs from fp16's greedy answer: the position and how far fp16's own
-    choice led the other's token there (log-probability difference, nats, under the fp16 cache).
-    A small margin is a near tie that any perturbation of the cache may flip."""
-    at = next((i for i, (a, b) in enumerate(zip(fp16_answer, other, strict=False)) if a != b), None)
-    if at is None:
-        return None
-    logits = model(mx.array(prompt + fp16_answer[:at])[None], cache=make_kv_cache(model, "fp16"))
-    logprobs = logits[0, -1].astype(mx.float32)
-    logprobs = logprobs - mx.logsumexp(logprobs)
-    return {
-        "token": at,
-        "fp16_margin_nats": round((logprobs[fp16_answer[at]] - logprobs[other[at]]).item(), 4),
-    }
+def mlx_lm_kv(bits: int) -> dict:
+    """generate_step's own quantized KV cache: `bits`, groups of 64, from the first token."""
+    return dict(kv_bits=bits, kv_group_size=64, quantized_kv_start=0)
 
 
 def perplexity_rows(model, args) -> list:
@@ -164,7 +119,9 @@ def main() -> None:
     )
     parser.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--context-chars", type=int, default=3000, help="license text before each question")
+    parser.add_argument(
+        "--context-chars", type=int, default=CONTEXT_CHARS, help="license text before each question"
+    )
     parser.add_argument("--answer-tokens", type=int, default=24)
     parser.add_argument(
         "--answers-only", action="store_true", help="greedy answers only (no perplexity table)"
@@ -243,30 +200,47 @@ def main() -> None:
         table[name] = {"ppl": round(ppl, 4), "increase_pct": round(100 * (ppl / table["fp16"] - 1), 2)}
         print(json.dumps({"progress": name, **table[name]}), file=sys.stderr, flush=True)
 
-    context = TEXT.read_text()[: args.context_chars]
     controls = {} if args.no_controls else MLX_LM_CONTROLS
     greedy_names = [] if args.perplexity_only else [*args.greedy_settings, *controls]
     answers, same = [], {name: 0 for name in greedy_names}
-    questions = [*QUESTIONS, *MORE_QUESTIONS] if args.more_questions else QUESTIONS
-    for question in [] if args.perplexity_only else questions:
-        messages = [{"role": "user", "content": f"{context}\n\n{question}"}]
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    near = dict(same)
+    questions = [*QUESTIONS, *MORE_QUESTIONS] if args.more_questions else list(QUESTIONS)
+    questions = [] if args.perplexity_only else questions
+    prompts = question_prompts(tokenizer, questions, args.context_chars)
+    shared = shared_prefix_length(prompts) if prompts else 0
+    # each cache prefilled with the prompts' common prefix once, then copied for every question
+    # (prefix reuse, as core does); mlx-lm's quantized caches quantize on their own schedule
+    # inside generate_step, so they take whole prompts
+    prefixes = {
+        "fp16": prefill(model, prompts[0][:shared], make_kv_cache(model, "fp16")) if prompts else None
+    }
+    for name in args.greedy_settings if prompts else []:
+        prefixes[name] = prefill(
+            model, prompts[0][:shared], make_kv_cache(model, "turboquant", SETTINGS[name])
+        )
+    eos = tokenizer.eos_token_ids
+    for question, prompt in zip(questions, prompts, strict=True):
         row = {"question": question, "prompt_tokens": len(prompt)}
-        reference = greedy(model, tokenizer, prompt, "fp16", None, args.answer_tokens)
-        row["fp16"], row["departures"], got = tokenizer.decode(reference), {}, {}
+        reference, logprobs = greedy_answer(model, prompt[shared:], prefixes["fp16"], args.answer_tokens, eos)
+        row["fp16"], row["departures"], got = tokenizer.decode(reference, skip_special_tokens=True), {}, {}
         for name in args.greedy_settings:
-            got[name] = greedy(model, tokenizer, prompt, "turboquant", SETTINGS[name], args.answer_tokens)
+            got[name], _ = greedy_answer(model, prompt[shared:], prefixes[name], args.answer_tokens, eos)
         for name, bits in controls.items():
             try:
-                got[name] = greedy(model, tokenizer, prompt, "fp16", None, args.answer_tokens, bits)
+                got[name], _ = greedy_answer(
+                    model, prompt, make_kv_cache(model, "fp16"), args.answer_tokens, eos, **mlx_lm_kv(bits)
+                )
             except RuntimeError as error:  # MLX CUDA has no quantized attention for every head shape
                 row[name] = f"unavailable on this backend: {str(error)[:120]}"
                 same.pop(name, None)
+                near.pop(name, None)
         for name, answer in got.items():
-            row[name] = tokenizer.decode(answer)
-            same[name] += answer == reference
-            if answer != reference:
-                row["departures"][name] = fp16_margin(model, prompt, reference, answer)
+            row[name] = tokenizer.decode(answer, skip_special_tokens=True)
+            found = departure(reference, logprobs, answer)
+            same[name] += found is None
+            near[name] += is_near_tie(found)
+            if found is not None:
+                row["departures"][name] = found
         answers.append(row)
         print(json.dumps({"progress": question, **row}), file=sys.stderr, flush=True)
     print(
@@ -279,6 +253,8 @@ def main() -> None:
                 "aging": aging,
                 "perplexity": table,
                 "greedy_identical": {name: f"{n}/{len(questions)}" for name, n in same.items()},
+                # identical, or first departing where fp16 led by < NEAR_TIE_NATS (answers.py)
+                "greedy_identical_or_near_tie": {name: f"{n}/{len(questions)}" for name, n in near.items()},
                 "greedy": answers,
             }
         )
