@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+from mlx_lm.models.cache import QuantizedKVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -34,6 +35,7 @@ from services.core.kv.answers import (
     departure,
     greedy_answer,
     is_near_tie,
+    lead_shifts,
     prefill,
     question_prompts,
     shared_prefix_length,
@@ -74,6 +76,30 @@ MLX_LM_CONTROLS = {"mlx-lm 8-bit KV (control)": 8, "mlx-lm 4-bit KV (control)": 
 def mlx_lm_kv(bits: int) -> dict:
     """generate_step's own quantized KV cache: `bits`, groups of 64, from the first token."""
     return dict(kv_bits=bits, kv_group_size=64, quantized_kv_start=0)
+
+
+def leads(reference: list[int], logprobs: list) -> list[float]:
+    """fp16's lead of its own token over its runner-up at each answer token, nats."""
+    out = []
+    for token, step in zip(reference, logprobs, strict=True):
+        others = mx.where(mx.arange(step.shape[-1]) == token, -mx.inf, step.astype(mx.float32))
+        out.append((step[token] - mx.max(others)).item())
+    return out
+
+
+def shift_summary(pairs: list[tuple[float, float]]) -> dict:
+    """Spread of the lead shifts over every answer token, and how many of fp16's decisions they
+    overturn under teacher forcing (the shift larger than fp16's lead, against it)."""
+    shifts = sorted(abs(shift) for shift, _ in pairs)
+    rms = (sum(s * s for s in shifts) / len(shifts)) ** 0.5
+    overturned = sum(lead + shift < 0 for shift, lead in pairs)
+    return {
+        "tokens": len(pairs),
+        "rms": round(rms, 4),
+        "p95_abs": round(shifts[int(0.95 * (len(shifts) - 1))], 4),
+        "max_abs": round(shifts[-1], 4),
+        "overturned": overturned,
+    }
 
 
 def perplexity_rows(model, args) -> list:
@@ -136,6 +162,11 @@ def main() -> None:
         "--settings", nargs="*", choices=list(SETTINGS), default=list(SETTINGS), help="perplexity rows"
     )
     parser.add_argument("--perplexity-only", action="store_true", help="no greedy answers")
+    parser.add_argument(
+        "--lead-shifts",
+        action="store_true",
+        help="also: how far each cache moves fp16's lead along fp16's answers (teacher forcing)",
+    )
     parser.add_argument("--no-controls", action="store_true", help="greedy answers without mlx-lm's caches")
     parser.add_argument(
         "--more-questions", action="store_true", help=f"{len(MORE_QUESTIONS)} more factual greedy prompts"
@@ -219,10 +250,25 @@ def main() -> None:
             model, prompts[0][:shared], make_kv_cache(model, "turboquant", SETTINGS[name])
         )
     eos = tokenizer.eos_token_ids
+    shifts = {name: [] for name in ["fp16 (numeric floor)", *greedy_names]} if args.lead_shifts else {}
     for question, prompt in zip(questions, prompts, strict=True):
         row = {"question": question, "prompt_tokens": len(prompt)}
         reference, logprobs = greedy_answer(model, prompt[shared:], prefixes["fp16"], args.answer_tokens, eos)
         row["fp16"], row["departures"], got = tokenizer.decode(reference, skip_special_tokens=True), {}, {}
+        for name in shifts:
+            if name in controls:  # mlx-lm's quantized cache from the first token, whole prompt
+                cache, tokens = (
+                    [QuantizedKVCache(group_size=64, bits=controls[name]) for _ in model.layers],
+                    prompt,
+                )
+            elif name in prefixes:
+                cache, tokens = prefixes[name], prompt[shared:]
+            else:  # fp16 again, whole prompt in one call: the floor of numeric differences
+                cache, tokens = make_kv_cache(model, "fp16"), prompt
+            moved = lead_shifts(model, tokens, cache, reference, logprobs)
+            shifts[name] += [
+                (shift, lead) for shift, lead in zip(moved, leads(reference, logprobs), strict=True)
+            ]
         for name in args.greedy_settings:
             got[name], _ = greedy_answer(model, prompt[shared:], prefixes[name], args.answer_tokens, eos)
         for name, bits in controls.items():
@@ -256,6 +302,11 @@ def main() -> None:
                 # identical, or first departing where fp16 led by < NEAR_TIE_NATS (answers.py)
                 "greedy_identical_or_near_tie": {name: f"{n}/{len(questions)}" for name, n in near.items()},
                 "greedy": answers,
+                **(
+                    {"lead_shift_nats": {name: shift_summary(pairs) for name, pairs in shifts.items()}}
+                    if shifts
+                    else {}
+                ),
             }
         )
     )

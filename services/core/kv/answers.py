@@ -105,6 +105,28 @@ def departure(reference: list[int], reference_logprobs: list[mx.array], other: l
     return {"token": at, "fp16_margin_nats": round(lead.item(), 4)}
 
 
+def lead_shifts(
+    model, tokens: list[int], cache: list, reference: list[int], reference_logprobs: list[mx.array]
+) -> list[float]:
+    """How far a cache moves fp16's decisions along fp16's own answer: at each answer token, the
+    lead of fp16's token over fp16's runner-up under `cache` (fed `tokens`, then the reference
+    answer: teacher forcing) minus that lead under fp16, in nats. Their spread is the noise a
+    near tie must outlast; a departure happens where a shift exceeds fp16's lead."""
+    if not reference:
+        return []
+    logits = model(mx.array(tokens + reference[:-1])[None], cache=copy.deepcopy(cache))
+    logprobs = logits[0, -len(reference) :].astype(mx.float32)
+    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    shifts = []
+    for i, token in enumerate(reference):
+        fp16 = reference_logprobs[i].astype(mx.float32)
+        runner_up = mx.argmax(mx.where(mx.arange(fp16.shape[-1]) == token, -mx.inf, fp16)).item()
+        before = fp16[token] - fp16[runner_up]
+        after = logprobs[i, token] - logprobs[i, runner_up]
+        shifts.append(round((after - before).item(), 4))
+    return shifts
+
+
 def is_near_tie(found: dict | None) -> bool:
     """The rule: the answers agree, or part where fp16 was nearly undecided."""
     return found is None or found["fp16_margin_nats"] < NEAR_TIE_NATS
