@@ -102,6 +102,70 @@ def shift_summary(pairs: list[tuple[float, float]]) -> dict:
     }
 
 
+def shift_cache(model, name: str, prompt: list[int], shared: int, prefixes: dict, controls: dict):
+    """(cache, tokens to feed it) for measuring `name`'s lead shifts on `prompt`."""
+    if name in controls:  # mlx-lm's quantized cache from the first token, whole prompt
+        return [QuantizedKVCache(group_size=64, bits=controls[name]) for _ in model.layers], prompt
+    if name in prefixes:
+        return prefixes[name], prompt[shared:]
+    return make_kv_cache(model, "fp16"), prompt  # fp16 again, whole prompt: the numeric floor
+
+
+def compare_answers(model, tokenizer, args, questions: list[str], controls: dict):
+    """Greedy answers to `questions` under fp16 and each cache the flags name: the rows, the
+    identical and identical-or-near-tie counts and (--lead-shifts) the (shift, fp16 lead) pairs.
+
+    Each cache is prefilled with the prompts' common prefix once and copied for every question
+    (prefix reuse, as core does); mlx-lm's quantized caches quantize on their own schedule
+    inside generate_step, so they take whole prompts."""
+    names = [*args.greedy_settings, *controls]
+    answers, same, near = [], dict.fromkeys(names, 0), dict.fromkeys(names, 0)
+    shifts = {name: [] for name in ["fp16 (numeric floor)", *names]} if args.lead_shifts and questions else {}
+    if not questions:
+        return answers, same, near, shifts
+    prompts = question_prompts(tokenizer, questions, args.context_chars)
+    shared = shared_prefix_length(prompts)
+    prefixes = {"fp16": prefill(model, prompts[0][:shared], make_kv_cache(model, "fp16"))}
+    for name in args.greedy_settings:
+        caches = make_kv_cache(model, "turboquant", SETTINGS[name])
+        prefixes[name] = prefill(model, prompts[0][:shared], caches)
+    eos = tokenizer.eos_token_ids
+    for question, prompt in zip(questions, prompts, strict=True):
+        row = {"question": question, "prompt_tokens": len(prompt)}
+        reference, logprobs = greedy_answer(model, prompt[shared:], prefixes["fp16"], args.answer_tokens, eos)
+        row["fp16"], row["departures"], got = tokenizer.decode(reference, skip_special_tokens=True), {}, {}
+        fp16_leads = leads(reference, logprobs) if shifts else []
+        for name in list(shifts):
+            cache, tokens = shift_cache(model, name, prompt, shared, prefixes, controls)
+            try:
+                moved = lead_shifts(model, tokens, cache, reference, logprobs)
+            except RuntimeError:  # MLX CUDA has no quantized attention for every head shape
+                shifts.pop(name)
+                continue
+            shifts[name] += list(zip(moved, fp16_leads, strict=True))
+        for name in args.greedy_settings:
+            got[name], _ = greedy_answer(model, prompt[shared:], prefixes[name], args.answer_tokens, eos)
+        for name, bits in controls.items():
+            try:
+                got[name], _ = greedy_answer(
+                    model, prompt, make_kv_cache(model, "fp16"), args.answer_tokens, eos, **mlx_lm_kv(bits)
+                )
+            except RuntimeError as error:
+                row[name] = f"unavailable on this backend: {str(error)[:120]}"
+                same.pop(name, None)
+                near.pop(name, None)
+        for name, answer in got.items():
+            row[name] = tokenizer.decode(answer, skip_special_tokens=True)
+            found = departure(reference, logprobs, answer)
+            same[name] += found is None
+            near[name] += is_near_tie(found)
+            if found is not None:
+                row["departures"][name] = found
+        answers.append(row)
+        print(json.dumps({"progress": question, **row}), file=sys.stderr, flush=True)
+    return answers, same, near, shifts
+
+
 def perplexity_rows(model, args) -> list:
     """(row name, cache maker) for the perplexity table the flags ask for."""
     if args.windows:
@@ -231,64 +295,9 @@ def main() -> None:
         table[name] = {"ppl": round(ppl, 4), "increase_pct": round(100 * (ppl / table["fp16"] - 1), 2)}
         print(json.dumps({"progress": name, **table[name]}), file=sys.stderr, flush=True)
 
+    questions = [] if args.perplexity_only else [*QUESTIONS, *(MORE_QUESTIONS if args.more_questions else ())]
     controls = {} if args.no_controls else MLX_LM_CONTROLS
-    greedy_names = [] if args.perplexity_only else [*args.greedy_settings, *controls]
-    answers, same = [], {name: 0 for name in greedy_names}
-    near = dict(same)
-    questions = [*QUESTIONS, *MORE_QUESTIONS] if args.more_questions else list(QUESTIONS)
-    questions = [] if args.perplexity_only else questions
-    prompts = question_prompts(tokenizer, questions, args.context_chars)
-    shared = shared_prefix_length(prompts) if prompts else 0
-    # each cache prefilled with the prompts' common prefix once, then copied for every question
-    # (prefix reuse, as core does); mlx-lm's quantized caches quantize on their own schedule
-    # inside generate_step, so they take whole prompts
-    prefixes = {
-        "fp16": prefill(model, prompts[0][:shared], make_kv_cache(model, "fp16")) if prompts else None
-    }
-    for name in args.greedy_settings if prompts else []:
-        prefixes[name] = prefill(
-            model, prompts[0][:shared], make_kv_cache(model, "turboquant", SETTINGS[name])
-        )
-    eos = tokenizer.eos_token_ids
-    shifts = {name: [] for name in ["fp16 (numeric floor)", *greedy_names]} if args.lead_shifts else {}
-    for question, prompt in zip(questions, prompts, strict=True):
-        row = {"question": question, "prompt_tokens": len(prompt)}
-        reference, logprobs = greedy_answer(model, prompt[shared:], prefixes["fp16"], args.answer_tokens, eos)
-        row["fp16"], row["departures"], got = tokenizer.decode(reference, skip_special_tokens=True), {}, {}
-        for name in shifts:
-            if name in controls:  # mlx-lm's quantized cache from the first token, whole prompt
-                cache, tokens = (
-                    [QuantizedKVCache(group_size=64, bits=controls[name]) for _ in model.layers],
-                    prompt,
-                )
-            elif name in prefixes:
-                cache, tokens = prefixes[name], prompt[shared:]
-            else:  # fp16 again, whole prompt in one call: the floor of numeric differences
-                cache, tokens = make_kv_cache(model, "fp16"), prompt
-            moved = lead_shifts(model, tokens, cache, reference, logprobs)
-            shifts[name] += [
-                (shift, lead) for shift, lead in zip(moved, leads(reference, logprobs), strict=True)
-            ]
-        for name in args.greedy_settings:
-            got[name], _ = greedy_answer(model, prompt[shared:], prefixes[name], args.answer_tokens, eos)
-        for name, bits in controls.items():
-            try:
-                got[name], _ = greedy_answer(
-                    model, prompt, make_kv_cache(model, "fp16"), args.answer_tokens, eos, **mlx_lm_kv(bits)
-                )
-            except RuntimeError as error:  # MLX CUDA has no quantized attention for every head shape
-                row[name] = f"unavailable on this backend: {str(error)[:120]}"
-                same.pop(name, None)
-                near.pop(name, None)
-        for name, answer in got.items():
-            row[name] = tokenizer.decode(answer, skip_special_tokens=True)
-            found = departure(reference, logprobs, answer)
-            same[name] += found is None
-            near[name] += is_near_tie(found)
-            if found is not None:
-                row["departures"][name] = found
-        answers.append(row)
-        print(json.dumps({"progress": question, **row}), file=sys.stderr, flush=True)
+    answers, same, near, shifts = compare_answers(model, tokenizer, args, questions, controls)
     print(
         json.dumps(
             {
