@@ -7,9 +7,10 @@ The rule (`departure`): an answer is fp16's, or where it first leaves fp16's ans
 was nearly undecided — its own token led the one taken by less than NEAR_TIE_NATS of log
 probability. Why not plain equality: any lossy cache moves the logits a little, and on the
 135M demo model the lead at a departure point is often a few hundredths of a nat (0.086 nats,
-p 0.157 vs 0.144, in one of the six answers). Across rotation seeds the K3+QJL/V3 cache moves
-such leads by ~0.4 nats either way; mlx-lm's own 4-bit KV cache leaves 1 of the 6 answers as
-fp16's, each departure again at a lead < 0.43 nats. A broken or too coarse cache departs where
+p 0.157 vs 0.144, in one of the six answers), while the default K3+QJL/V3 cache moves fp16's
+leads by 0.30 nats rms along its answers (`lead_shifts`; mlx-lm's 8-bit KV cache 0.066, its 4-bit
+one 0.91: bench/results/kv_quality-cpu-w128-greedy-20-lead-shifts.json). mlx-lm's 4-bit cache
+leaves 1 of the 6 answers as fp16's, each departure again at a lead < 0.43 nats. A broken or too coarse cache departs where
 fp16 was sure (K2+QJL/V2: leads of 0.85 and 1.6 nats; 1-bit: 7.1 nats).
 """
 
