@@ -6,6 +6,7 @@
     python bench/kv.py --dequantize                     # on a CPU (see below)
     python bench/kv.py --dequantize --random-fill       # decode only, caches filled at random
     python bench/kv.py --dense-kernel                   # on a CPU, projections as core computes them
+    python bench/kv.py --kv-key-bits 4 --kv-no-qjl      # another TurboQuant setting (core's flags)
 
 Monolithic mlx-lm (the model's own attention code, TurboQuant reached through
 install_turboquant_attention). For each context: the prompt (the bundled GPL-3 text,
@@ -44,6 +45,7 @@ from services.core.kv import (
     make_kv_cache,
     turboquant_attention,
 )
+from services.core.kv.cli_flags import add_kv_cache_flags, kv_settings_from_args
 from services.core.kv.quality import load_bench_model
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "assets" / "gpl-3.0.txt"
@@ -184,6 +186,7 @@ def main() -> None:
         help="decode only: fill the caches with random keys/values instead of prefilling the prompt "
         "(a 16K-token prefill takes hours on a small CPU; decode speed does not depend on the contents)",
     )
+    add_kv_cache_flags(parser)  # the TurboQuant settings to time (--kv-cache itself is ignored here)
     args = parser.parse_args()
 
     model, tokenizer, args.model = load_bench_model(args.model, args.dtype, args.random_weights)
@@ -201,7 +204,7 @@ def main() -> None:
             raise SystemExit(
                 "--dense-kernel: no projection moved (quantized weights and the C extension needed)"
             )
-    settings = KVCacheSettings()
+    settings = kv_settings_from_args(args)
     config = model.args
     heads = getattr(config, "num_key_value_heads", None)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
