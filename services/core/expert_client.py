@@ -282,7 +282,10 @@ class ExpertDispatcher:
         self._set_link(link, reply)
 
     def _set_link(self, link: WorkerLink, describe: expert_pb2.DescribeResponse | None) -> None:
-        """Runs on the I/O loop. A link going down gets a background reconnect with backoff."""
+        """Runs on the I/O loop. A link going down gets a background reconnect with backoff, and
+        the routes follow every change of a link's state here, whoever noticed it: a Describe
+        that timed out once marked a SIGSTOPped replica down without rebuilding them, and every
+        later layer call kept waiting half its deadline on it."""
         was_up = link.up
         link.describe = describe
         if describe is not None and describe.frames_path and self.use_frames:
@@ -296,6 +299,8 @@ class ExpertDispatcher:
             log.info("expert_worker_up", worker=link.address, worker_id=describe.worker_id)
         if not link.up and not self._closing and (link.reconnecting is None or link.reconnecting.done()):
             link.reconnecting = self.loop.create_task(self._reconnect(link))
+        if link.up != was_up:
+            self._rebuild_routes()
 
     def _rebuild_routes(self) -> None:
         held: dict[int, list[list[int]]] = {
@@ -764,7 +769,6 @@ class ExpertDispatcher:
         """Stop routing to the link; _set_link describes it again in the background until it is back."""
         if link.up:
             self._set_link(link, None)
-            self._rebuild_routes()
 
     async def _reconnect(self, link: WorkerLink) -> None:
         delay, cap = RECONNECT_BACKOFF_S
@@ -774,8 +778,6 @@ class ExpertDispatcher:
                 await self._describe(link, timeout_s=2.0)
             except RuntimeError:
                 delay = min(delay * 2, cap)
-                continue
-            self._rebuild_routes()
 
     def close(self) -> None:
         async def _close():
