@@ -78,15 +78,6 @@ def mlx_lm_kv(bits: int) -> dict:
     return dict(kv_bits=bits, kv_group_size=64, quantized_kv_start=0)
 
 
-def leads(reference: list[int], logprobs: list) -> list[float]:
-    """fp16's lead of its own token over its runner-up at each answer token, nats."""
-    out = []
-    for token, step in zip(reference, logprobs, strict=True):
-        others = mx.where(mx.arange(step.shape[-1]) == token, -mx.inf, step.astype(mx.float32))
-        out.append((step[token] - mx.max(others)).item())
-    return out
-
-
 def shift_summary(pairs: list[tuple[float, float]]) -> dict:
     """Spread of the lead shifts over every answer token, and how many of fp16's decisions they
     overturn under teacher forcing (the shift larger than fp16's lead, against it)."""
@@ -134,15 +125,14 @@ def compare_answers(model, tokenizer, args, questions: list[str], controls: dict
         row = {"question": question, "prompt_tokens": len(prompt)}
         reference, logprobs = greedy_answer(model, prompt[shared:], prefixes["fp16"], args.answer_tokens, eos)
         row["fp16"], row["departures"], got = tokenizer.decode(reference, skip_special_tokens=True), {}, {}
-        fp16_leads = leads(reference, logprobs) if shifts else []
         for name in list(shifts):
             cache, tokens = shift_cache(model, name, prompt, shared, prefixes, controls)
             try:
-                moved = lead_shifts(model, tokens, cache, reference, logprobs)
+                pairs = lead_shifts(model, tokens, cache, reference, logprobs)
             except RuntimeError:  # MLX CUDA has no quantized attention for every head shape
                 shifts.pop(name)
                 continue
-            shifts[name] += list(zip(moved, fp16_leads, strict=True))
+            shifts[name] += pairs
         for name in args.greedy_settings:
             got[name], _ = greedy_answer(model, prompt[shared:], prefixes[name], args.answer_tokens, eos)
         for name, bits in controls.items():

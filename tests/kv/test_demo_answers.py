@@ -5,7 +5,7 @@ at the default setting ~550 of each prompt's ~690 tokens are compressed. Every a
 fp16's, or leave it only where fp16 itself was nearly undecided (answers.departure: its token
 led by < 0.5 nats). Plain equality is not the bar because near ties flip under any lossy cache,
 mlx-lm's own 4-bit one included (see answers.py); a broken or too coarse cache fails here
-(K2+QJL/V2 departs at leads of 0.85 and 1.6 nats, a 1-bit cache at 7.1).
+(K2+QJL/V2 departs at leads of 0.85 and 1.6 nats).
 
 Real weights, real tokenizer and chat template, the cache as core uses it (prefix prefilled
 once and copied per request). ~30 s per setting on a 2-core CPU.

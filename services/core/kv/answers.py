@@ -11,7 +11,7 @@ p 0.157 vs 0.144, in one of the six answers), while the default K3+QJL/V3 cache 
 leads by 0.30 nats rms along its answers (`lead_shifts`; mlx-lm's 8-bit KV cache 0.066, its 4-bit
 one 0.91: bench/results/kv_quality-cpu-w128-greedy-20-lead-shifts.json). mlx-lm's 4-bit cache
 leaves 1 of the 6 answers as fp16's, each departure again at a lead < 0.43 nats. A broken or too coarse cache departs where
-fp16 was sure (K2+QJL/V2: leads of 0.85 and 1.6 nats; 1-bit: 7.1 nats).
+fp16 was sure (K2+QJL/V2: leads of 0.85 and 1.6 nats).
 """
 
 from __future__ import annotations
@@ -108,24 +108,25 @@ def departure(reference: list[int], reference_logprobs: list[mx.array], other: l
 
 def lead_shifts(
     model, tokens: list[int], cache: list, reference: list[int], reference_logprobs: list[mx.array]
-) -> list[float]:
-    """How far a cache moves fp16's decisions along fp16's own answer: at each answer token, the
-    lead of fp16's token over fp16's runner-up under `cache` (fed `tokens`, then the reference
-    answer: teacher forcing) minus that lead under fp16, in nats. Their spread is the noise a
-    near tie must outlast; a departure happens where a shift exceeds fp16's lead."""
+) -> list[tuple[float, float]]:
+    """How far a cache moves fp16's decisions along fp16's own answer: at each answer token,
+    (shift, lead) — lead: fp16's token over fp16's runner-up under fp16, in nats; shift: that
+    same lead under `cache` (fed `tokens`, then the reference answer: teacher forcing) minus it.
+    Their spread is the noise a near tie must outlast; a decision is overturned where
+    lead + shift < 0."""
     if not reference:
         return []
     logits = model(mx.array(tokens + reference[:-1])[None], cache=copy.deepcopy(cache))
     logprobs = logits[0, -len(reference) :].astype(mx.float32)
     logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
-    shifts = []
+    pairs = []
     for i, token in enumerate(reference):
         fp16 = reference_logprobs[i].astype(mx.float32)
         runner_up = mx.argmax(mx.where(mx.arange(fp16.shape[-1]) == token, -mx.inf, fp16)).item()
-        before = fp16[token] - fp16[runner_up]
-        after = logprobs[i, token] - logprobs[i, runner_up]
-        shifts.append(round((after - before).item(), 4))
-    return shifts
+        lead = (fp16[token] - fp16[runner_up]).item()
+        after = (logprobs[i, token] - logprobs[i, runner_up]).item()
+        pairs.append((round(after - lead, 4), lead))
+    return pairs
 
 
 def is_near_tie(found: dict | None) -> bool:
