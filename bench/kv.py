@@ -6,7 +6,7 @@
     python bench/kv.py --dequantize                     # on a CPU (see below)
     python bench/kv.py --dequantize --random-fill       # decode only, caches filled at random
     python bench/kv.py --dense-kernel                   # on a CPU, projections as core computes them
-    python bench/kv.py --kv-key-bits 4 --kv-no-qjl      # another TurboQuant setting (core's flags)
+    python bench/kv.py --kv-key-bits 3 --kv-qjl         # the paper's K3+QJL keys (core's flags)
 
 Monolithic mlx-lm (the model's own attention code, TurboQuant reached through
 install_turboquant_attention). For each context: the prompt (the bundled GPL-3 text,

@@ -43,18 +43,20 @@ from services.core.kv.answers import (
 from services.core.kv.quality import load_bench_model, perplexity
 
 CENTERED = dict(center_keys=True)  # keys quantized minus their mean (KVCacheSettings.center_keys)
-SETTINGS = {  # at the default window (128 tokens) unless named
-    "K3+QJL/V3 (default)": KVCacheSettings(),
-    "K3+QJL/V3, centered keys": KVCacheSettings(**CENTERED),
-    "K3+QJL/V3, centered keys and values": KVCacheSettings(**CENTERED, center_values=True),
-    "K4/V4": KVCacheSettings(key_bits=4, value_bits=4, key_qjl=False),
-    "K4/V4, centered keys": KVCacheSettings(key_bits=4, value_bits=4, key_qjl=False, **CENTERED),
+PAPER = dict(key_bits=3, key_qjl=True)  # the issue's K3+QJL keys (PAPER_SETTINGS)
+MSE4 = dict(key_bits=4, key_qjl=False)  # the default's keys
+SETTINGS = {  # at the default window (128 tokens) unless named; every row spells out its bits
+    "K4/V3 (default)": KVCacheSettings(**MSE4, value_bits=3),
+    "K3+QJL/V3 (paper)": KVCacheSettings(**PAPER, value_bits=3),
+    "K3+QJL/V3, centered keys": KVCacheSettings(**PAPER, **CENTERED),
+    "K3+QJL/V3, centered keys and values": KVCacheSettings(**PAPER, **CENTERED, center_values=True),
+    "K4/V4": KVCacheSettings(**MSE4, value_bits=4),
+    "K4/V4, centered keys": KVCacheSettings(**MSE4, value_bits=4, **CENTERED),
     "K2+QJL/V2": KVCacheSettings(key_bits=2, value_bits=2, key_qjl=True),
-    "K3/V3": KVCacheSettings(key_qjl=False),
-    "K4/V3": KVCacheSettings(key_bits=4, key_qjl=False),
-    "K4+QJL/V4": KVCacheSettings(key_bits=4, value_bits=4),
-    "K3+QJL/V3, window 384": KVCacheSettings(recent_window=384),
-    "K3+QJL/V3, window 512": KVCacheSettings(recent_window=512),
+    "K3/V3": KVCacheSettings(key_bits=3, key_qjl=False),
+    "K4+QJL/V4": KVCacheSettings(key_bits=4, value_bits=4, key_qjl=True),
+    "K3+QJL/V3, window 384": KVCacheSettings(**PAPER, recent_window=384),
+    "K3+QJL/V3, window 512": KVCacheSettings(**PAPER, recent_window=512),
     # control: TurboQuant's attention path with nothing compressed (every prompt fits the window),
     # so any answer that moves here moves through the path's arithmetic, not through compression
     "TurboQuant path, nothing compressed (control)": KVCacheSettings(recent_window=1 << 20),
@@ -62,13 +64,13 @@ SETTINGS = {  # at the default window (128 tokens) unless named
 # --windows: each of these bit settings at each recent window (the smallest window that keeps a
 # setting under the 3 % bar is what the default window is chosen from)
 WINDOW_GRID = {
-    "K3+QJL/V3": {},
-    "K3+QJL/V3, centered keys": dict(center_keys=True),
-    "K3/V3": dict(key_qjl=False),
-    "K4/V3": dict(key_bits=4, key_qjl=False),
-    "K4/V4": dict(key_bits=4, value_bits=4, key_qjl=False),
-    "K4+QJL/V4": dict(key_bits=4, value_bits=4),
-    "K2+QJL/V2": dict(key_bits=2, value_bits=2),
+    "K3+QJL/V3": PAPER,
+    "K3+QJL/V3, centered keys": dict(**PAPER, **CENTERED),
+    "K3/V3": dict(key_bits=3, key_qjl=False),
+    "K4/V3": MSE4,
+    "K4/V4": dict(**MSE4, value_bits=4),
+    "K4+QJL/V4": dict(key_bits=4, value_bits=4, key_qjl=True),
+    "K2+QJL/V2": dict(key_bits=2, value_bits=2, key_qjl=True),
 }
 MLX_LM_CONTROLS = {"mlx-lm 8-bit KV (control)": 8, "mlx-lm 4-bit KV (control)": 4}
 
@@ -172,16 +174,27 @@ def perplexity_rows(model, args) -> list:
         ]
     if args.layer_sweep:
         return [
-            (f"K3+QJL/V3, layer {layer} exact", lambda layer=layer: one_layer_exact(model, layer))
+            (
+                f"{KVCacheSettings().describe()}, layer {layer} exact",
+                lambda layer=layer: one_layer_exact(model, layer),
+            )
             for layer in range(len(model.layers))
         ]
 
-    def settings(name: str) -> KVCacheSettings:
-        chosen = SETTINGS[name]
-        return chosen if args.seed is None else dataclasses.replace(chosen, seed=args.seed)
-
-    return [
-        (name, lambda name=name: make_kv_cache(model, "turboquant", settings(name))) for name in args.settings
+    if args.seed is None:
+        return [
+            (name, lambda name=name: make_kv_cache(model, "turboquant", SETTINGS[name]))
+            for name in args.settings
+        ]
+    return [  # one row per setting and rotation seed, fp16's perplexity computed once for all
+        (
+            f"{name}, seed {seed}",
+            lambda name=name, seed=seed: make_kv_cache(
+                model, "turboquant", dataclasses.replace(SETTINGS[name], seed=seed)
+            ),
+        )
+        for name in args.settings
+        for seed in args.seed
     ]
 
 
@@ -232,7 +245,9 @@ def main() -> None:
         help="what a prefill chunk's queries see of the tokens the chunk compresses: as token by token"
         " (CPUs), or exact, the chunk aging after its attention (GPUs); default: this device's",
     )
-    parser.add_argument("--seed", type=int, default=None, help="rotation seed of the --settings rows")
+    parser.add_argument(
+        "--seed", type=int, nargs="+", default=None, help="rotation seeds of the --settings rows (a row each)"
+    )
     parser.add_argument(
         "--windows",
         nargs="*",
@@ -252,7 +267,7 @@ def main() -> None:
         "--greedy-settings",
         nargs="*",
         choices=list(SETTINGS),
-        default=["K3+QJL/V3 (default)"],
+        default=["K4/V3 (default)"],
         help="settings whose greedy answers are compared with fp16",
     )
     args = parser.parse_args()

@@ -1,7 +1,7 @@
 """Does TurboQuant's rotation, its seed or one knob move the quality? Perplexity per (rotation, seed).
 
     python bench/kv_rotations.py --rotations hd haar hdhd --seeds 0 100 200
-    python bench/kv_rotations.py --settings "K3+QJL/V3 (default)" --seeds 0 100 200
+    python bench/kv_rotations.py --settings "K4/V3 (default)" --seeds 0 100 200
     python bench/kv_rotations.py --also sink_tokens=64 --also center_keys=1   # each setting changed so, too
 
 hd: the randomized Walsh-Hadamard transform moe-mesh uses (services/core/kv/rotation.py);
@@ -30,7 +30,13 @@ from services.core.kv import cache as kv_cache
 from services.core.kv import make_kv_cache, rotation
 from services.core.kv.quality import load_bench_model, perplexity
 
-DEFAULT_SETTINGS = ["K3+QJL/V3 (default)", "K4/V4", "K3+QJL/V3, centered keys", "K3+QJL/V3, window 384"]
+DEFAULT_SETTINGS = [
+    "K4/V3 (default)",
+    "K3+QJL/V3 (paper)",
+    "K4/V4",
+    "K3+QJL/V3, centered keys",
+    "K3+QJL/V3, window 384",
+]
 _HADAMARD_INIT = rotation.RandomizedHadamard.__init__
 
 

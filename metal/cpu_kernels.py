@@ -168,10 +168,16 @@ def _table(table: mx.array) -> np.ndarray:
     return entry[1]
 
 
-# (key bits, QJL, value bits, head dim, queries): every bit width the cache offers, QJL on
+# (key bits, QJL, value bits, head dim, queries): the default, every bit width the cache offers, QJL on
 # and off, a padded head dim (80 -> 128) with a tail past the 8-lane loop, GQA, one query
 # and several (the newest of which sit inside the compressed run).
-_SELF_CHECK_CASES = ((3, True, 3, 64, 1), (4, False, 2, 80, 3), (2, True, 4, 36, 5), (1, False, 1, 32, 2))
+_SELF_CHECK_CASES = (
+    (4, False, 3, 128, 2),  # the default
+    (3, True, 3, 64, 1),  # the paper's
+    (4, False, 2, 80, 3),
+    (2, True, 4, 36, 5),
+    (1, False, 1, 32, 2),
+)
 
 
 def kernels_match_twin(seed: int = 0) -> bool:

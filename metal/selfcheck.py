@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-# (key bits, QJL, head dim, query rows): the default, a no-QJL setting with more query rows
-# than one thread's tile, and a dim that needs padding. Every distinct shape is one more
+# (key bits, QJL, head dim, query rows): the default's keys, the paper's QJL keys with more
+# query rows than one thread's tile, and a dim that needs padding. Every distinct shape is one more
 # kernel to JIT-compile at startup (about 2 s each under CUDA), so the cases are few.
-CODEC_CASES = ((3, True, 128, 3), (4, False, 64, 11), (2, True, 80, 3))
+CODEC_CASES = ((4, False, 128, 3), (3, True, 64, 11), (2, True, 80, 3))
 # (key bits, QJL, head dim, batch, KV heads, query heads, queries, compressed tokens, dtype)
 DECODE_CASES = (
-    (3, True, 128, 1, 2, 6, 1, 300, mx.float32),
-    (4, False, 64, 2, 1, 3, 4, 40, mx.float32),
+    (4, False, 128, 1, 2, 6, 1, 300, mx.float32),
+    (3, True, 64, 2, 1, 3, 4, 40, mx.float32),
     (2, True, 80, 1, 2, 2, 1, 530, mx.float32),
     (3, True, 64, 1, 3, 9, 1, 700, mx.float16),
 )

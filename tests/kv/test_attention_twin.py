@@ -3,10 +3,18 @@ decoded cache, and the compressed size."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import pytest
 
-from services.core.kv import KVCacheSettings, TurboQuantKVCache, kv_cache_bytes, turboquant_attention
+from services.core.kv import (
+    PAPER_SETTINGS,
+    KVCacheSettings,
+    TurboQuantKVCache,
+    kv_cache_bytes,
+    turboquant_attention,
+)
 
 
 def filled_cache(settings: KVCacheSettings, lengths: list[int], heads=2, dim=48, seed=0):
@@ -81,15 +89,21 @@ def test_qjl_scores_add_the_residual_estimate():
     assert not mx.allclose(full, mse_part, atol=1e-3).item()  # the QJL term is really there
 
 
-def test_compressed_bytes_per_token_at_head_dim_128_are_3_5x_below_fp16():
-    settings = KVCacheSettings(sink_tokens=0, recent_window=0, block_size=64)
+@pytest.mark.parametrize(
+    ("bits", "key_bytes"),
+    # the default K4: 4-bit codes + one fp16 norm; the paper's K3+QJL: 3-bit codes + 1-bit QJL
+    # + two fp16 norms. V3 in both: 3-bit codes + one fp16 norm (48 + 2 bytes)
+    [(KVCacheSettings(), 64 + 2), (PAPER_SETTINGS, 48 + 16 + 4)],
+    ids=lambda x: x.describe() if isinstance(x, KVCacheSettings) else x,
+)
+def test_compressed_bytes_per_token_at_head_dim_128_are_3_5x_below_fp16(bits, key_bytes):
+    settings = dataclasses.replace(bits, sink_tokens=0, recent_window=0, block_size=64)
     cache = filled_cache(settings, [512], heads=4, dim=128)
     assert cache.compressed_length == 512 and cache.recent_keys.shape[2] == 0
     fp16_bytes = 512 * 4 * 128 * 2 * 2  # keys + values, 2 bytes each
     assert kv_cache_bytes([cache]) == cache.nbytes
     assert fp16_bytes / cache.nbytes >= 3.5
-    # K: 3-bit codes + 1-bit QJL + two fp16 norms; V: 3-bit codes + one fp16 norm
-    assert cache.nbytes == 512 * 4 * ((48 + 16 + 4) + (48 + 2))
+    assert cache.nbytes == 512 * 4 * (key_bytes + (48 + 2))
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.cli import build_parser
-from services.core.kv import KVCacheSettings
+from services.core.kv import PAPER_SETTINGS, KVCacheSettings
 from services.core.kv.cli_flags import kv_cli_args, kv_engine_kwargs
 
 
@@ -25,15 +25,31 @@ def test_core_turboquant_flags_become_engine_settings():
     )
 
 
-def test_up_passes_the_same_choice_to_its_core():
+@pytest.mark.parametrize("qjl", [[], ["--kv-qjl"], ["--kv-no-qjl"]])
+def test_up_passes_the_same_choice_to_its_core(qjl):
     args = build_parser().parse_args(
-        ["up", "--kv-cache", "turboquant", "--kv-key-bits", "4", "--kv-center-keys"]
+        ["up", "--kv-cache", "turboquant", "--kv-key-bits", "3", "--kv-center-keys", *qjl]
     )
     core = build_parser().parse_args(["core", *kv_cli_args(args)])
     assert kv_engine_kwargs(core) == kv_engine_kwargs(args)
+    assert kv_engine_kwargs(core)["kv_settings"].key_qjl == (qjl == ["--kv-qjl"])
 
 
-@pytest.mark.parametrize("bad", [["--kv-cache", "int8"], ["--kv-key-bits", "5"], ["--kv-recent-window", "x"]])
+def test_the_papers_k3_qjl_keys_are_two_flags_away():
+    args = build_parser().parse_args(["core", "--kv-cache", "turboquant", "--kv-key-bits", "3", "--kv-qjl"])
+    assert kv_engine_kwargs(args)["kv_settings"] == PAPER_SETTINGS
+    assert PAPER_SETTINGS.describe() == "K3+QJL/V3" and KVCacheSettings().describe() == "K4/V3"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--kv-cache", "int8"],
+        ["--kv-key-bits", "5"],
+        ["--kv-recent-window", "x"],
+        ["--kv-qjl", "--kv-no-qjl"],
+    ],
+)
 def test_bad_kv_flags_are_refused_by_the_parser(bad, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["core", *bad])

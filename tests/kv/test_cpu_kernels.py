@@ -4,13 +4,20 @@ with a C compiler, CI included."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import mlx.core as mx
 import pytest
 
 from metal import cpu_kernels
-from services.core.kv import KVCacheSettings, TurboQuantKVCache, metal_attention, turboquant_attention
+from services.core.kv import (
+    PAPER_SETTINGS,
+    KVCacheSettings,
+    TurboQuantKVCache,
+    metal_attention,
+    turboquant_attention,
+)
 
 on_cpu = mx.default_device() == mx.cpu
 needs_kernels = pytest.mark.skipif(
@@ -44,10 +51,11 @@ def test_head_dims_the_kernels_do_not_take_fall_back_to_the_twin(monkeypatch):
 
 
 @needs_kernels
-def test_kernel_attention_equals_the_twin_through_a_long_decode(monkeypatch):
-    """Default settings (K3+QJL/V3), blocks aging out of the window on the way, a trim into
-    the compressed run, and a batch of two rows: the served path equals the twin."""
-    settings = KVCacheSettings(sink_tokens=4, recent_window=16, block_size=8)
+@pytest.mark.parametrize("bits", [KVCacheSettings(), PAPER_SETTINGS], ids=lambda s: s.describe())
+def test_kernel_attention_equals_the_twin_through_a_long_decode(monkeypatch, bits):
+    """The default (K4/V3) and the paper's K3+QJL/V3, blocks aging out of the window on the
+    way, a trim into the compressed run, and a batch of two rows: the served path equals the twin."""
+    settings = dataclasses.replace(bits, sink_tokens=4, recent_window=16, block_size=8)
     mx.random.seed(5)
     cache = TurboQuantKVCache(settings, layer=4)
     keys, values = mx.random.normal((2, 2, 120, 64)) * 2, mx.random.normal((2, 2, 120, 64))

@@ -4,6 +4,7 @@ at least compiled the way mx.fast.cuda_kernel wraps them, so a typo cannot wait 
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 
@@ -11,7 +12,13 @@ import mlx.core as mx
 import pytest
 
 from metal import backend, cuda_kernels, kernels
-from services.core.kv import KVCacheSettings, TurboQuantKVCache, metal_attention, turboquant_attention
+from services.core.kv import (
+    PAPER_SETTINGS,
+    KVCacheSettings,
+    TurboQuantKVCache,
+    metal_attention,
+    turboquant_attention,
+)
 
 needs_cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="CUDA kernels need MLX's CUDA backend")
 
@@ -144,11 +151,12 @@ def test_cuda_devices_serve_turboquant_with_the_cuda_kernels():
 
 
 @needs_cuda
-def test_live_decode_through_blocks_a_trim_and_a_batch_equals_the_twin(monkeypatch):
+@pytest.mark.parametrize("bits", [KVCacheSettings(), PAPER_SETTINGS], ids=lambda s: s.describe())
+def test_live_decode_through_blocks_a_trim_and_a_batch_equals_the_twin(monkeypatch, bits):
     """A cache filled by its own update path (the CUDA pack kernel), blocks aging out of the
     window on the way, a trim back into the compressed run, two batch rows: each step of the
-    served (fused) path equals the twin's."""
-    settings = KVCacheSettings(sink_tokens=4, recent_window=16, block_size=8)
+    served (fused) path equals the twin's, for the default and the paper's K3+QJL/V3."""
+    settings = dataclasses.replace(bits, sink_tokens=4, recent_window=16, block_size=8)
     mx.random.seed(5)
     cache = TurboQuantKVCache(settings, layer=4)
     keys, values = mx.random.normal((2, 2, 400, 64)) * 2, mx.random.normal((2, 2, 400, 64))

@@ -4,7 +4,7 @@ Six chat prompts put ~3,000 characters of license text before a question (answer
 at the default setting ~550 of each prompt's ~690 tokens are compressed. Every answer must be
 fp16's, or leave it only where fp16 itself was nearly undecided (answers.departure: its token
 led by < 0.5 nats). Plain equality is not the bar because near ties flip under any lossy cache,
-mlx-lm's own 4-bit one included (see answers.py); a broken or too coarse cache fails here
+mlx-lm's own 8-bit one included (see answers.py); a broken or too coarse cache fails here
 (K2+QJL/V2 departs at leads of 0.85 and 1.6 nats).
 
 Real weights, real tokenizer and chat template, the cache as core uses it (prefix prefilled
@@ -16,7 +16,7 @@ from __future__ import annotations
 import mlx_lm
 import pytest
 
-from services.core.kv import KVCacheSettings, make_kv_cache
+from services.core.kv import PAPER_SETTINGS, KVCacheSettings, make_kv_cache
 from services.core.kv.answers import (
     QUESTIONS,
     departure,
@@ -45,8 +45,8 @@ def demo(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "settings",
-    [KVCacheSettings(), KVCacheSettings(key_bits=4, key_qjl=False)],
-    ids=["default K3+QJL/V3", "K4/V3, the README's recommendation"],
+    [KVCacheSettings(), PAPER_SETTINGS],
+    ids=["default K4/V3", "the paper's K3+QJL/V3"],
 )
 def test_turboquant_answers_are_fp16s_except_at_near_ties(demo, settings):
     model, tokenizer = demo

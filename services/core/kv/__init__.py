@@ -8,12 +8,13 @@ from services.core.kv.attention import install_turboquant_attention, turboquant_
 from services.core.kv.batch_cache import BatchTurboQuantKVCache
 from services.core.kv.cache import TurboQuantKVCache
 from services.core.kv.factory import kv_cache_bytes, make_kv_cache
-from services.core.kv.settings import KV_CACHE_KINDS, KVCacheSettings
+from services.core.kv.settings import KV_CACHE_KINDS, PAPER_SETTINGS, KVCacheSettings
 
 __all__ = [
     "KV_CACHE_KINDS",
     "BatchTurboQuantKVCache",
     "KVCacheSettings",
+    "PAPER_SETTINGS",
     "TurboQuantKVCache",
     "install_turboquant_attention",
     "kv_cache_bytes",

@@ -7,11 +7,12 @@ The rule (`departure`): an answer is fp16's, or where it first leaves fp16's ans
 was nearly undecided — its own token led the one taken by less than NEAR_TIE_NATS of log
 probability. Why not plain equality: any lossy cache moves the logits a little, and on the
 135M demo model the lead at a departure point is often a few hundredths of a nat (0.086 nats,
-p 0.157 vs 0.144, in one of the six answers), while the default K3+QJL/V3 cache moves fp16's
-leads by 0.30 nats rms along its answers (`lead_shifts`; mlx-lm's 8-bit KV cache 0.066, its 4-bit
-one 0.91: bench/results/kv_quality-cpu-w128-greedy-20-lead-shifts.json). mlx-lm's 4-bit cache
-leaves 1 of the 6 answers as fp16's, each departure again at a lead < 0.43 nats. A broken or too coarse cache departs where
-fp16 was sure (K2+QJL/V2: leads of 0.85 and 1.6 nats).
+p 0.157 vs 0.144, in one of the six answers), while the default K4/V3 cache moves fp16's leads
+by 0.18 nats rms along its answers and the paper's K3+QJL/V3 by 0.30 (`lead_shifts`; mlx-lm's
+8-bit KV cache 0.066, its 4-bit one 0.91: bench/results/kv_quality-cpu-w128-greedy-20-lead-shifts*.json).
+Even mlx-lm's 8-bit cache leaves 3 of 20 answers, at leads of 0.010-0.066 nats; the default
+leaves 5 of 20, all at leads < 0.09. A broken or too coarse cache departs where fp16 was sure
+(K2+QJL/V2: leads of 0.85 and 1.6 nats).
 """
 
 from __future__ import annotations

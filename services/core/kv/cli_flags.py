@@ -19,7 +19,15 @@ def add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--kv-key-bits", type=int, choices=(2, 3, 4), default=_DEFAULT.key_bits)
     group.add_argument("--kv-value-bits", type=int, choices=(2, 3, 4), default=_DEFAULT.value_bits)
-    group.add_argument("--kv-no-qjl", action="store_true", help="keys without the 1-bit QJL residual stage")
+    qjl = group.add_mutually_exclusive_group()
+    qjl.add_argument(
+        "--kv-qjl",
+        dest="kv_qjl",
+        action="store_true",
+        default=_DEFAULT.key_qjl,
+        help="keys with the 1-bit QJL residual stage (the paper's K3+QJL: --kv-key-bits 3 --kv-qjl)",
+    )
+    qjl.add_argument("--kv-no-qjl", dest="kv_qjl", action="store_false", help="keys without it (default)")
     group.add_argument(
         "--kv-center-keys",
         action="store_true",
@@ -39,7 +47,7 @@ def kv_settings_from_args(args: argparse.Namespace) -> KVCacheSettings:
     return KVCacheSettings(
         key_bits=args.kv_key_bits,
         value_bits=args.kv_value_bits,
-        key_qjl=not args.kv_no_qjl,
+        key_qjl=args.kv_qjl,
         center_keys=args.kv_center_keys,
         recent_window=args.kv_recent_window,
     )
@@ -54,5 +62,5 @@ def kv_cli_args(args: argparse.Namespace) -> list[str]:
     """The same choice as flags for a child `moe-mesh core` (used by `moe-mesh up`)."""
     out = ["--kv-cache", args.kv_cache, "--kv-key-bits", str(args.kv_key_bits)]
     out += ["--kv-value-bits", str(args.kv_value_bits), "--kv-recent-window", str(args.kv_recent_window)]
-    out += ["--kv-no-qjl"] if args.kv_no_qjl else []
+    out += ["--kv-qjl"] if args.kv_qjl else ["--kv-no-qjl"]
     return out + (["--kv-center-keys"] if args.kv_center_keys else [])
