@@ -25,9 +25,11 @@ def add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
         dest="kv_qjl",
         action="store_true",
         default=_DEFAULT.key_qjl,
-        help="keys with the 1-bit QJL residual stage (the paper's K3+QJL: --kv-key-bits 3 --kv-qjl)",
+        help="keys with the 1-bit QJL residual stage (the paper's K3+QJL: --kv-key-bits 3 --kv-qjl)"
+        + (" (default)" if _DEFAULT.key_qjl else ""),
     )
-    qjl.add_argument("--kv-no-qjl", dest="kv_qjl", action="store_false", help="keys without it (default)")
+    without = "keys without it" + ("" if _DEFAULT.key_qjl else " (default)")
+    qjl.add_argument("--kv-no-qjl", dest="kv_qjl", action="store_false", help=without)
     group.add_argument(
         "--kv-center-keys",
         action="store_true",
