@@ -10,6 +10,13 @@ stored through TurboQuantKVCache's own update path (default settings); fp16: mlx
 fused scaled_dot_product_attention over the same keys in float16 (float32 on CPUs,
 where MLX has no fast float16 path). Best of `--repeats`; prints one JSON object.
 
+With `--decode-steps N`, each row also runs N whole decode steps of `--layers` caches (one
+new token stored and attended per layer, one evaluation per step, as a model's decode step
+runs) and splits the time per layer call: building the graph on the host (Python and MLX op
+construction) and the whole step (that, the device's work and the wait for it), for the
+step, the token's append alone and the attention alone. On a GPU these fixed costs per op
+are what a small model's step cannot hide.
+
 With `--prefill-chunk N`, each row also times one prefill chunk of N new tokens at that
 context: stored (fp16: mlx-lm's KVCache, in place; TurboQuant: its own update, which
 compresses what ages) and attended causally. With `--prefill-paths` too, the chunk's
@@ -139,6 +146,83 @@ def decode_run_ms(cache, dtype, repeats: int) -> dict:
     return row
 
 
+def decode_breakdown(keys, values, args, dtype, scale) -> dict:
+    """Per layer call of `args.decode_steps` decode steps over `args.layers` caches of each kind,
+    filled with the same tokens, one evaluation per step: median host µs (graph building) and
+    step µs (build, run, wait) of the whole step (append the token, attend), of the append alone
+    and of the attention alone (over the cache as it is)."""
+    _, n_kv, _, dim = keys.shape
+    mx.random.seed(1)
+    steps = args.decode_steps
+    new_k = mx.random.normal((steps, 1, n_kv, 1, dim)).astype(dtype)
+    new_v = mx.random.normal((steps, 1, n_kv, 1, dim)).astype(dtype)
+    query = mx.random.normal((steps, 1, args.q_heads, 1, dim)).astype(dtype)
+    mx.eval(new_k, new_v, query)
+
+    def fp16_cache():
+        cache = KVCache()
+        cache.update_and_fetch(keys, values)
+        return cache
+
+    def turboquant_cache():
+        cache = TurboQuantKVCache(KVCacheSettings(), layer=0)
+        for i in range(0, keys.shape[2], 2048):
+            cache.update_and_fetch(keys[:, :, i : i + 2048], values[:, :, i : i + 2048])
+            mx.eval(cache.state)
+        return cache
+
+    def fp16_parts(cache, i):
+        def append():
+            return cache.update_and_fetch(new_k[i], new_v[i])
+
+        def attend(kv=None):
+            k, v = kv or (cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :])
+            return mx.fast.scaled_dot_product_attention(query[i], k, v, scale=scale, mask=None)
+
+        return append, attend, lambda: attend(append())
+
+    def turboquant_parts(cache, i):
+        def append():
+            cache.update_and_fetch(new_k[i], new_v[i])
+            return cache.state
+
+        def attend():
+            return turboquant_attention(query[i], cache, scale)
+
+        return append, attend, lambda: (append(), attend())[1]
+
+    def timed(caches, parts, which: int) -> tuple[float, float]:
+        host, step = [], []
+        for i in range(steps):
+            begin = time.perf_counter()
+            outs = [parts(c, i)[which]() for c in caches]
+            built = time.perf_counter()
+            mx.eval(outs, [c.state for c in caches])
+            done = time.perf_counter()
+            host.append((built - begin) / args.layers)
+            step.append((done - begin) / args.layers)
+        warm = slice(min(4, steps - 1), None)  # the first steps compile kernels and graphs
+
+        def median(xs):
+            return round(1e6 * sorted(xs[warm])[len(xs[warm]) // 2], 1)
+
+        return median(host), median(step)
+
+    row = {}
+    for name, make, parts in (
+        ("fp16", fp16_cache, fp16_parts),
+        ("turboquant", turboquant_cache, turboquant_parts),
+    ):
+        caches = [make() for _ in range(args.layers)]
+        mx.eval([c.state for c in caches])
+        for which, part in ((2, "step"), (0, "append"), (1, "attend")):
+            host, step = timed(caches, parts, which)
+            row[f"decode_{name}_{part}_host_us"], row[f"decode_{name}_{part}_us"] = host, step
+        del caches
+    row["decode_step_ratio"] = round(row["decode_fp16_step_us"] / row["decode_turboquant_step_us"], 3)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -150,6 +234,10 @@ def main() -> None:
     parser.add_argument(
         "--prefill-paths", action="store_true", help="with --prefill-chunk: also time each prefill path"
     )
+    parser.add_argument(
+        "--decode-steps", type=int, default=0, help="also split whole decode steps' time (0: no)"
+    )
+    parser.add_argument("--layers", type=int, default=30, help="caches per decode step (--decode-steps)")
     args = parser.parse_args()
     dtype = mx.float32 if mx.default_device() == mx.cpu else mx.float16
     settings = KVCacheSettings()
@@ -184,6 +272,8 @@ def main() -> None:
                 "speed_ratio": round(fp16 / tq, 3),
                 "bytes_ratio_vs_fp16": round(2 * keys.size * 2 / cache.nbytes, 2),  # K and V, 2 bytes each
             }
+            if args.decode_steps:
+                rows[f"d{dim}/{n}"].update(decode_breakdown(keys, values, args, dtype, scale))
             if args.prefill_chunk:
                 rows[f"d{dim}/{n}"].update(prefill_row(cache, keys, values, args, dtype, scale))
             print(json.dumps({"progress": f"d{dim}/{n}", **rows[f"d{dim}/{n}"]}), file=sys.stderr, flush=True)

@@ -128,7 +128,9 @@ class TurboQuantKVCache(_BaseCache):
             self.sink_values = _cat(self.sink_values, values[:, :, :to_sinks])
         if to_sinks < n:
             defer = n > 1 and not CHUNK_INVARIANT_PREFILL
-            self._append_recent(keys[:, :, to_sinks:], values[:, :, to_sinks:], defer_aging=defer)
+            if to_sinks:  # (a slice of everything is one more op per array and step)
+                keys, values = keys[:, :, to_sinks:], values[:, :, to_sinks:]
+            self._append_recent(keys, values, defer_aging=defer)
         self.offset += n
         return returned
 
