@@ -148,7 +148,7 @@ def decode_run_ms(cache, dtype, repeats: int) -> dict:
 
 def decode_breakdown(keys, values, args, dtype, scale) -> dict:
     """Per layer call of `args.decode_steps` decode steps over `args.layers` caches of each kind,
-    filled with the same tokens, one evaluation per step: median host µs (graph building) and
+    filled with the same tokens, one evaluation per step of what it computes: median host µs (graph building) and
     step µs (build, run, wait) of the whole step (append the token, attend), of the append alone
     and of the attention alone (over the cache as it is)."""
     _, n_kv, _, dim = keys.shape
@@ -172,19 +172,21 @@ def decode_breakdown(keys, values, args, dtype, scale) -> dict:
         return cache
 
     def fp16_parts(cache, i):
-        def append():
-            return cache.update_and_fetch(new_k[i], new_v[i])
+        def append():  # the whole buffers it wrote (slicing views would add ops of their own)
+            cache.update_and_fetch(new_k[i], new_v[i])
+            return [cache.keys, cache.values]
 
         def attend(kv=None):
             k, v = kv or (cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :])
             return mx.fast.scaled_dot_product_attention(query[i], k, v, scale=scale, mask=None)
 
-        return append, attend, lambda: attend(append())
+        return append, attend, lambda: attend(cache.update_and_fetch(new_k[i], new_v[i]))
 
     def turboquant_parts(cache, i):
         def append():
             cache.update_and_fetch(new_k[i], new_v[i])
-            return cache.state
+            buffers = (cache.recent_buffer, cache.compressed_key_buffer, cache.compressed_value_buffer)
+            return [a for b in buffers if b is not None for a in b.arrays]
 
         def attend():
             return turboquant_attention(query[i], cache, scale)
@@ -197,7 +199,7 @@ def decode_breakdown(keys, values, args, dtype, scale) -> dict:
             begin = time.perf_counter()
             outs = [parts(c, i)[which]() for c in caches]
             built = time.perf_counter()
-            mx.eval(outs, [c.state for c in caches])
+            mx.eval(outs)  # as a decode step: what the step computes, not views of the caches
             done = time.perf_counter()
             host.append((built - begin) / args.layers)
             step.append((done - begin) / args.layers)

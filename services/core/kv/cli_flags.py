@@ -17,8 +17,20 @@ def add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
         default="fp16",
         help="KV cache of requests that do not choose one (turboquant: ~3.5-4x smaller)",
     )
-    group.add_argument("--kv-key-bits", type=int, choices=(2, 3, 4), default=_DEFAULT.key_bits)
-    group.add_argument("--kv-value-bits", type=int, choices=(2, 3, 4), default=_DEFAULT.value_bits)
+    group.add_argument(
+        "--kv-key-bits",
+        type=int,
+        choices=(2, 3, 4),
+        default=_DEFAULT.key_bits,
+        help=f"Lloyd-Max bits per key coordinate (default {_DEFAULT.key_bits})",
+    )
+    group.add_argument(
+        "--kv-value-bits",
+        type=int,
+        choices=(2, 3, 4),
+        default=_DEFAULT.value_bits,
+        help=f"Lloyd-Max bits per value coordinate (default {_DEFAULT.value_bits})",
+    )
     qjl = group.add_mutually_exclusive_group()
     qjl.add_argument(
         "--kv-qjl",
@@ -39,7 +51,7 @@ def add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
         "--kv-recent-window",
         type=int,
         default=_DEFAULT.recent_window,
-        help="newest tokens kept exact (older ones are compressed)",
+        help=f"newest tokens kept exact; older ones are compressed (default {_DEFAULT.recent_window})",
     )
 
 
