@@ -17,20 +17,14 @@ def add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
         default="fp16",
         help="KV cache of requests that do not choose one (turboquant: ~3.5-4x smaller)",
     )
-    group.add_argument(
-        "--kv-key-bits",
-        type=int,
-        choices=(2, 3, 4),
-        default=_DEFAULT.key_bits,
-        help=f"Lloyd-Max bits per key coordinate (default {_DEFAULT.key_bits})",
-    )
-    group.add_argument(
-        "--kv-value-bits",
-        type=int,
-        choices=(2, 3, 4),
-        default=_DEFAULT.value_bits,
-        help=f"Lloyd-Max bits per value coordinate (default {_DEFAULT.value_bits})",
-    )
+    for part, bits in (("key", _DEFAULT.key_bits), ("value", _DEFAULT.value_bits)):
+        group.add_argument(
+            f"--kv-{part}-bits",
+            type=int,
+            choices=(2, 3, 4),
+            default=bits,
+            help=f"Lloyd-Max bits per {part} coordinate (default {bits})",
+        )
     qjl = group.add_mutually_exclusive_group()
     qjl.add_argument(
         "--kv-qjl",
