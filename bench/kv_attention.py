@@ -40,6 +40,7 @@ from mlx_lm.models.cache import KVCache
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kv import kernel_backend_name
+from bench.timing import step_split_us
 from services.core.kv import KVCacheSettings, TurboQuantKVCache, prefill_attention, turboquant_attention
 from services.core.kv.metal_attention import kernel_backend
 from services.core.kv.prefill_attention import blockwise_attention, prefill_dtype
@@ -171,54 +172,46 @@ def decode_breakdown(keys, values, args, dtype, scale) -> dict:
             mx.eval(cache.state)
         return cache
 
-    def fp16_parts(cache, i):
-        def append():  # the whole buffers it wrote (slicing views would add ops of their own)
-            cache.update_and_fetch(new_k[i], new_v[i])
-            return [cache.keys, cache.values]
+    def fp16_append(cache, i):  # the whole buffers it wrote (slicing views would add ops of their own)
+        cache.update_and_fetch(new_k[i], new_v[i])
+        return [cache.keys, cache.values]
 
-        def attend(kv=None):
-            k, v = kv or (cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :])
-            return mx.fast.scaled_dot_product_attention(query[i], k, v, scale=scale, mask=None)
+    def fp16_attend(cache, i):
+        k, v = cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
+        return mx.fast.scaled_dot_product_attention(query[i], k, v, scale=scale, mask=None)
 
-        return append, attend, lambda: attend(cache.update_and_fetch(new_k[i], new_v[i]))
+    def fp16_step(cache, i):
+        k, v = cache.update_and_fetch(new_k[i], new_v[i])
+        return mx.fast.scaled_dot_product_attention(query[i], k, v, scale=scale, mask=None)
 
-    def turboquant_parts(cache, i):
-        def append():
-            cache.update_and_fetch(new_k[i], new_v[i])
-            buffers = (cache.recent_buffer, cache.compressed_key_buffer, cache.compressed_value_buffer)
-            return [a for b in buffers if b is not None for a in b.arrays]
+    def turboquant_append(cache, i):
+        cache.update_and_fetch(new_k[i], new_v[i])
+        buffers = (cache.recent_buffer, cache.compressed_key_buffer, cache.compressed_value_buffer)
+        return [a for b in buffers if b is not None for a in b.arrays]
 
-        def attend():
-            return turboquant_attention(query[i], cache, scale)
+    def turboquant_attend(cache, i):
+        return turboquant_attention(query[i], cache, scale)
 
-        return append, attend, lambda: (append(), attend())[1]
-
-    def timed(caches, parts, which: int) -> tuple[float, float]:
-        host, step = [], []
-        for i in range(steps):
-            begin = time.perf_counter()
-            outs = [parts(c, i)[which]() for c in caches]
-            built = time.perf_counter()
-            mx.eval(outs)  # as a decode step: what the step computes, not views of the caches
-            done = time.perf_counter()
-            host.append((built - begin) / args.layers)
-            step.append((done - begin) / args.layers)
-        warm = slice(min(4, steps - 1), None)  # the first steps compile kernels and graphs
-
-        def median(xs):
-            return round(1e6 * sorted(xs[warm])[len(xs[warm]) // 2], 1)
-
-        return median(host), median(step)
+    def turboquant_step(cache, i):
+        cache.update_and_fetch(new_k[i], new_v[i])
+        return turboquant_attention(query[i], cache, scale)
 
     row = {}
     for name, make, parts in (
-        ("fp16", fp16_cache, fp16_parts),
-        ("turboquant", turboquant_cache, turboquant_parts),
+        ("fp16", fp16_cache, {"step": fp16_step, "append": fp16_append, "attend": fp16_attend}),
+        (
+            "turboquant",
+            turboquant_cache,
+            {"step": turboquant_step, "append": turboquant_append, "attend": turboquant_attend},
+        ),
     ):
         caches = [make() for _ in range(args.layers)]
         mx.eval([c.state for c in caches])
-        for which, part in ((2, "step"), (0, "append"), (1, "attend")):
-            host, step = timed(caches, parts, which)
+        for part, call in parts.items():
+            # evaluated as a decode step is: what it computes, not views of the caches
+            host, step = step_split_us(
+                lambda i, call=call, caches=caches: [call(c, i) for c in caches], steps, args.layers
+            )
             row[f"decode_{name}_{part}_host_us"], row[f"decode_{name}_{part}_us"] = host, step
         del caches
     row["decode_step_ratio"] = round(row["decode_fp16_step_us"] / row["decode_turboquant_step_us"], 3)

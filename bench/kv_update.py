@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
+from pathlib import Path
 
 import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.timing import step_split_us
 
 
 def main() -> None:
@@ -27,13 +32,13 @@ def main() -> None:
     update = mx.random.normal((1, 3, 1, 64)).astype(mx.float16)
     index = [mx.array([i], mx.int32) for i in range(args.steps)]  # made before timing
 
-    def dynamic(a, i):  # mx.slice_update with an index array
+    def dynamic(a, i):  # mx.slice_update with an index array: what TokenBuffer does
         return mx.slice_update(a, update, index[i], (2,))
 
     def dynamic_with_astype(a, i):  # the same after a same-dtype astype
         return mx.slice_update(a, update.astype(a.dtype), index[i], (2,))
 
-    def static_on_new_handle(a, i):  # what TokenBuffer does: `a` itself stays as it was
+    def static_on_new_handle(a, i):  # a static write that leaves `a` itself as it was
         out = mx.stop_gradient(a)
         out[:, :, i : i + 1] = update
         return out
@@ -46,20 +51,13 @@ def main() -> None:
     for way in (dynamic, dynamic_with_astype, static_on_new_handle, static_in_place):
         buffers = [[mx.zeros((1, 3, 256, 64), mx.float16) for _ in range(2)] for _ in range(args.layers)]
         mx.eval(buffers)
-        host, step = [], []
-        for i in range(args.steps):
-            begin = time.perf_counter()
-            buffers = [[way(a, i) for a in pair] for pair in buffers]
-            built = time.perf_counter()
-            mx.eval(buffers)
-            done = time.perf_counter()
-            host.append((built - begin) / args.layers)
-            step.append((done - begin) / args.layers)
-        warm = slice(4, None)
-        rows[way.__name__] = {
-            "host_us": round(1e6 * sorted(host[warm])[len(host[warm]) // 2], 1),
-            "step_us": round(1e6 * sorted(step[warm])[len(step[warm]) // 2], 1),
-        }
+
+        def step(i, way=way, buffers=buffers):
+            buffers[:] = [[way(a, i) for a in pair] for pair in buffers]
+            return buffers
+
+        host, step_us = step_split_us(step, args.steps, args.layers)
+        rows[way.__name__] = {"host_us": host, "step_us": step_us}
     print(json.dumps({"bench": "kv_update", "device": str(mx.default_device()), "per_layer_call": rows}))
 
 
