@@ -2,7 +2,7 @@
 
     python bench/dispatcher_ab.py --base a552b63 [--model demo] [--calls 400] [--workers 1]
 
-Loads `services/core/expert_client.py` as it was at `--base` next to the current one, links both
+Loads `services/core/expert_link/dispatcher.py` as it was at `--base` next to the current one, links both
 to the same worker process(es) and alternates blocks of one-token layer calls between them, so
 the machine's load (this box is shared) hits both alike. Prints one JSON object: p50/p99 µs of
 the whole call, the worker's side and the transport (the rest) for each, and the differences.
@@ -29,15 +29,15 @@ from bench.layer_call import interleaved
 from bench.timing import percentiles
 from bench.workdir import bench_workdir
 from services.common.manifest import Manifest
-from services.core.expert_client import ExpertDispatcher
+from services.core.expert_link.dispatcher import ExpertDispatcher
 from services.up import expert_ranges, resolve_split
 from tests.helpers import Workers
 
 
 def dispatcher_class_at(revision: str, workdir: Path) -> type:
-    """ExpertDispatcher as `services/core/expert_client.py` defined it at `revision`."""
+    """ExpertDispatcher as `services/core/expert_link/dispatcher.py` defined it at `revision`."""
     source = subprocess.run(
-        ["git", "show", f"{revision}:services/core/expert_client.py"],
+        ["git", "show", f"{revision}:services/core/expert_link/dispatcher.py"],
         cwd=REPO,
         capture_output=True,
         text=True,

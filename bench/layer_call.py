@@ -46,7 +46,7 @@ from bench.timing import percentiles, timed
 from bench.workdir import bench_workdir
 from services.common import tensor_codec
 from services.common.manifest import Manifest
-from services.core.expert_client import ExpertDispatcher
+from services.core.expert_link.dispatcher import ExpertDispatcher
 from services.experts.compute import ExpertCompute
 from services.experts.store import ResidentExpertStore
 from services.proto.moemesh.v1 import expert_pb2

@@ -9,7 +9,7 @@ dots MLX's packed rows with SIMD; a dense projection is one expert's matrix.
 `nn.QuantizedEmbedding` of `as_linear`) for a subclass whose product runs in C on the module's own
 weight memory: the parameters and their paths stay as loaded. A product is eager (the kernel needs
 x's values), so it first runs the `settle` hook `use_cpu_kernels` was given (core's: finish a
-layer call in flight, services/core/in_flight.py), then evaluates x. That is free where the output
+layer call in flight, services/core/expert_link/in_flight.py), then evaluates x. That is free where the output
 is always used (projections feed the KV cache and the next layer); an output head is not: mlx-lm evaluates only the last position's logits of a prompt
 and MLX prunes the rest, so heads take the kernel only for one position per sequence (decode steps)
 and leave longer inputs to MLX. Anything the kernel does not take (3/5/6-bit, mxfp4, no biases,

@@ -92,6 +92,7 @@ def _up(args) -> None:
             core_args=[*kv_cli_args(args), "--max-step-seconds", str(args.max_step_seconds)],
             frame_spin_us=args.frame_spin_us,
             log_level=args.log_level,
+            local_experts=args.local_experts,
         )
     )
 
@@ -173,7 +174,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default=None)
     p.add_argument("--listen", default="127.0.0.1:50051")
     p.add_argument(
-        "--worker", action="append", default=None, help="expert worker address (repeat or comma-separate)"
+        "--worker",
+        action="append",
+        default=None,
+        help="expert worker address (repeat or comma-separate); `local`: compute every expert in "
+        "core's own process",
+    )
+    p.add_argument(
+        "--local-memory-gb",
+        type=positive_float,
+        default=None,
+        help="RAM budget of the local worker's experts; the rest stream from disk (default: all resident)",
     )
     p.add_argument("--max-num-seqs", type=positive_int, default=16)
     p.add_argument("--max-queue", type=non_negative_int, default=256)
@@ -232,6 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default=None, help="checkpoint or split folder (default: the demo model)")
     p.add_argument("--experts", type=positive_int, default=2, help="number of expert workers")
+    p.add_argument(
+        "--local-experts",
+        action="store_true",
+        help="no worker processes: core computes every expert in its own process and graph",
+    )
     p.add_argument("--port", type=port_number, default=8000, help="gateway port")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--workdir", default=None, help="where sockets and logs go (default: a temp folder)")

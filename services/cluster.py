@@ -18,7 +18,7 @@ dir = "certs"                              # from `moe-mesh certs --config clust
 
 [[workers]]
 name = "mac-a"
-address = "10.0.0.2:50061"                 # where core reaches it
+address = "10.0.0.2:50061"                 # where core reaches it; "local": in core's process
 listen = "0.0.0.0:50061"                   # optional, default = address
 layers = "all"
 experts = "0-63"
@@ -43,6 +43,7 @@ from services.common.ranges import parse_ranges
 from services.common.tls import TlsFiles
 
 ROLES = ("core", "gateway", "worker")
+LOCAL_ADDRESS = "local"  # a worker at this address runs inside core (services/core/expert_link/local.py)
 
 
 class ClusterConfigError(ValueError):
@@ -59,6 +60,11 @@ class WorkerConfig:
     memory_gb: float | None = None
     metrics: str | None = None
     worker_id: str | None = None
+
+    @property
+    def is_local(self) -> bool:
+        """`address = "local"`: core computes this worker's experts in its own process."""
+        return self.address == LOCAL_ADDRESS
 
     def owned(self, moe_layers: list[int], num_experts: int) -> dict[int, list[int]]:
         """(layer -> experts) this worker serves, for a model with these MoE layers."""
@@ -118,7 +124,18 @@ class ClusterConfig:
 
     @property
     def worker_addresses(self) -> list[str]:
-        return [worker.address for worker in self.workers]
+        """Where core reaches its expert worker processes (the local worker has none)."""
+        return [worker.address for worker in self.remote_workers]
+
+    @property
+    def remote_workers(self) -> tuple[WorkerConfig, ...]:
+        """The workers that run as processes of their own (every one but `address = "local"`)."""
+        return tuple(worker for worker in self.workers if not worker.is_local)
+
+    @property
+    def local_worker(self) -> WorkerConfig | None:
+        """The worker whose experts core computes in its own process, if one is configured."""
+        return next((worker for worker in self.workers if worker.is_local), None)
 
 
 def load_cluster(path: str | Path) -> ClusterConfig:
@@ -188,7 +205,16 @@ def parse_cluster(data: dict, path: Path) -> ClusterConfig:
         if not address:
             raise ClusterConfigError(f"{path}: {where}address is required (host:port or unix:/path)")
         listen = reader.string(raw, "listen", where + "listen", address)
+        if address == LOCAL_ADDRESS:
+            if any(w.address == LOCAL_ADDRESS for w in workers):
+                raise ClusterConfigError(f'{path}: {where}address: only one worker may be "local"')
+            if str(raw.get("experts", "all")).strip() not in ("", "all"):
+                raise ClusterConfigError(
+                    f'{path}: {where}experts: the local worker serves whole layers (experts = "all")'
+                )
         for key, value in (("address", address), ("listen", listen)):
+            if value == LOCAL_ADDRESS:
+                continue
             try:
                 check_address(value)
             except ValueError as error:

@@ -135,7 +135,7 @@ def _budgets(config: ClusterConfig, manifest: Manifest, owned: dict, report: Che
 
 def _security(config: ClusterConfig, report: CheckReport) -> None:
     if config.tls_dir is not None:
-        for name in ["core", "gateway", *(w.name for w in config.workers)]:
+        for name in ["core", "gateway", *(w.name for w in config.remote_workers)]:
             files = config.tls_for(name)
             absent = [str(p) for p in (files.ca, files.cert, files.key) if not p.exists()]
             if absent:
@@ -143,7 +143,7 @@ def _security(config: ClusterConfig, report: CheckReport) -> None:
                     f"TLS files for {name} are missing: {', '.join(absent)} (run `moe-mesh certs --config {config.path}`)"
                 )
         return
-    exposed = [w.listen for w in config.workers if not is_loopback(w.listen)]
+    exposed = [w.listen for w in config.remote_workers if not is_loopback(w.listen)]
     if not is_loopback(config.core.listen):
         exposed.append(config.core.listen)
     if exposed:
@@ -165,8 +165,9 @@ async def _probe_workers(
                 expert_pb2.DescribeRequest(), timeout=timeout_s
             )
 
-    replies = await asyncio.gather(*(describe(w) for w in config.workers), return_exceptions=True)
-    for worker, reply in zip(config.workers, replies, strict=True):
+    workers = config.remote_workers  # the local one lives in core: nothing to describe
+    replies = await asyncio.gather(*(describe(w) for w in workers), return_exceptions=True)
+    for worker, reply in zip(workers, replies, strict=True):
         if isinstance(reply, grpc.aio.AioRpcError):
             report.notes.append(
                 f"worker {worker.name} at {worker.address} is not up ({reply.code().name}); checked against the manifest only"

@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from services.cluster import ClusterConfig, load_cluster
+from services.cluster import LOCAL_ADDRESS, ClusterConfig, load_cluster
 from services.common.cli_types import port_number
 from services.common.tls import TlsFiles
+from services.core.expert_link.local_spec import LocalExpertsSpec
 
 
 def _unset(args: argparse.Namespace, dest: str) -> bool:
@@ -55,6 +56,10 @@ def expert_kwargs(args: argparse.Namespace) -> dict:
             names = ", ".join(w.name for w in config.workers)
             raise ValueError(f"--name is needed with --config: which worker is this? ({names})")
         worker = config.worker(args.name)
+        if worker.is_local:
+            raise ValueError(
+                f"worker {worker.name!r} is local: core computes its experts, no process serves it"
+            )
         _fill(args, "split", str(config.split))
         _fill(args, "listen", worker.listen)
         _fill(args, "layers", worker.layers)
@@ -78,8 +83,16 @@ def expert_kwargs(args: argparse.Namespace) -> dict:
 
 
 def core_kwargs(args: argparse.Namespace) -> dict:
+    """Core's settings; a worker address `local` (flag or cluster.toml) becomes `local_experts`."""
     config = _config(args)
     workers = [w for spec in args.worker or [] for w in spec.split(",") if w]
+    local = None
+    if LOCAL_ADDRESS in workers:
+        workers = [w for w in workers if w != LOCAL_ADDRESS]
+        local = LocalExpertsSpec("all", args.local_memory_gb)
+    elif config is not None and config.local_worker is not None and not args.worker:
+        worker = config.local_worker
+        local = LocalExpertsSpec(worker.layers, args.local_memory_gb or worker.memory_gb)
     if config is not None:
         _fill(args, "split", str(config.split))
         _fill(args, "listen", config.core.listen)
@@ -93,12 +106,13 @@ def core_kwargs(args: argparse.Namespace) -> dict:
         workers = workers or config.worker_addresses
     if not args.split:
         raise ValueError("--split (or --config) is required")
-    if not workers:
+    if not workers and local is None:
         raise ValueError("--worker (or --config with [[workers]]) is required")
     return dict(
         split_dir=Path(args.split),
         listen=args.listen,
         workers=workers,
+        local_experts=local,
         expert_timeout_s=args.expert_timeout,
         tls=_tls(args, config, "core"),
         metrics=_metrics(args, config.core.metrics if config else None),

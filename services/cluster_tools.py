@@ -20,7 +20,7 @@ def _certs(args) -> None:
             "core": [_host(config.core.listen)],
             "gateway": [config.gateway.host],
         }
-        for worker in config.workers:
+        for worker in config.remote_workers:
             wanted[worker.name] = [_host(worker.address), _host(worker.listen)]
     else:
         if not (args.out and args.name):

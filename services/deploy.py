@@ -40,11 +40,12 @@ def role_command(config: ClusterConfig, role: str) -> tuple[str, list[str]]:
         return role, [role, "--config", str(config.path)]
     if role.startswith("worker:"):
         name = role.split(":", 1)[1]
-        config.worker(name)  # raises naming the workers
+        if config.worker(name).is_local:  # (raises naming the workers when there is none)
+            raise ValueError(f"worker {name!r} is local: it runs inside core, no service of its own")
         if not _SAFE_NAME.match(name):
             raise ValueError(f"worker name {name!r} must be letters, digits, '.', '_' or '-'")
         return f"worker-{name}", ["expert", "--config", str(config.path), "--name", name]
-    workers = ", ".join(f"worker:{w.name}" for w in config.workers)
+    workers = ", ".join(f"worker:{w.name}" for w in config.remote_workers)
     raise ValueError(f"--role {role!r}: expected core, gateway or one of {workers}")
 
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from services.cli import cli_command
-from services.cluster import local_cluster_toml
+from services.cluster import LOCAL_ADDRESS, local_cluster_toml
 from services.common.frames import frames_path_for
 from services.common.logging import get_logger
 
@@ -197,9 +197,11 @@ def run_up(
     core_args: Sequence[str] = (),
     frame_spin_us: int | None = None,
     log_level: str = "info",
+    local_experts: bool = False,
 ) -> int:
     """`frame_spin_us`: how long core's and the workers' frame reads poll (None: poll when the
-    machine has a core for each of them, services.common.frames.spin_for)."""
+    machine has a core for each of them, services.common.frames.spin_for); `local_experts`: no
+    worker processes, core computes every expert itself (services/core/expert_link/local.py)."""
     from services.common.frames import spin_for
     from services.common.manifest import Manifest
 
@@ -219,7 +221,9 @@ def run_up(
             ) from None
     split_dir = resolve_split(model)
     manifest = Manifest.load(split_dir)
-    ranges = expert_ranges(manifest.num_experts, experts)
+    if local_experts:
+        experts = 0
+    ranges = expert_ranges(manifest.num_experts, experts) if experts else []
     if workdir is None:
         work = Path(tempfile.mkdtemp(prefix="moe-mesh-"))
     cluster = Cluster(work, log_level)
@@ -240,10 +244,8 @@ def run_up(
         local_cluster_toml(
             split_dir,
             core_socket,
-            [
-                (f"expert-{i}", a, span)
-                for i, (a, span) in enumerate(zip(worker_sockets, ranges, strict=True))
-            ],
+            [(f"expert-{i}", a, span) for i, (a, span) in enumerate(zip(worker_sockets, ranges, strict=True))]
+            or [("local", LOCAL_ADDRESS, "all")],
             host,
             port,
         )
@@ -267,7 +269,10 @@ def run_up(
                 *spin,
                 *threads,
             )
-        cluster.start("core", "core", "--config", str(config), *core_args, *spin)
+        local_budget = (
+            ["--local-memory-gb", str(expert_memory_gb)] if expert_memory_gb and local_experts else []
+        )
+        cluster.start("core", "core", "--config", str(config), *core_args, *local_budget, *spin)
         cluster.start("gateway", "gateway", "--config", str(config), *gateway_args)
         url = f"http://{host}:{port}"
         checks = [(address, lambda a=address: _grpc_serving(a)) for address in worker_sockets]
@@ -277,7 +282,8 @@ def run_up(
         ]
         deadline = time.monotonic() + READY_TIMEOUT_S
         pending = list(checks)
-        print(f"starting {experts} expert workers, core and gateway (logs in {work})", file=sys.stderr)
+        starting = f"{experts} expert workers, core" if experts else "core (with every expert in it)"
+        print(f"starting {starting} and gateway (logs in {work})", file=sys.stderr)
         while pending and not stopping:
             if (dead := cluster.dead()) is not None:
                 return _report_death(*dead)

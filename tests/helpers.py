@@ -177,7 +177,7 @@ def linked_dispatcher(
     Yields (workers, dispatcher, manifest); stops everything on exit.
     """
     from services.common.manifest import Manifest
-    from services.core.expert_client import ExpertDispatcher
+    from services.core.expert_link.dispatcher import ExpertDispatcher
 
     manifest = Manifest.load(split_dir)
     workers = Workers(split_dir, workdir, ranges, tag=tag, extra_args=worker_args).start()

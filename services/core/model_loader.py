@@ -17,16 +17,24 @@ from mlx_lm.utils import load_tokenizer
 from metal.linear_cpu import use_cpu_kernels
 from services.common.manifest import Manifest
 from services.common.model_build import build_skeleton, quantize_like_mlx_lm, replace_modules
-from services.core.expert_client import ExpertDispatcher
-from services.core.in_flight import settle_pending
-from services.core.remote_experts import RemoteExperts
+from services.core.expert_link.dispatcher import ExpertDispatcher
+from services.core.expert_link.in_flight import settle_pending
+from services.core.expert_link.proxy import RemoteExperts
 
 
 def load_core_model(
-    split_dir: Path, manifest: Manifest, dispatcher: ExpertDispatcher, dense_kernel: str = "auto"
+    split_dir: Path,
+    manifest: Manifest,
+    dispatcher: ExpertDispatcher | None,
+    dense_kernel: str = "auto",
+    local_modules: dict[int, nn.Module] | None = None,
 ) -> tuple[nn.Module, int]:
     """(model, how many quantized projections compute with metal/linear_cpu.py): with
-    `dense_kernel` "auto", those where MLX runs on the CPU; "mlx" keeps MLX's own op."""
+    `dense_kernel` "auto", those where MLX runs on the CPU; "mlx" keeps MLX's own op.
+    `local_modules`: layer -> the module computing its experts in this process (expert_link/
+    local.py); every other MoE layer calls `dispatcher`. They go in after the weights load, so
+    the strict load still proves core.safetensors holds exactly core's part."""
+    local_modules = local_modules or {}
     model = build_skeleton(manifest.config)
     replace_modules(
         model, {layer.module: RemoteExperts(layer.layer, dispatcher) for layer in manifest.layers}
@@ -35,6 +43,14 @@ def load_core_model(
     quantize_like_mlx_lm(model, manifest.config, weights)
     model.eval()
     model.load_weights(list(weights.items()), strict=True)
+    replace_modules(
+        model,
+        {
+            layer.module: local_modules[layer.layer]
+            for layer in manifest.layers
+            if layer.layer in local_modules
+        },
+    )
     mx.eval(model.parameters())
     on_kernel = 0
     if dense_kernel == "auto" and mx.default_device() == mx.cpu:

@@ -14,9 +14,12 @@ from pathlib import Path
 from services.common.grpc_util import install_uvloop, start_metrics_server, start_server
 from services.common.logging import get_logger
 from services.common.manifest import Manifest
+from services.common.ranges import format_ranges
 from services.common.tls import TlsFiles
 from services.core.engine import Engine, EngineConfig
-from services.core.expert_client import ExpertDispatcher
+from services.core.expert_link.dispatcher import ExpertDispatcher, LayerCallTimings
+from services.core.expert_link.local import LocalExperts
+from services.core.expert_link.local_spec import LocalExpertsSpec
 from services.core.kv.metal_attention import kernel_backend
 from services.core.model_loader import load_core_model, load_core_tokenizer
 from services.core.request_prep import RequestPreparer
@@ -42,7 +45,10 @@ def build_engine(
     frame_spin_s: float = 0.0,
     expert_overlap: bool | None = None,
     dense_kernel: str = "auto",
+    local_experts: LocalExpertsSpec | None = None,
 ) -> tuple[Engine, RequestPreparer, core_pb2.ModelInfo]:
+    """`workers`: addresses of expert worker processes; `local_experts`: the layers whose experts
+    core computes itself (expert_link/local.py). Together they must cover every MoE layer."""
     manifest = Manifest.load(split_dir)
     tokenizer = load_core_tokenizer(split_dir, manifest)
     text_config = _text_config(manifest.config)
@@ -50,19 +56,34 @@ def build_engine(
     context_length = int(text_config.get("max_position_embeddings") or 4096)
     preparer = RequestPreparer(tokenizer, model_id, context_length, int(text_config["vocab_size"]))
 
-    def loader():
-        dispatcher = ExpertDispatcher(
-            manifest,
-            workers,
-            call_timeout_s=expert_timeout_s,
-            tls=tls,
-            frames=expert_frames,
-            frame_spin_s=frame_spin_s,
-            overlap=expert_overlap,
+    local_layers = set(local_experts.owned(manifest)) if local_experts else set()
+    remote_layers = {layer.layer for layer in manifest.layers} - local_layers
+    if remote_layers and not workers:
+        raise ValueError(
+            f"layers {format_ranges(sorted(remote_layers))} have no expert worker: "
+            "give --worker addresses, or serve them locally (--worker local)"
         )
-        engine.closers.append(dispatcher.close)
+
+    def loader():
+        local_modules, dispatcher = {}, None
+        if local_layers:
+            local = LocalExperts(split_dir, manifest, local_experts)
+            engine.closers.append(local.close)
+            local_modules = local.modules()
+        if remote_layers:
+            dispatcher = ExpertDispatcher(
+                manifest,
+                workers,
+                call_timeout_s=expert_timeout_s,
+                tls=tls,
+                frames=expert_frames,
+                frame_spin_s=frame_spin_s,
+                overlap=expert_overlap,
+                layers=remote_layers,
+            )
+            engine.closers.append(dispatcher.close)
         started = time.monotonic()
-        model, on_kernel = load_core_model(split_dir, manifest, dispatcher, dense_kernel)
+        model, on_kernel = load_core_model(split_dir, manifest, dispatcher, dense_kernel, local_modules)
         log.info(
             "core_model_loaded",
             seconds=round(time.monotonic() - started, 2),
@@ -87,6 +108,8 @@ def build_engine(
             backend=getattr(backend, "__name__", "pure-MLX twin"),
             seconds=round(time.monotonic() - started, 2),
         )
+        if dispatcher is None:  # every layer local: nothing to probe, no layer calls to time
+            return model, list, LayerCallTimings()
         return model, dispatcher.discover, dispatcher.timings
 
     engine = Engine(tokenizer, engine_config, loader)
@@ -112,6 +135,7 @@ async def serve_core(
     frame_spin_s: float = 0.0,
     expert_overlap: bool | None = None,
     dense_kernel: str = "auto",
+    local_experts: LocalExpertsSpec | None = None,
 ) -> None:
     """`tls`: mTLS for the Core server and the links to workers; `metrics`: host:port of the
     Prometheus endpoint (None = none); `expert_frames`: use same-host workers' frame sockets;
@@ -128,6 +152,7 @@ async def serve_core(
         frame_spin_s,
         expert_overlap,
         dense_kernel,
+        local_experts,
     )
     running = await start_server(
         lambda server: core_pb2_grpc.add_CoreServicer_to_server(CoreServicer(engine, preparer, info), server),

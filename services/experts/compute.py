@@ -31,7 +31,7 @@ from services.common.model_build import (
     quantize_like_mlx_lm,
 )
 from services.common.tensor_codec import TensorDecodeError
-from services.experts.store import ExpertStore
+from services.experts.store import ExpertStore, ResidentExpertStore
 from services.proto.moemesh.v1 import expert_pb2, tensor_pb2
 
 DEFAULT_MAX_CALL_BYTES = 256 * 1024 * 1024
@@ -151,36 +151,7 @@ class ExpertCompute:
                 "expert_ids", f"experts {missing[:8]} of layer {call.layer} are not served by this worker"
             )
         t1 = time.perf_counter()
-
-        # The store says where each expert's weights sit (reading the missing ones from disk);
-        # a call whose experts do not fit its memory together is computed group by group.
-        groups = self.store.plan(call.layer, np.unique(ids[asked]).tolist())
-        kernel = self._kernels.get(call.layer)
-        if kernel is not None:
-            reply = self._run_kernel(kernel, call.layer, hidden, ids, asked, pair_count, groups)
-        elif len(groups) <= 1:
-            hidden = tensor_codec.to_mlx(hidden)
-            slot = self.store.load(call.layer, groups[0] if groups else [])[ids]
-            per_token = None if everything_asked else asked.sum(axis=1)
-            if everything_asked:
-                out = module(hidden, mx.array(slot)).reshape(-1, hidden_size)
-            elif per_token[0] > 0 and (per_token == per_token[0]).all():
-                # Every token asks as many pairs (a decode step split over workers): keep them as
-                # each token's experts, [T, c], instead of one row per pair — one gather of
-                # hidden rows less, same math, rows in the same (row-major) order.
-                compact = slot[asked].reshape(tokens, int(per_token[0]))
-                out = module(hidden, mx.array(compact)).reshape(-1, hidden_size)
-            else:
-                rows, cols = np.nonzero(asked)
-                pairs = module(hidden[mx.array(rows)], mx.array(slot[rows, cols])[:, None])
-                out = pairs.reshape(-1, hidden_size)
-            # replies come in the dtype the call came in: core's model computes in it (mlx-lm
-            # promotes bf16 states through float32 norms to float32, for instance)
-            wire = tensor_codec.wire_form(out.astype(hidden.dtype))
-            mx.eval(wire)  # the one synchronisation of the call on the worker side
-            reply = np.asarray(wire)
-        else:
-            reply = self._run_in_groups(call.layer, module, tensor_codec.to_mlx(hidden), ids, asked, groups)
+        reply = self.compute_rows(call.layer, hidden, ids, asked, pair_count)
         t2 = time.perf_counter()
         result = expert_pb2.ExpertResult(call_id=call.call_id)
         tensor_codec.encode_numpy(reply, call.hidden.dtype, result.output)
@@ -193,6 +164,63 @@ class ExpertCompute:
         )
         stats.pairs = pair_count
         return result
+
+    def in_graph_module(self, layer: int) -> nn.Module | None:
+        """The layer's mlx-lm module, to be called inside another model's graph, where that is
+        the same math with no synchronisation: every expert of the layer resident in RAM, in
+        global order (rows = expert ids), and computed by MLX rather than the CPU kernel."""
+        module = self._modules.get(layer)
+        whole = len(self.store.owned.get(layer, ())) == self.manifest.layer(layer).num_experts
+        if module is None or not whole or layer in self._kernels:
+            return None
+        return module if isinstance(self.store, ResidentExpertStore) else None
+
+    def compute_rows(
+        self,
+        layer: int,
+        hidden: np.ndarray,
+        ids: np.ndarray,
+        asked: np.ndarray | None = None,
+        pair_count: int | None = None,
+    ) -> np.ndarray:
+        """The asked pairs' output rows [pairs, H] in call order and the wire form of `hidden`'s
+        dtype, for validated host arrays: hidden [T, H] (wire form), ids [T, k] of owned experts
+        (-1 = not asked; `asked` marks the others, None = every pair)."""
+        module = self._modules[layer]
+        hidden_size = hidden.shape[1]
+        if asked is None:
+            asked = np.ones(ids.shape, dtype=bool)
+            pair_count = ids.size
+        everything_asked = pair_count == ids.size
+        tokens = hidden.shape[0]
+        # The store says where each expert's weights sit (reading the missing ones from disk);
+        # a call whose experts do not fit its memory together is computed group by group.
+        groups = self.store.plan(layer, np.unique(ids[asked]).tolist())
+        kernel = self._kernels.get(layer)
+        if kernel is not None:
+            return self._run_kernel(kernel, layer, hidden, ids, asked, pair_count, groups)
+        if len(groups) > 1:
+            return self._run_in_groups(layer, module, tensor_codec.to_mlx(hidden), ids, asked, groups)
+        hidden = tensor_codec.to_mlx(hidden)
+        slot = self.store.load(layer, groups[0] if groups else [])[ids]
+        per_token = None if everything_asked else asked.sum(axis=1)
+        if everything_asked:
+            out = module(hidden, mx.array(slot)).reshape(-1, hidden_size)
+        elif per_token[0] > 0 and (per_token == per_token[0]).all():
+            # Every token asks as many pairs (a decode step split over workers): keep them as
+            # each token's experts, [T, c], instead of one row per pair — one gather of
+            # hidden rows less, same math, rows in the same (row-major) order.
+            compact = slot[asked].reshape(tokens, int(per_token[0]))
+            out = module(hidden, mx.array(compact)).reshape(-1, hidden_size)
+        else:
+            rows, cols = np.nonzero(asked)
+            pairs = module(hidden[mx.array(rows)], mx.array(slot[rows, cols])[:, None])
+            out = pairs.reshape(-1, hidden_size)
+        # replies come in the dtype the call came in: core's model computes in it (mlx-lm
+        # promotes bf16 states through float32 norms to float32, for instance)
+        wire = tensor_codec.wire_form(out.astype(hidden.dtype))
+        mx.eval(wire)  # the one synchronisation of the call on the worker side
+        return np.asarray(wire)
 
     def _run_kernel(self, kernel, layer, hidden, ids, asked, pairs, groups) -> np.ndarray:
         """The asked pairs' rows, in call order, from the CPU kernel, one planned group at a time."""

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from services.common.manifest import Manifest
-from services.core.expert_client import ExpertCallError, ExpertDispatcher, _plan
+from services.core.expert_link.dispatcher import ExpertCallError, ExpertDispatcher, _plan
 from tests.helpers import fake_link
 
 

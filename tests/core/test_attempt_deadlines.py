@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from services.core.attempt_deadlines import AttemptDeadlines
+from services.core.expert_link.deadlines import AttemptDeadlines
 
 
 async def _attempt(deadlines: AttemptDeadlines, budget_s: float, work_s: float) -> str:

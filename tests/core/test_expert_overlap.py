@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from services.core import expert_client
-from services.core.expert_client import ExpertCallError, ExpertDispatcher
-from services.core.in_flight import drop_pending, settle_pending
-from services.core.step_merge import expert_call, run_side_by_side
+from services.core.expert_link.dispatcher import ExpertCallError, ExpertDispatcher
+from services.core.expert_link.in_flight import drop_pending, settle_pending
+from services.core.expert_link.step_merge import expert_call, run_side_by_side
 from tests.core.test_frames import _inputs, assert_fails_naming_worker
 from tests.helpers import linked_dispatcher
 
@@ -152,7 +152,7 @@ def test_has_nan_reads_the_wire_form(dtype):
 def test_a_graph_built_before_a_host_write_into_the_placeholder_sees_it(dtype):
     """The device property overlap rests on (run this file on a GPU host to check one)."""
     from services.common.tensor_codec import numpy_view
-    from services.core.expert_client import _Pending
+    from services.core.expert_link.dispatcher import _Pending
 
     hidden = numpy_view(mx.zeros((3, 64), dtype))  # the call's states, in their wire form
     pending = _Pending(0, [], hidden, np.zeros((3, 8), np.int32), 0.0, 0.0, dtype)

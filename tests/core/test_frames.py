@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from services.common.frames import HEADER, frame
-from services.core.expert_client import ExpertCallError, ExpertDispatcher
+from services.core.expert_link.dispatcher import ExpertCallError, ExpertDispatcher
 from services.proto.moemesh.v1 import expert_pb2
 from tests.helpers import linked_dispatcher
 
@@ -107,7 +107,7 @@ def test_a_killed_worker_fails_the_call_naming_it_then_a_restart_serves_again(sp
 
 def test_a_frame_socket_core_cannot_reach_is_left_to_grpc(tmp_path):
     from services.common.frames import FrameError
-    from services.core.frame_link import MAX_FAILED_CONNECTS, FrameLink
+    from services.core.expert_link.frame_link import MAX_FAILED_CONNECTS, FrameLink
 
     link = FrameLink(str(tmp_path / "missing.sock.frames"), 1 << 20)
     for _ in range(MAX_FAILED_CONNECTS):

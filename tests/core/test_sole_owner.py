@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.manifest import Manifest
-from services.core.expert_client import ExpertDispatcher
+from services.core.expert_link.dispatcher import ExpertDispatcher
 from tests.helpers import fake_link
 
 

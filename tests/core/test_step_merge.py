@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from services.core.step_merge import expert_call, run_side_by_side
+from services.core.expert_link.step_merge import expert_call, run_side_by_side
 
 LAYERS = 4
 

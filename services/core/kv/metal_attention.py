@@ -22,7 +22,7 @@ from functools import cache
 
 import mlx.core as mx
 
-from services.core.in_flight import settle_pending
+from services.core.expert_link.in_flight import settle_pending
 from services.core.kv.cache import TurboQuantKVCache
 
 # modules tried in order; the first whose kernels_available() is True serves
@@ -82,7 +82,7 @@ def kernel_attention(
     a fused step that does not fit, e.g. the CPU one past 1024 dims): the twin then does."""
     kernels = kernel_backend()
     if getattr(kernels, "EVALUATES_INPUTS", False):
-        settle_pending()  # its inputs may hang on a layer call in flight (services/core/in_flight.py)
+        settle_pending()  # its inputs may hang on a layer call in flight (services/core/expert_link/in_flight.py)
     fused = getattr(kernels, "decode_attention", None)
     if fused is not None:  # the whole step in one or two kernels, where the backend has them
         out = fused(queries, cache, scale, start)

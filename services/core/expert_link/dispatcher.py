@@ -47,10 +47,10 @@ from services.common.logging import REQUEST_ID_METADATA_KEY, get_logger
 from services.common.manifest import Manifest
 from services.common.ranges import format_ranges
 from services.common.tls import TlsFiles
-from services.core import expert_metrics
-from services.core.attempt_deadlines import AttemptDeadlines
-from services.core.frame_link import FrameLink
-from services.core.in_flight import IN_FLIGHT, settle_pending
+from services.core.expert_link import metrics as expert_metrics
+from services.core.expert_link.deadlines import AttemptDeadlines
+from services.core.expert_link.frame_link import FrameLink
+from services.core.expert_link.in_flight import IN_FLIGHT, settle_pending
 from services.proto.moemesh.v1 import expert_pb2, expert_pb2_grpc, tensor_pb2
 
 log = get_logger(__name__)
@@ -204,9 +204,11 @@ class ExpertDispatcher:
         frames: bool = True,
         frame_spin_s: float = 0.0,
         overlap: bool | None = None,
+        layers: set[int] | None = None,
     ):
-        """`frames`: send calls to workers on this host through their frame sockets
-        (services/core/frame_link.py) rather than their gRPC streams, where they offer one;
+        """`layers`: the MoE layers it routes (default: all; the others compute in core's process,
+        expert_link/local.py); `frames`: send calls to workers on this host through their frame sockets
+        (services/core/expert_link/frame_link.py) rather than their gRPC streams, where they offer one;
         `frame_spin_s`: how long a read of their answers polls before it sleeps; `overlap`:
         let core build the next layer while the experts compute (see `call_overlapped`; None:
         on the CPU only, see `overlap_by_default`)."""
@@ -228,7 +230,11 @@ class ExpertDispatcher:
         self._addresses = list(dict.fromkeys(worker_addresses))
         self._max_message_bytes = max_message_bytes
         self.links: list[WorkerLink] = []
-        self._num_experts = {layer.layer: layer.num_experts for layer in manifest.layers}
+        self._num_experts = {
+            layer.layer: layer.num_experts
+            for layer in manifest.layers
+            if layers is None or layer.layer in layers
+        }
         # Its answer is needed before the model's output exists: never left in flight.
         self._last_layer = max(self._num_experts)
         # routes[layer] = (replicas [E, R] link indices padded with -1, live replica count [E]);

@@ -12,9 +12,9 @@ import mlx.core as mx
 from mlx import nn
 
 from services.common import tensor_codec
-from services.core.expert_client import ExpertDispatcher
-from services.core.in_flight import settle_pending
-from services.core.step_merge import expert_call
+from services.core.expert_link.dispatcher import ExpertDispatcher
+from services.core.expert_link.in_flight import settle_pending
+from services.core.expert_link.step_merge import expert_call
 
 
 class RemoteExperts(nn.Module):

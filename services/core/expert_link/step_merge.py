@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from greenlet import greenlet
 
-from services.core.in_flight import drop_pending
+from services.core.expert_link.in_flight import drop_pending
 
 _START = object()
 
