@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import ctypes
 from functools import cache
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from metal import load_extension
+from metal.selfcheck import passes_once_per_build
 
 _F32 = ctypes.POINTER(ctypes.c_float)
 _U8 = ctypes.POINTER(ctypes.c_uint8)
@@ -231,7 +233,9 @@ def kernels_available() -> bool:
     """True where MLX computes on the CPU, the extension is built and it matches the twin."""
     if mx.default_device() != mx.cpu or _library() is None:
         return False
-    try:
-        return kernels_match_twin()
+    try:  # once per device and build (metal/selfcheck.py): the library's own bytes are in the key
+        built = Path(_library()._name)
+        sources = [built, Path(__file__).with_name("turboquant_cpu.c"), Path(__file__)]
+        return passes_once_per_build("cpu", sources, kernels_match_twin)
     except Exception:  # noqa: BLE001 - any kernel failure means: use the twin
         return False

@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from metal.backend import KernelBackend
-from metal.selfcheck import backend_matches_twin
+from metal.selfcheck import backend_matches_twin, passes_once_per_build
 
 SOURCE = Path(__file__).with_name("turboquant.cu")
 # static __shared__ arrays are capped at 48 KiB per block
@@ -44,10 +44,13 @@ def kernels_match_twin(seed: int = 0, failures: list[str] | None = None) -> bool
 
 @cache
 def kernels_available() -> bool:
-    """True under MLX's CUDA backend when the kernels match the twin on a random self-check."""
+    """True under MLX's CUDA backend when the kernels match the twin on a random self-check
+    (once per device and kernel build: metal/selfcheck.py)."""
     if not cuda_present():
         return False
     try:
-        return kernels_match_twin()
+        return passes_once_per_build(
+            "cuda", [SOURCE, Path(__file__).with_name("backend.py")], kernels_match_twin
+        )
     except Exception:  # noqa: BLE001 - any kernel failure means: use the twin
         return False

@@ -14,7 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from metal.backend import KernelBackend
-from metal.selfcheck import backend_matches_twin
+from metal.selfcheck import backend_matches_twin, passes_once_per_build
 
 SOURCE = Path(__file__).with_name("turboquant.metal")
 # Apple GPUs give a threadgroup 32 KiB of memory
@@ -43,10 +43,13 @@ def kernels_match_twin(seed: int = 0, failures: list[str] | None = None) -> bool
 
 @cache
 def kernels_available() -> bool:
-    """True on an Apple GPU whose kernels match the twin on a random self-check."""
+    """True on an Apple GPU whose kernels match the twin on a random self-check (once per
+    device and kernel build: metal/selfcheck.py)."""
     if not metal_present():
         return False
     try:
-        return kernels_match_twin()
+        return passes_once_per_build(
+            "metal", [SOURCE, Path(__file__).with_name("backend.py")], kernels_match_twin
+        )
     except Exception:  # noqa: BLE001 - any kernel failure means: use the twin
         return False

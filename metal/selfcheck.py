@@ -9,7 +9,18 @@ kernel_backend() is still deciding, and must not ask it again.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
 import mlx.core as mx
+
+# The pure-MLX twin the kernels are checked against, and this check itself: a change to either
+# makes a remembered pass void.
+_TWIN_SOURCES = (Path(__file__), *sorted(Path(__file__).parents[1].glob("services/core/kv/*.py")))
+CACHE_ENV = "MOE_MESH_SELFCHECK_CACHE"  # "0": check in every process
 
 # (key bits, QJL, head dim, query rows): the default's keys, the paper's QJL keys with more
 # query rows than one thread's tile, and a dim that needs padding. Every distinct shape is one more
@@ -151,3 +162,34 @@ def backend_matches_twin(backend, seed: int = 0, failures: list[str] | None = No
     if hasattr(backend, "decode_attention"):
         decode_matches(backend, seed, failures)
     return not failures
+
+
+def check_key(backend: str, sources: Iterable[Path]) -> str:
+    """What a remembered pass is valid for: the backend, this device, MLX's version, and the
+    bytes of the kernel sources (and built library) with the twin and the check."""
+    digest = hashlib.sha256(f"{backend}|{mx.__version__}|{mx.default_device()}".encode())
+    digest.update(json.dumps(mx.device_info(), sort_keys=True, default=str).encode())
+    for path in (*sources, *_TWIN_SOURCES):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes() if path.is_file() else b"(absent)")
+    return digest.hexdigest()[:32]
+
+
+def passes_once_per_build(backend: str, sources: Iterable[Path], check: Callable[[], bool]) -> bool:
+    """`check()`, remembered per device and kernel build: the first process on a device runs
+    it (NVRTC compiles, tens of seconds under CUDA) and leaves a file in
+    $MOE_MESH_CACHE/selfcheck/; later ones with the same key skip it. Only a pass is kept, so
+    a failure (or a crash in the check) is checked again by the next process."""
+    cache_dir = Path(os.environ.get("MOE_MESH_CACHE", Path.home() / ".cache" / "moe-mesh")) / "selfcheck"
+    use_cache = os.environ.get(CACHE_ENV, "1") != "0"
+    marker = cache_dir / f"{backend}-{check_key(backend, sources)}.passed"
+    if use_cache and marker.exists():
+        return True
+    passed = check()
+    if passed and use_cache:
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            marker.write_text(f"{mx.__version__} {mx.default_device()}\n")
+        except OSError:  # a read-only cache only costs the next process its check
+            pass
+    return passed
