@@ -2,6 +2,8 @@
 
     python bench/decode.py                       # demo model and the Qwen3-30B-A3B-shaped model
     python bench/decode.py --models demo --tokens 64
+    python bench/decode.py --layers 4,48 --dtype bfloat16 --tokens 128 \
+        --variants synced_local,local_experts,workers_1   # on a GPU: the shapes the targets name
 
 Prints one JSON object. A third variant, `synced_local`, is mlx-lm's model with its own expert
 modules in-process but synchronised once per layer the way moe-mesh must: monolithic vs
@@ -16,7 +18,10 @@ the decode steps only (one token per step). Core sends layer calls through the w
 frame sockets (the same-host data path); `workers_1_grpc` is the 1-worker run with
 `--no-expert-frames` (gRPC streams only) and `workers_1_no_overlap` the 1-worker run with
 `--expert-overlap off` (core waits for each layer's experts before building the next layer),
-in the same rounds. Frame reads poll before
+in the same rounds. `local_experts` is core alone with `--worker local`: the experts in core's own
+process and graph (services/core/expert_link/local.py). `--variants` picks which run (monolithic
+always does: every ratio is against it). Per token, `outside_layer_calls_ms` is the decode
+token's time minus its layer calls' (p50 x MoE layers): core's own work around the hops. Frame reads poll before
 they sleep when the machine has a core per process (`--frame-spin-us`, chosen as
 `moe-mesh up` chooses it; recorded per variant).
 """
@@ -28,6 +33,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -58,17 +64,31 @@ def log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
+SYNTHETIC_SHAPE = re.compile(r"qwen3-30b-a3b-(\d+)layer")
+
+
+def synthetic_name(layers: int) -> str:
+    """The bench's name for the Qwen3-30B-A3B shape (hidden 2048, 128 experts, top-8, 4-bit)
+    cut to `layers` layers."""
+    return f"qwen3-30b-a3b-{layers}layer"
+
+
 def checkpoint(name: str, dtype: str) -> Path:
     if name == "demo":
         from services.common.demo_model import ensure_demo_model
 
         return ensure_demo_model()
-    if name == "qwen3-30b-a3b-4layer":
-        path = cache_root() / "bench" / f"qwen3-30b-a3b-4layer-q4-{dtype}"
+    shape = SYNTHETIC_SHAPE.fullmatch(name)
+    if shape:
+        path = cache_root() / "bench" / f"{name}-q4-{dtype}"
         if not (path / "config.json").exists():
-            log(f"building the synthetic 4-bit Qwen3-30B-A3B-shaped model in {path} (once)")
+            log(f"building the synthetic 4-bit {name} model in {path} (once)")
             build_random_checkpoint(
-                path, QWEN3_30B_A3B_SHAPE, bits=4, group_size=64, dtype=getattr(mx, dtype)
+                path,
+                {**QWEN3_30B_A3B_SHAPE, "num_hidden_layers": int(shape.group(1))},
+                bits=4,
+                group_size=64,
+                dtype=getattr(mx, dtype),
             )
         return path
     return Path(name)
@@ -150,8 +170,9 @@ def timed_decode(core_address: str, prompt: list[int], tokens: int) -> tuple[lis
 
 
 # moe-mesh variants: name -> (workers, extra `moe-mesh core` flags, extra `moe-mesh expert` flags);
-# all run in every round.
+# 0 workers: every expert in core's process (`--worker local`).
 SPLIT_VARIANTS = {
+    "local_experts": (0, [], []),
     "workers_1": (1, [], []),
     "workers_2": (2, [], []),
     "workers_1_grpc": (1, ["--no-expert-frames"], []),
@@ -180,14 +201,15 @@ def split_system(
     core process) once core serves, stops everything on exit."""
     manifest = Manifest.load(split)
     spin = ["--frame-spin-us", str(spin_us)]
-    ranges = expert_ranges(manifest.num_experts, workers)
+    ranges = expert_ranges(manifest.num_experts, workers) if workers else []
     threads = ["--compute-threads", str(worker_compute_threads(workers))]  # as `moe-mesh up` sets it
     pool = Workers(
         split, workdir, ranges, tag=f"w{workers}-", extra_args=[*spin, *threads, *worker_flags]
     ).start()
     address = f"unix:{workdir / f'core{workers}.sock'}"
     core_log = workdir / f"core{workers}.log"
-    core_args = ["core", "--split", str(split), "--listen", address, "--worker", ",".join(pool.addresses)]
+    expert_addresses = ",".join(pool.addresses) or "local"
+    core_args = ["core", "--split", str(split), "--listen", address, "--worker", expert_addresses]
     core = spawn(core_args + spin + list(core_flags), core_log)
     try:
         wait_serving(address, core, timeout_s=600, log_path=core_log)
@@ -223,15 +245,23 @@ def split_run(
         )
     }
     layer["calls"] = calls.calls
+    token_ms = (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3
+    moe_layers = len(Manifest.load(split).layers) if workers else 0
     return {
-        "tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+        "tok_s": 1e3 / token_ms,
         "tokens": out,
         "layer_call": layer,
+        "per_token_ms": round(token_ms, 3),
+        "outside_layer_calls_ms": round(token_ms - moe_layers * calls.total_p50_us / 1e3, 3),
         "frame_spin_us": spin_us,
     }
 
 
-def bench_model(name: str, tokens: int, rounds: int, dtype: str) -> dict:
+IN_PROCESS_VARIANTS = ("synced_local", "kernel_local")
+VARIANTS = (*IN_PROCESS_VARIANTS, *SPLIT_VARIANTS)
+
+
+def bench_model(name: str, tokens: int, rounds: int, dtype: str, variants: list[str]) -> dict:
     path = checkpoint(name, dtype)
     split = resolve_split(str(path))
     if name == "demo":
@@ -240,58 +270,59 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str) -> dict:
     else:  # random weights: the prompt's meaning is irrelevant, its length is what counts
         prompt = list(range(1000, 1000 + 24))
     workdir = bench_workdir("mm-bench-")
-    results: dict = {
-        "monolithic": [],
-        "synced_local": [],
-        "kernel_local": [],
-        **{name: [] for name in SPLIT_VARIANTS},
-    }
+    results: dict = {"monolithic": [], **{variant: [] for variant in variants}}
     reference = None
     for round_index in range(rounds):  # interleaved, so drift in machine speed hits every variant alike
-        log(f"{name}: round {round_index + 1}/{rounds} monolithic")
+        step = f"{name}: round {round_index + 1}/{rounds}"
+        log(f"{step} monolithic")
         tok_s, reference = monolithic(path, prompt, tokens)
         results["monolithic"].append(tok_s)
-        log(f"{name}: round {round_index + 1}/{rounds} mlx-lm with experts synced per layer, in-process")
-        results["synced_local"].append(monolithic(path, prompt, tokens, synced="mlx")[0])
-        log(
-            f"{name}: round {round_index + 1}/{rounds} mlx-lm with experts on moe-mesh's CPU kernel, in-process"
-        )
-        tok_s, kernel_tokens = monolithic(path, prompt, tokens, synced="kernel")
-        results["kernel_local"].append(
-            {"tok_s": tok_s, "tokens_match_monolithic": kernel_tokens == reference}
-        )
-        for variant, (workers, core_flags, worker_flags) in SPLIT_VARIANTS.items():
-            flags = " ".join([*core_flags, *worker_flags])
-            log(f"{name}: round {round_index + 1}/{rounds} moe-mesh {variant} {flags}")
+        if "synced_local" in variants:
+            log(f"{step} mlx-lm with experts synced per layer, in-process")
+            results["synced_local"].append(monolithic(path, prompt, tokens, synced="mlx")[0])
+        if "kernel_local" in variants:
+            log(f"{step} mlx-lm with experts on moe-mesh's CPU kernel, in-process")
+            tok_s, kernel_tokens = monolithic(path, prompt, tokens, synced="kernel")
+            results["kernel_local"].append(
+                {"tok_s": tok_s, "tokens_match_monolithic": kernel_tokens == reference}
+            )
+        for variant in variants:
+            if variant not in SPLIT_VARIANTS:
+                continue
+            workers, core_flags, worker_flags = SPLIT_VARIANTS[variant]
+            log(f"{step} moe-mesh {variant} {' '.join([*core_flags, *worker_flags])}")
             run = split_run(split, workdir, workers, prompt, tokens, core_flags, worker_flags)
             run["tokens_match_monolithic"] = run.pop("tokens") == reference
             results[variant].append(run)
     mono = max(results["monolithic"])
-    synced = max(results["synced_local"])
-    kernel = max(r["tok_s"] for r in results["kernel_local"])
     report = {
         "checkpoint": str(path),
         "decode_tokens": tokens,
         "monolithic_tok_s": round(mono, 3),
-        "synced_local_tok_s": round(synced, 3),
-        "synced_local_ratio_vs_monolithic": round(synced / mono, 3),
-        "kernel_local_tok_s": round(kernel, 3),
-        "kernel_local_ratio_vs_monolithic": round(kernel / mono, 3),
-        "kernel_local_tokens_match_monolithic": all(
-            r["tokens_match_monolithic"] for r in results["kernel_local"]
-        ),
+        "monolithic_per_token_ms": round(1e3 / mono, 3),
     }
-    for key in SPLIT_VARIANTS:
+    synced = max(results["synced_local"]) if "synced_local" in variants else None
+    if synced is not None:
+        report["synced_local_tok_s"] = round(synced, 3)
+        report["synced_local_ratio_vs_monolithic"] = round(synced / mono, 3)
+    kernel = None
+    if "kernel_local" in variants:
+        kernel = max(r["tok_s"] for r in results["kernel_local"])
+        report["kernel_local_tok_s"] = round(kernel, 3)
+        report["kernel_local_ratio_vs_monolithic"] = round(kernel / mono, 3)
+        report["kernel_local_tokens_match_monolithic"] = all(
+            r["tokens_match_monolithic"] for r in results["kernel_local"]
+        )
+    for key in (v for v in variants if v in SPLIT_VARIANTS):
         best = max(results[key], key=lambda r: r["tok_s"])
-        report[key] = {
-            "tok_s": round(best["tok_s"], 3),
-            "ratio_vs_monolithic": round(best["tok_s"] / mono, 3),
-            "ratio_vs_synced_local": round(best["tok_s"] / synced, 3),
-            "ratio_vs_kernel_local": round(best["tok_s"] / kernel, 3),
-            "tokens_match_monolithic": all(r["tokens_match_monolithic"] for r in results[key]),
-            "layer_call": best["layer_call"],
-            "frame_spin_us": best["frame_spin_us"],
-        }
+        entry = {"tok_s": round(best["tok_s"], 3), "ratio_vs_monolithic": round(best["tok_s"] / mono, 3)}
+        for base_name, base in (("synced_local", synced), ("kernel_local", kernel)):
+            if base is not None:
+                entry[f"ratio_vs_{base_name}"] = round(best["tok_s"] / base, 3)
+        entry["tokens_match_monolithic"] = all(r["tokens_match_monolithic"] for r in results[key])
+        for field in ("per_token_ms", "outside_layer_calls_ms", "layer_call", "frame_spin_us"):
+            entry[field] = best[field]
+        report[key] = entry
     return report
 
 
@@ -301,7 +332,19 @@ def main() -> None:
     configure_logging("bench", "warning")  # logs to stderr: stdout carries only the JSON
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--models", default="demo,qwen3-30b-a3b-4layer", help="demo, qwen3-30b-a3b-4layer or a path"
+        "--models",
+        default="demo,qwen3-30b-a3b-4layer",
+        help="demo, qwen3-30b-a3b-<N>layer or a checkpoint path (comma-separated)",
+    )
+    parser.add_argument(
+        "--layers",
+        default=None,
+        help="instead of --models: the Qwen3-30B-A3B shape with these layer counts, e.g. 4,48",
+    )
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"which to run beside monolithic mlx-lm (comma-separated): {', '.join(VARIANTS)}",
     )
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2)
@@ -311,12 +354,19 @@ def main() -> None:
         help="synthetic model's float dtype (float32 on CPUs: GatherMM; bfloat16 on GPUs)",
     )
     args = parser.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
+    models = args.models.split(",")
+    if args.layers:
+        models = [synthetic_name(int(n)) for n in args.layers.split(",")]
     report = {
         "bench": "decode",
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, mlx {mx.__version__} on {mx.default_device()}",
         "note": "best of rounds; transport = core-side layer call time minus worker-side time, per call",
         "models": {
-            name: bench_model(name, args.tokens, args.rounds, args.dtype) for name in args.models.split(",")
+            name: bench_model(name, args.tokens, args.rounds, args.dtype, variants) for name in models
         },
     }
     print(json.dumps(report, indent=1))

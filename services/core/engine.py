@@ -250,7 +250,10 @@ class Engine:
                     self._probe()
                     last_probe = time.monotonic()
                 continue
+            started = time.perf_counter()
             self._step()
+            if self.layer_call_timings is not None:
+                self.layer_call_timings.record_part("engine_step", (time.perf_counter() - started) * 1e6)
 
     def _handle(self, item) -> None:
         kind, sequence = item

@@ -120,14 +120,20 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
         stats.prefix_cache.budget_bytes = prefix.budget_bytes
         if self.engine.layer_call_timings is not None:
             fill_layer_call_stats(
-                stats.layer_calls, self.engine.layer_call_timings.snapshot(request.reset_layer_calls)
+                stats.layer_calls, *self.engine.layer_call_timings.snapshot_all(request.reset_layer_calls)
             )
         return stats
 
 
-def fill_layer_call_stats(out: core_pb2.LayerCallStats, calls: np.ndarray) -> None:
-    """calls: [n, 3] (total, worker, compute) microseconds per layer call."""
+def fill_layer_call_stats(
+    out: core_pb2.LayerCallStats, calls: np.ndarray, parts: dict[str, np.ndarray] | None = None
+) -> None:
+    """calls: [n, 3] (total, worker, compute) microseconds per layer call; parts: each named
+    part's microseconds (LayerCallTimings.record_part)."""
     out.calls = len(calls)
+    for name, values in (parts or {}).items():
+        if len(values):
+            out.part_p50_us[name], out.part_p99_us[name] = (float(v) for v in np.percentile(values, [50, 99]))
     if not len(calls):
         return
     total, worker, compute = calls[:, 0], calls[:, 1], calls[:, 2]

@@ -102,6 +102,7 @@ class ExpertCompute:
 
     def run(self, call: expert_pb2.ExpertCall) -> expert_pb2.ExpertResult:
         """Compute one call. Raises CallRejected for anything malformed."""
+        started_ns = time.monotonic_ns()
         t0 = time.perf_counter()
         module = self._modules.get(call.layer)
         if module is None:
@@ -163,6 +164,7 @@ class ExpertCompute:
             int((t3 - t2) * 1e6),
         )
         stats.pairs = pair_count
+        stats.started_ns, stats.finished_ns = started_ns, time.monotonic_ns()
         return result
 
     def in_graph_module(self, layer: int) -> nn.Module | None:

@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from services.core import expert_client
+from services.core.expert_link import dispatcher as expert_client
 from services.core.expert_link.dispatcher import ExpertCallError, ExpertDispatcher
 from services.core.expert_link.in_flight import drop_pending, settle_pending
 from services.core.expert_link.step_merge import expert_call, run_side_by_side

@@ -79,24 +79,42 @@ class ExpertCallError(RuntimeError):
 class LayerCallTimings:
     """Per layer call, in microseconds, over a sliding window: where the time goes.
 
-    Written by the engine thread, read by the servicer thread, hence the lock.
+    `record` keeps each call's (total, worker, compute); `record_part` the parts of a call and
+    of the engine step around it, by name (core_sync, encode_send, send, worker_decode,
+    worker_compute, worker_encode, reply, core_decode, engine_step). Written by the engine
+    thread, read by the servicer thread, hence the lock.
     """
 
     def __init__(self, window: int = 8192):
         self._lock = threading.Lock()
+        self._window = window
         self._calls: deque[tuple[float, float, float]] = deque(maxlen=window)  # (total, worker, compute)
+        self._parts: dict[str, deque[float]] = {}
 
     def record(self, total: float, worker: float, compute: float) -> None:
         with self._lock:
             self._calls.append((total, worker, compute))
 
+    def record_part(self, name: str, microseconds: float) -> None:
+        with self._lock:
+            values = self._parts.get(name)
+            if values is None:
+                values = self._parts[name] = deque(maxlen=self._window)
+            values.append(microseconds)
+
     def snapshot(self, reset: bool = False) -> np.ndarray:
         """[n, 3] array of (total, worker, compute) microseconds."""
+        return self.snapshot_all(reset)[0]
+
+    def snapshot_all(self, reset: bool = False) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """(`snapshot()`, {part: its microseconds}); `reset` clears both."""
         with self._lock:
             rows = np.array(self._calls, dtype=np.float64).reshape(-1, 3)
+            parts = {name: np.array(values, dtype=np.float64) for name, values in self._parts.items()}
             if reset:
                 self._calls.clear()
-        return rows
+                self._parts.clear()
+        return rows, parts
 
     def __len__(self) -> int:
         return len(self._calls)
@@ -162,6 +180,8 @@ class _Pending:
         self.frame_calls: list | None = None  # sent as frames: the calls whose answers are due
         self.replies: queue.SimpleQueue = queue.SimpleQueue()  # the gRPC path answers here
         self.slot: np.ndarray | None = None
+        self.sent = 0.0  # perf_counter, and the monotonic clock in ns, once every part was sent
+        self.sent_ns = 0
 
     def seconds_left(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
@@ -420,6 +440,7 @@ class ExpertDispatcher:
         pending.frame_calls = self._frames_send(pending)
         if pending.frame_calls is None:
             self._grpc_start(pending)
+        pending.sent, pending.sent_ns = time.perf_counter(), time.monotonic_ns()
         return pending
 
     def _overlap_failed(self, layer: int) -> None:
@@ -462,6 +483,7 @@ class ExpertDispatcher:
             results = self._frames_receive(pending)
             if results is None:  # a connection broke, or an answer the gRPC path must handle
                 self._grpc_start(pending)
+        one_clock = results is not None  # frame links are same-host: the worker's clock is ours
         if results is None:
             try:
                 ok, results = pending.replies.get(timeout=pending.seconds_left() + REPLY_GRACE_S)
@@ -470,6 +492,7 @@ class ExpertDispatcher:
             if not ok:
                 expert_metrics.LAYER_CALL_FAILURES.labels(results.code.name).inc()
                 raise results
+        arrived, arrived_ns = time.perf_counter(), time.monotonic_ns()
 
         tokens, k = pending.ids.shape
         hidden_size = pending.hidden.shape[-1]
@@ -493,10 +516,23 @@ class ExpertDispatcher:
         stats = [r[2] for r in results]
         worker_us = max(s.decode_us + s.compute_us + s.encode_us for s in stats)
         compute_us = max(s.compute_us for s in stats)
-        elapsed = time.perf_counter() - pending.started
+        finished = time.perf_counter()
+        elapsed = finished - pending.started
         self.timings.record(elapsed * 1e6, worker_us, compute_us)
+        self._record_parts(pending, stats, one_clock, arrived, arrived_ns, finished)
         self._layer_seconds[pending.layer].observe(elapsed)
         return array
+
+    def _record_parts(self, pending: _Pending, stats, one_clock: bool, arrived, arrived_ns, finished) -> None:
+        """The call's parts (LayerCallTimings): the slowest worker's where several answered."""
+        record = self.timings.record_part
+        record("encode_send", (pending.sent - pending.started) * 1e6)
+        record("core_decode", (finished - arrived) * 1e6)
+        for name in ("decode", "compute", "encode"):
+            record(f"worker_{name}", max(getattr(s, f"{name}_us") for s in stats))
+        if one_clock and all(s.started_ns for s in stats):
+            record("send", (max(s.started_ns for s in stats) - pending.sent_ns) / 1e3)
+            record("reply", (arrived_ns - max(s.finished_ns for s in stats)) / 1e3)
 
     def _frames_send(self, pending: _Pending) -> list | None:
         """Send the call's parts over the workers' frame sockets, on this (the engine) thread.

@@ -8,6 +8,8 @@ unchanged. This module has no parameters, so core never reads routed-expert weig
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 from mlx import nn
 
@@ -34,7 +36,9 @@ class RemoteExperts(nn.Module):
         # The previous layer's answer may still be on its way (ExpertDispatcher.call): it
         # lands in the graph before anything is evaluated.
         settle_pending()
+        started = time.perf_counter()
         mx.eval(flat_x, flat_ids)  # the one synchronisation of this layer on the core side
+        self._dispatcher.timings.record_part("core_sync", (time.perf_counter() - started) * 1e6)
         # Inside an engine step this joins the layer's one call for all the step's forwards.
         out = expert_call(self._dispatcher, self._layer, flat_x, flat_ids)
         return out.reshape(*indices.shape, hidden_size)

@@ -305,7 +305,21 @@ class GetStatsRequest(_message.Message):
     def __init__(self, reset_layer_calls: _Optional[bool] = ...) -> None: ...
 
 class LayerCallStats(_message.Message):
-    __slots__ = ("calls", "total_p50_us", "total_p99_us", "worker_p50_us", "worker_p99_us", "compute_p50_us", "compute_p99_us", "transport_p50_us", "transport_p99_us")
+    __slots__ = ("calls", "total_p50_us", "total_p99_us", "worker_p50_us", "worker_p99_us", "compute_p50_us", "compute_p99_us", "transport_p50_us", "transport_p99_us", "part_p50_us", "part_p99_us")
+    class PartP50UsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class PartP99UsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     CALLS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_P50_US_FIELD_NUMBER: _ClassVar[int]
     TOTAL_P99_US_FIELD_NUMBER: _ClassVar[int]
@@ -315,6 +329,8 @@ class LayerCallStats(_message.Message):
     COMPUTE_P99_US_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_P50_US_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_P99_US_FIELD_NUMBER: _ClassVar[int]
+    PART_P50_US_FIELD_NUMBER: _ClassVar[int]
+    PART_P99_US_FIELD_NUMBER: _ClassVar[int]
     calls: int
     total_p50_us: float
     total_p99_us: float
@@ -324,7 +340,9 @@ class LayerCallStats(_message.Message):
     compute_p99_us: float
     transport_p50_us: float
     transport_p99_us: float
-    def __init__(self, calls: _Optional[int] = ..., total_p50_us: _Optional[float] = ..., total_p99_us: _Optional[float] = ..., worker_p50_us: _Optional[float] = ..., worker_p99_us: _Optional[float] = ..., compute_p50_us: _Optional[float] = ..., compute_p99_us: _Optional[float] = ..., transport_p50_us: _Optional[float] = ..., transport_p99_us: _Optional[float] = ...) -> None: ...
+    part_p50_us: _containers.ScalarMap[str, float]
+    part_p99_us: _containers.ScalarMap[str, float]
+    def __init__(self, calls: _Optional[int] = ..., total_p50_us: _Optional[float] = ..., total_p99_us: _Optional[float] = ..., worker_p50_us: _Optional[float] = ..., worker_p99_us: _Optional[float] = ..., compute_p50_us: _Optional[float] = ..., compute_p99_us: _Optional[float] = ..., transport_p50_us: _Optional[float] = ..., transport_p99_us: _Optional[float] = ..., part_p50_us: _Optional[_Mapping[str, float]] = ..., part_p99_us: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class CoreStats(_message.Message):
     __slots__ = ("running_requests", "waiting_requests", "prompt_tokens_total", "generation_tokens_total", "kv_cache_bytes", "layer_calls", "prefix_cache", "kv_cache_default", "problems")

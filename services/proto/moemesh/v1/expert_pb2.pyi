@@ -77,16 +77,20 @@ class ExpertCall(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., layer: _Optional[int] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., expert_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CallStats(_message.Message):
-    __slots__ = ("decode_us", "compute_us", "encode_us", "pairs")
+    __slots__ = ("decode_us", "compute_us", "encode_us", "pairs", "started_ns", "finished_ns")
     DECODE_US_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
     ENCODE_US_FIELD_NUMBER: _ClassVar[int]
     PAIRS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_NS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_NS_FIELD_NUMBER: _ClassVar[int]
     decode_us: int
     compute_us: int
     encode_us: int
     pairs: int
-    def __init__(self, decode_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., encode_us: _Optional[int] = ..., pairs: _Optional[int] = ...) -> None: ...
+    started_ns: int
+    finished_ns: int
+    def __init__(self, decode_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., encode_us: _Optional[int] = ..., pairs: _Optional[int] = ..., started_ns: _Optional[int] = ..., finished_ns: _Optional[int] = ...) -> None: ...
 
 class ExpertResult(_message.Message):
     __slots__ = ("call_id", "output", "stats", "error")
