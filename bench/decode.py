@@ -187,6 +187,10 @@ def spin_as_up(workers: int) -> int:
     return round(spin_for(workers + 1) * 1e6)
 
 
+# seconds from spawn to SERVING of the last split_system's workers (all of them) and core
+START_SECONDS: dict[str, float] = {}
+
+
 @contextlib.contextmanager
 def split_system(
     split: Path,
@@ -203,16 +207,20 @@ def split_system(
     spin = ["--frame-spin-us", str(spin_us)]
     ranges = expert_ranges(manifest.num_experts, workers) if workers else []
     threads = ["--compute-threads", str(worker_compute_threads(workers))]  # as `moe-mesh up` sets it
+    started = time.monotonic()
     pool = Workers(
         split, workdir, ranges, tag=f"w{workers}-", extra_args=[*spin, *threads, *worker_flags]
     ).start()
+    START_SECONDS["workers"] = time.monotonic() - started if workers else 0.0
     address = f"unix:{workdir / f'core{workers}.sock'}"
     core_log = workdir / f"core{workers}.log"
     expert_addresses = ",".join(pool.addresses) or "local"
     core_args = ["core", "--split", str(split), "--listen", address, "--worker", expert_addresses]
+    started = time.monotonic()
     core = spawn(core_args + spin + list(core_flags), core_log)
     try:
         wait_serving(address, core, timeout_s=600, log_path=core_log)
+        START_SECONDS["core"] = time.monotonic() - started
         yield address, core
     finally:
         stop([core])
@@ -245,6 +253,7 @@ def split_run(
         )
     }
     layer["calls"] = calls.calls
+    layer["part_p50_us"] = {name: round(value, 1) for name, value in sorted(calls.part_p50_us.items())}
     token_ms = (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3
     moe_layers = len(Manifest.load(split).layers) if workers else 0
     return {
@@ -254,6 +263,7 @@ def split_run(
         "per_token_ms": round(token_ms, 3),
         "outside_layer_calls_ms": round(token_ms - moe_layers * calls.total_p50_us / 1e3, 3),
         "frame_spin_us": spin_us,
+        "start_s": {name: round(seconds, 2) for name, seconds in START_SECONDS.items()},
     }
 
 
@@ -320,6 +330,7 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str, variants: list[
             if base is not None:
                 entry[f"ratio_vs_{base_name}"] = round(best["tok_s"] / base, 3)
         entry["tokens_match_monolithic"] = all(r["tokens_match_monolithic"] for r in results[key])
+        entry["start_s"] = [r["start_s"] for r in results[key]]  # each round's, the first one cold
         for field in ("per_token_ms", "outside_layer_calls_ms", "layer_call", "frame_spin_us"):
             entry[field] = best[field]
         report[key] = entry
