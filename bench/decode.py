@@ -148,6 +148,28 @@ def monolithic(path: Path, prompt: list[int], tokens: int, synced: str = "") -> 
     return (len(stamps) - 1) / (stamps[-1] - stamps[0]), out
 
 
+def first_differences(path: Path, prompt: list[int], reference: list[int], runs: dict) -> dict:
+    """{variant: where its greedy tokens first leave monolithic's} for the variants that do:
+    the step, and at that step (monolithic's logits, the prefix teacher-forced) the gap between
+    the top two logits and between monolithic's token and the variant's. A gap of ~1e-2 in
+    bf16 is a near tie that rounding alone may flip; a wide gap is a wrong computation."""
+    out = {}
+    model = None
+    for variant, tokens in runs.items():
+        step = next((i for i, (a, b) in enumerate(zip(reference, tokens, strict=False)) if a != b), None)
+        if step is None:
+            continue
+        model = model or mlx_lm.load(str(path))[0]
+        logits = model(mx.array(prompt + reference[:step])[None])[0, -1].astype(mx.float32)
+        top2 = mx.sort(logits)[-2:]
+        out[variant] = {
+            "step": step,
+            "top2_gap": round((top2[1] - top2[0]).item(), 5),
+            "chosen_gap": round((logits[reference[step]] - logits[tokens[step]]).item(), 5),
+        }
+    return out
+
+
 def timed_decode(core_address: str, prompt: list[int], tokens: int) -> tuple[list[int], list[float], object]:
     """Greedy decode of `tokens` tokens from Core.Generate after a warm-up: (token ids, arrival
     times, core's LayerCallStats over the decode steps only)."""
@@ -302,7 +324,7 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str, variants: list[
             workers, core_flags, worker_flags = SPLIT_VARIANTS[variant]
             log(f"{step} moe-mesh {variant} {' '.join([*core_flags, *worker_flags])}")
             run = split_run(split, workdir, workers, prompt, tokens, core_flags, worker_flags)
-            run["tokens_match_monolithic"] = run.pop("tokens") == reference
+            run["tokens_match_monolithic"] = run["tokens"] == reference
             results[variant].append(run)
     mono = max(results["monolithic"])
     report = {
@@ -323,6 +345,9 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str, variants: list[
         report["kernel_local_tokens_match_monolithic"] = all(
             r["tokens_match_monolithic"] for r in results["kernel_local"]
         )
+    report["first_differences"] = first_differences(
+        path, prompt, reference, {v: results[v][-1]["tokens"] for v in variants if v != "synced_local"}
+    )
     for key in (v for v in variants if v in SPLIT_VARIANTS):
         best = max(results[key], key=lambda r: r["tok_s"])
         entry = {"tok_s": round(best["tok_s"], 3), "ratio_vs_monolithic": round(best["tok_s"] / mono, 3)}
