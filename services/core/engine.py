@@ -30,7 +30,7 @@ from services.common.logging import get_logger
 from services.common.mlx_threads import releasing_mlx
 from services.core.batch_step import GeneratorStep
 from services.core.engine_metrics import ENGINE_FORWARDS, ENGINE_STEPS
-from services.core.expert_link.dispatcher import BATCH_REQUEST_IDS, ExpertCallError
+from services.core.expert_link.links import BATCH_REQUEST_IDS, ExpertCallError
 from services.core.expert_link.step_merge import run_side_by_side
 from services.core.kv import KV_CACHE_KINDS, make_kv_cache
 from services.core.logprobs import LogprobWriter

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from services.common.manifest import Manifest
-from services.core.expert_link.dispatcher import ExpertCallError, ExpertDispatcher, _plan
+from services.core.expert_link.dispatcher import ExpertCallError, ExpertDispatcher
+from services.core.expert_link.routes import plan_parts
 from tests.helpers import fake_link
 
 
@@ -58,8 +59,8 @@ def test_plan_groups_pairs_by_worker_and_keeps_order():
     hidden = np.arange(3 * 4, dtype=np.float32).reshape(3, 4)
     ids = np.array([[0, 5], [1, 2], [6, 7]], dtype=np.int32)
     owners = np.array([[0, 1], [0, 0], [1, 1]])
-    parts = {part.link: part for part in _plan(owners, hidden, ids)}
+    parts = {part.link: part for part in plan_parts(owners, hidden, ids)}
     assert parts[0].ids.tolist() == [[0, -1], [1, 2]] and parts[0].hidden.tolist() == hidden[:2].tolist()
     assert parts[1].ids.tolist() == [[-1, 5], [6, 7]] and parts[1].hidden.tolist() == hidden[[0, 2]].tolist()
-    (single,) = _plan(np.zeros((3, 2), dtype=np.int32), hidden, ids)
+    (single,) = plan_parts(np.zeros((3, 2), dtype=np.int32), hidden, ids)
     assert single.mask is None and single.ids is ids  # one worker: no copies

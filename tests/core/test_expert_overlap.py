@@ -152,10 +152,10 @@ def test_has_nan_reads_the_wire_form(dtype):
 def test_a_graph_built_before_a_host_write_into_the_placeholder_sees_it(dtype):
     """The device property overlap rests on (run this file on a GPU host to check one)."""
     from services.common.tensor_codec import numpy_view
-    from services.core.expert_link.dispatcher import _Pending
+    from services.core.expert_link.pending import PendingCall
 
     hidden = numpy_view(mx.zeros((3, 64), dtype))  # the call's states, in their wire form
-    pending = _Pending(0, [], hidden, np.zeros((3, 8), np.int32), 0.0, 0.0, dtype)
+    pending = PendingCall(None, 0, [], hidden, np.zeros((3, 8), np.int32), 0.0, 0.0, dtype)
     slot = pending.make_slot()
     assert slot.dtype == dtype
     weight = mx.random.normal((64, 64), key=mx.random.key(0)).astype(dtype)

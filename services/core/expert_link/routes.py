@@ -1,0 +1,105 @@
+"""Which worker serves each (layer, expert) pair: the routing table over live replicas, and a
+layer call's plan (one part per worker)."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+
+from services.common.ranges import format_ranges
+from services.core.expert_link.links import ExpertCallError
+
+
+class CallPart:
+    """The pairs of one layer call sent to one worker. `mask` [T, k] marks them (None = all)."""
+
+    __slots__ = ("hidden", "ids", "link", "mask")
+
+    def __init__(self, link: int, mask: np.ndarray | None, hidden: np.ndarray, ids: np.ndarray):
+        self.link, self.mask, self.hidden, self.ids = link, mask, hidden, ids
+
+
+class RoutingMixin:
+    """ExpertDispatcher's routing: `routes[layer]` = (replicas [E, R] link indices padded with -1,
+    live replica count [E]), swapped whole (never mutated) so the engine thread always reads a
+    consistent table; `_sole_owner[layer]` = the one live link holding all of a layer."""
+
+    def _rebuild_routes(self) -> None:
+        held: dict[int, list[list[int]]] = {
+            layer: [[] for _ in range(n)] for layer, n in self._num_experts.items()
+        }
+        for index, link in enumerate(self.links):
+            if not link.up or link.describe is None:
+                continue
+            for layer_experts in link.describe.layers:
+                owners = held.get(layer_experts.layer)
+                if owners is None:
+                    continue
+                for expert in layer_experts.experts:
+                    if expert < len(owners):
+                        owners[expert].append(index)
+        routes = {}
+        for layer, owners in held.items():
+            width = max(1, *(len(o) for o in owners))
+            replicas = np.full((len(owners), width), -1, dtype=np.int32)
+            for expert, o in enumerate(owners):
+                replicas[expert, : len(o)] = o
+            routes[layer] = (replicas, np.array([len(o) for o in owners], dtype=np.int32))
+        # The usual placement (one live worker holds the whole layer, no replica): the layer call
+        # skips per-pair routing. Read without a lock: a stale entry names a link that still
+        # held the layer a moment ago, and a call that finds it down fails over like any other.
+        self._sole_owner = {
+            layer: owners[0][0]
+            for layer, owners in held.items()
+            if owners and all(len(o) == 1 and o[0] == owners[0][0] for o in owners)
+        }
+        self.routes = routes
+
+    def coverage_gaps(self) -> list[str]:
+        gaps = []
+        for layer, (_, count) in sorted(self.routes.items()):
+            missing = np.flatnonzero(count == 0).tolist()
+            if missing:
+                gaps.append(f"layer {layer} experts {format_ranges(missing)} have no reachable worker")
+        return gaps
+
+    def replica_counts(self) -> dict[int, np.ndarray]:
+        """Live replicas per expert, per layer (for health and stats)."""
+        return {layer: count.copy() for layer, (_, count) in self.routes.items()}
+
+    def _choose(
+        self, layer: int, ids: np.ndarray, rotation: int, exclude: tuple[int, ...] = ()
+    ) -> np.ndarray:
+        """Link index per pair (same shape as `ids`), spreading each expert over its live
+        replicas other than `exclude`; raises UNAVAILABLE naming the experts that have none."""
+        replicas, count = self.routes[layer]
+        if exclude:
+            usable = (replicas >= 0) & ~np.isin(replicas, exclude)
+            replicas = np.take_along_axis(replicas, np.argsort(~usable, axis=1, kind="stable"), axis=1)
+            count = usable.sum(axis=1).astype(np.int32)
+        counts = count[ids]
+        if counts.min() <= 0:
+            missing = sorted(set(ids[counts <= 0].tolist()))
+            raise ExpertCallError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"layer {layer} experts {format_ranges(missing)} have no reachable worker",
+            )
+        if replicas.shape[1] == 1:
+            return replicas[ids, 0]
+        return replicas[ids, (ids + rotation) % counts]
+
+
+def plan_parts(owners: np.ndarray, hidden: np.ndarray, ids: np.ndarray) -> list[CallPart]:
+    """Group the pairs by owning link: one part per link with the rows that link must see.
+    `owners` is [T, k] (-1 = not part of this plan)."""
+    first = int(owners.flat[0])
+    if first >= 0 and (owners == first).all():
+        return [CallPart(first, None, hidden, ids)]
+    parts = []
+    for link in np.unique(owners).tolist():
+        if link < 0:
+            continue
+        mask = owners == link
+        rows = np.flatnonzero(mask.any(axis=1))
+        parts.append(CallPart(link, mask, hidden[rows], np.where(mask, ids, -1)[rows]))
+    return parts
