@@ -245,3 +245,35 @@ def test_core_scheduling_and_kv_settings_come_from_the_file_unless_flagged(tmp_p
     path.write_text(path.read_text().replace("prefix_cache_gb = 0", "prefix_cache_gb = -1"))
     with pytest.raises(ClusterConfigError, match="core.prefix_cache_gb"):
         load_cluster(path)
+
+
+def test_a_local_worker_runs_inside_core(tmp_path, tiny_models):
+    """`address = "local"`: core gets its layers and budget as local experts; it has no process
+    of its own to start, deploy, certify or probe, and it serves whole layers only."""
+    split = tiny_models.split("qwen3_moe", None)
+    path = tmp_path / "cluster.toml"
+    path.write_text(
+        f'[model]\nsplit = "{split}"\n'
+        '[[workers]]\nname = "here"\naddress = "local"\nlayers = "0-1"\nmemory_gb = 2\n'
+        '[[workers]]\nname = "peer"\naddress = "127.0.0.1:7000"\nlayers = "2-3"\n'
+    )
+    config = load_cluster(path)
+    assert config.local_worker.name == "here" and config.worker_addresses == ["127.0.0.1:7000"]
+    parser = build_parser()
+    core = core_kwargs(parser.parse_args(["core", "--config", str(path)]))
+    assert core["workers"] == ["127.0.0.1:7000"]
+    assert (core["local_experts"].layers, core["local_experts"].memory_gb) == ("0-1", 2)
+    with pytest.raises(ValueError, match="is local"):
+        expert_kwargs(parser.parse_args(["expert", "--config", str(path), "--name", "here"]))
+    with pytest.raises(ValueError, match="is local"):
+        render_systemd(config, "worker:here")
+    report = check_cluster(config, probe=True, timeout_s=0.5)
+    assert report.ok, report.lines()
+    flagged = core_kwargs(
+        parser.parse_args(["core", "--split", str(split), "--worker", "local", "--local-memory-gb", "1"])
+    )
+    assert flagged["workers"] == [] and flagged["local_experts"].memory_gb == 1
+
+    path.write_text(path.read_text().replace('layers = "0-1"', 'layers = "0-1"\nexperts = "0-3"'))
+    with pytest.raises(ClusterConfigError, match="whole layers"):
+        load_cluster(path)

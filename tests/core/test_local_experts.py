@@ -103,3 +103,45 @@ def test_core_process_with_local_experts_generates_mlx_lm_tokens(tiny_models, sh
         assert tokens == greedy(reference, mx.array(prompt))
     finally:
         stop([core])
+
+
+def near_tie_or_equal(reference, prompt: list[int], want: list[int], got: list[int]) -> None:
+    """Greedy tokens equal, or where they first differ mlx-lm's own logits (the prefix teacher-
+    forced) put the two tokens within bf16 rounding of each other: two ulps of the logit."""
+    step = next((i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b), None)
+    if step is None:
+        return
+    logits = reference(mx.array(prompt + want[:step])[None])[0, -1].astype(mx.float32)
+    gap = abs((logits[want[step]] - logits[got[step]]).item())
+    ulp = 2.0 ** (int(mx.floor(mx.log2(mx.abs(logits).max())).item()) - 7)  # bf16: 8 significant bits
+    assert gap <= 2 * ulp, f"step {step}: {want[step]} vs {got[step]}, a logit gap of {gap} (ulp {ulp})"
+
+
+@pytest.mark.parametrize("where", ["local-in-graph", "worker-process"])
+def test_bfloat16_split_keeps_mlx_lm_greedy_tokens(tiny_models, short_tmp, where):
+    """bf16 weights, 4-bit experts: the split's greedy tokens are mlx-lm's, or leave them only at
+    a near tie that bf16 rounding can flip."""
+    split = tiny_models.split("qwen3_moe", 4, "bf16-f32-norms")
+    manifest = Manifest.load(split)
+    reference, tokenizer = mlx_lm.load(str(tiny_models.checkpoint("qwen3_moe", 4, "bf16-f32-norms")))
+    prompt = tokenizer.encode(PROMPT)
+    want = greedy(reference, mx.array(prompt))
+    if where == "local-in-graph":
+        local = LocalExperts(split, manifest, LocalExpertsSpec(), kernel="mlx")
+        core, _ = load_core_model(split, manifest, None, local_modules=local.modules())
+        near_tie_or_equal(reference, prompt, want, greedy(core, mx.array(prompt)))
+        local.close()
+        return
+    with linked_dispatcher(split, short_tmp, ["all"]) as (_, dispatcher, _):
+        core, _ = load_core_model(split, manifest, dispatcher)
+        near_tie_or_equal(reference, prompt, want, greedy(core, mx.array(prompt)))
+
+
+def test_the_near_tie_rule_catches_a_wrong_token(tiny_models):
+    reference, tokenizer = mlx_lm.load(str(tiny_models.checkpoint("qwen3_moe", 4, "bf16-f32-norms")))
+    prompt = tokenizer.encode(PROMPT)
+    want = greedy(reference, mx.array(prompt), 4)
+    logits = reference(mx.array(prompt + want[:2])[None])[0, -1]
+    worst = int(mx.argmin(logits).item())  # the least likely token: no tie with the greedy one
+    with pytest.raises(AssertionError, match="step 2"):
+        near_tie_or_equal(reference, prompt, want, [*want[:2], worst, *want[3:]])
