@@ -316,7 +316,11 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str, variants: list[
             log(f"{step} mlx-lm with experts on moe-mesh's CPU kernel, in-process")
             tok_s, kernel_tokens = monolithic(path, prompt, tokens, synced="kernel")
             results["kernel_local"].append(
-                {"tok_s": tok_s, "tokens_match_monolithic": kernel_tokens == reference}
+                {
+                    "tok_s": tok_s,
+                    "tokens": kernel_tokens,
+                    "tokens_match_monolithic": kernel_tokens == reference,
+                }
             )
         for variant in variants:
             if variant not in SPLIT_VARIANTS:
