@@ -34,6 +34,7 @@ import json
 import os
 import platform
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -196,12 +197,44 @@ def timed_decode(core_address: str, prompt: list[int], tokens: int) -> tuple[lis
 SPLIT_VARIANTS = {
     "local_experts": (0, [], []),
     "workers_1": (1, [], []),
+    "workers_1_two_gpus": (1, [], []),  # core on GPU 0, the worker on GPU 1 (GPU_PLACEMENT)
     "workers_2": (2, [], []),
     "workers_1_grpc": (1, ["--no-expert-frames"], []),
     "workers_1_no_overlap": (1, ["--expert-overlap", "off"], []),
     "workers_1_mlx_experts": (1, [], ["--expert-kernel", "mlx"]),
     "workers_2_mlx_experts": (2, [], ["--expert-kernel", "mlx"]),
 }
+
+
+# Variants that place processes on GPUs of their own: name -> (core's env, each worker's env).
+# They run only on a host with that many GPUs (`gpu_count`); the hop still crosses the host.
+GPU_PLACEMENT = {"workers_1_two_gpus": ({"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"})}
+
+
+def gpu_count() -> int:
+    """NVIDIA GPUs on this host (0 where nvidia-smi is absent)."""
+    try:
+        listing = subprocess.run(
+            ["nvidia-smi", "-L"], check=False, capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in listing.stdout.splitlines())
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]):
+    """os.environ with `values` set, for the processes spawned meanwhile."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def spin_as_up(workers: int) -> int:
@@ -221,25 +254,29 @@ def split_system(
     spin_us: int,
     core_flags: list[str] = (),
     worker_flags: list[str] = (),
+    placement: tuple[dict, dict] = ({}, {}),
 ):
     """`workers` expert workers (experts divided between them) and a core, as real processes on
     Unix sockets in `workdir`, all reading frames with `spin_us` of polling; yields (core address,
-    core process) once core serves, stops everything on exit."""
+    core process) once core serves, stops everything on exit. `placement`: (core's, the workers')
+    extra environment, e.g. the GPU each sees."""
     manifest = Manifest.load(split)
     spin = ["--frame-spin-us", str(spin_us)]
     ranges = expert_ranges(manifest.num_experts, workers) if workers else []
     threads = ["--compute-threads", str(worker_compute_threads(workers))]  # as `moe-mesh up` sets it
     started = time.monotonic()
-    pool = Workers(
-        split, workdir, ranges, tag=f"w{workers}-", extra_args=[*spin, *threads, *worker_flags]
-    ).start()
+    with environment(placement[1]):
+        pool = Workers(
+            split, workdir, ranges, tag=f"w{workers}-", extra_args=[*spin, *threads, *worker_flags]
+        ).start()
     START_SECONDS["workers"] = time.monotonic() - started if workers else 0.0
     address = f"unix:{workdir / f'core{workers}.sock'}"
     core_log = workdir / f"core{workers}.log"
     expert_addresses = ",".join(pool.addresses) or "local"
     core_args = ["core", "--split", str(split), "--listen", address, "--worker", expert_addresses]
     started = time.monotonic()
-    core = spawn(core_args + spin + list(core_flags), core_log)
+    with environment(placement[0]):
+        core = spawn(core_args + spin + list(core_flags), core_log)
     try:
         wait_serving(address, core, timeout_s=600, log_path=core_log)
         START_SECONDS["core"] = time.monotonic() - started
@@ -257,9 +294,11 @@ def split_run(
     tokens: int,
     core_flags: list[str],
     worker_flags: list[str],
+    placement: tuple[dict, dict] = ({}, {}),
 ) -> dict:
     spin_us = spin_as_up(workers)
-    with split_system(split, workdir, workers, spin_us, core_flags, worker_flags) as (address, _):
+    system = split_system(split, workdir, workers, spin_us, core_flags, worker_flags, placement)
+    with system as (address, _):
         out, stamps, calls = timed_decode(address, prompt, tokens)
     layer = {
         field: round(getattr(calls, field), 1)
@@ -326,8 +365,9 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str, variants: list[
             if variant not in SPLIT_VARIANTS:
                 continue
             workers, core_flags, worker_flags = SPLIT_VARIANTS[variant]
+            placement = GPU_PLACEMENT.get(variant, ({}, {}))
             log(f"{step} moe-mesh {variant} {' '.join([*core_flags, *worker_flags])}")
-            run = split_run(split, workdir, workers, prompt, tokens, core_flags, worker_flags)
+            run = split_run(split, workdir, workers, prompt, tokens, core_flags, worker_flags, placement)
             run["tokens_match_monolithic"] = run["tokens"] == reference
             results[variant].append(run)
     mono = max(results["monolithic"])
@@ -383,7 +423,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--variants",
-        default=",".join(VARIANTS),
+        default=",".join(v for v in VARIANTS if v not in GPU_PLACEMENT),
         help=f"which to run beside monolithic mlx-lm (comma-separated): {', '.join(VARIANTS)}",
     )
     parser.add_argument("--tokens", type=int, default=48)
@@ -398,6 +438,8 @@ def main() -> None:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
+    if any(v in GPU_PLACEMENT for v in variants) and gpu_count() < 2:
+        parser.error(f"{', '.join(v for v in variants if v in GPU_PLACEMENT)} need a host with 2 GPUs")
     models = args.models.split(",")
     if args.layers:
         models = [synthetic_name(int(n)) for n in args.layers.split(",")]

@@ -97,7 +97,9 @@ def test_fused_step_equals_the_twin_for_head_dims_with_a_tail(dim, n_queries):
 @needs_kernels
 def test_the_backend_is_checked_once_and_its_check_never_recurses(monkeypatch):
     """The self-check builds TurboQuant caches, whose encoder asks for the backend: that
-    nested question must get the twin, not start another self-check."""
+    nested question must get the twin, not start another self-check. (A pass kept from an
+    earlier process would skip the check altogether: metal/selfcheck.py.)"""
+    monkeypatch.setenv("MOE_MESH_SELFCHECK_CACHE", "0")
     calls = []
     check = cpu_kernels.kernels_match_twin
     monkeypatch.setattr(cpu_kernels, "kernels_match_twin", lambda *a: calls.append(1) or check(*a))

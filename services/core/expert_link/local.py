@@ -23,8 +23,8 @@ from mlx import nn
 from services.common import tensor_codec
 from services.common.logging import get_logger
 from services.common.manifest import Manifest
-from services.core.expert_link.in_flight import settle_pending
 from services.core.expert_link.local_spec import LocalExpertsSpec
+from services.core.expert_link.proxy import synced_inputs
 
 log = get_logger(__name__)
 
@@ -39,13 +39,9 @@ class HostComputedExperts(nn.Module):
         self._compute = compute
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        hidden_size, k = x.shape[-1], indices.shape[-1]
-        flat_x = tensor_codec.wire_form(x.reshape(-1, hidden_size))
-        flat_ids = indices.reshape(-1, k).astype(mx.int32)
-        settle_pending()  # a remote layer's answer may still be on its way: in before the eval
-        mx.eval(flat_x, flat_ids)
+        flat_x, flat_ids, _ = synced_inputs(x, indices)
         rows = self._compute.compute_rows(self._layer, np.asarray(flat_x), np.asarray(flat_ids))
-        return tensor_codec.to_mlx(rows).reshape(*indices.shape, hidden_size)
+        return tensor_codec.to_mlx(rows).reshape(*indices.shape, x.shape[-1])
 
 
 class LocalExperts:

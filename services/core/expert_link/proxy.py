@@ -19,6 +19,21 @@ from services.core.expert_link.in_flight import settle_pending
 from services.core.expert_link.step_merge import expert_call
 
 
+def synced_inputs(x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array, float]:
+    """A MoE block's expert inputs, evaluated: hidden states [T, H] in their wire form (bf16 as
+    uint16, so their bytes read without another sync) and the router's top-k ids [T, k] as int32
+    (routers give uint32), after the answer of any layer call still in flight has landed in the
+    graph. This is the layer's one synchronisation on core's side; also returns its seconds.
+    The states keep their own dtype, which need not be the weights' (bf16 states meet float32
+    norms and leave them float32), as mlx-lm's experts see them."""
+    flat_x = tensor_codec.wire_form(x.reshape(-1, x.shape[-1]))
+    flat_ids = indices.reshape(-1, indices.shape[-1]).astype(mx.int32)
+    settle_pending()
+    started = time.perf_counter()
+    mx.eval(flat_x, flat_ids)
+    return flat_x, flat_ids, time.perf_counter() - started
+
+
 class RemoteExperts(nn.Module):
     def __init__(self, layer: int, dispatcher: ExpertDispatcher):
         super().__init__()
@@ -27,18 +42,8 @@ class RemoteExperts(nn.Module):
         self._dispatcher = dispatcher
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        hidden_size, k = x.shape[-1], indices.shape[-1]
-        # Evaluate the hidden states in their wire form (bf16 as uint16) so the dispatcher reads
-        # bytes without another sync. They go in their own dtype, which need not be the weights'
-        # (bf16 states meet float32 norms and leave them float32), as mlx-lm's experts see them.
-        flat_x = tensor_codec.wire_form(x.reshape(-1, hidden_size))
-        flat_ids = indices.reshape(-1, k).astype(mx.int32)  # routers give uint32; the wire wants int32
-        # The previous layer's answer may still be on its way (ExpertDispatcher.call): it
-        # lands in the graph before anything is evaluated.
-        settle_pending()
-        started = time.perf_counter()
-        mx.eval(flat_x, flat_ids)  # the one synchronisation of this layer on the core side
-        self._dispatcher.timings.record_part("core_sync", (time.perf_counter() - started) * 1e6)
+        flat_x, flat_ids, sync_s = synced_inputs(x, indices)
+        self._dispatcher.timings.record_part("core_sync", sync_s * 1e6)
         # Inside an engine step this joins the layer's one call for all the step's forwards.
         out = expert_call(self._dispatcher, self._layer, flat_x, flat_ids)
-        return out.reshape(*indices.shape, hidden_size)
+        return out.reshape(*indices.shape, x.shape[-1])
