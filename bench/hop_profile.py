@@ -9,8 +9,8 @@ Starts N expert workers and a core as real processes on Unix sockets (as bench/d
 
   core_sync      core's evaluation of the layer's hidden states and routes: its attention, router
                  and everything since the last hop, plus the synchronisation itself
-  encode_send    routing, host bytes, the ExpertCall message, written to the socket
-  send           from written to the worker starting on it (wakeup, read, parse)
+  encode         routing, host bytes, the ExpertCall message
+  send           from there to the worker starting on it (the socket write, wakeup, read, parse)
   worker_decode  checks and arrays, worker_compute  the experts with the worker's one sync,
   worker_encode  the reply message
   reply          from the worker's reply encoded to core holding it parsed
@@ -47,7 +47,7 @@ from services.up import resolve_split
 
 HOP_PARTS = (
     "core_sync",
-    "encode_send",
+    "encode",
     "send",
     "worker_decode",
     "worker_compute",

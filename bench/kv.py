@@ -21,7 +21,7 @@ orders of magnitude slower than its float32 one (a 256-token prefill of the demo
 takes ~35 s quantized on a 2-core x86), while the KV cache and attention, all this bench
 compares, do not depend on how the projections are stored. `--dense-kernel` keeps the 4-bit
 weights and computes them with core's CPU kernel (metal/linear_cpu.py), as `moe-mesh core` does on a
-CPU since session 14: ~10x faster projections, so attention is a larger share of each step and the
+CPU: ~10x faster projections, so attention is a larger share of each step and the
 ratios are the ones a CPU core sees.
 """
 

@@ -148,3 +148,27 @@ def test_connections_past_the_cap_are_closed_and_calls_still_work(split, tmp_pat
         finally:
             for sock in extra:
                 sock.close()
+
+
+def test_a_call_is_timed_part_by_part(split, short_tmp):
+    """Core's timers split a layer call into its parts (what bench/hop_profile.py reports): on a
+    frame link, where core and worker share a clock, send and reply too; the parts fit inside the
+    call, and a reset empties them."""
+    with linked_dispatcher(split, short_tmp, ["all"]) as (_, dispatcher, manifest):
+        layer = manifest.layer_indices[0]
+        for seed in range(5):
+            dispatcher.call(layer, *_inputs(manifest, seed=seed))
+        calls, parts = dispatcher.timings.snapshot_all(reset=True)
+        names = (
+            "encode",
+            "send",
+            "worker_decode",
+            "worker_compute",
+            "worker_encode",
+            "reply",
+            "core_decode",
+        )
+        assert set(names) <= set(parts) and all(len(parts[name]) == 5 for name in names)
+        assert all((parts[name] >= 0).all() for name in names)
+        assert (sum(parts[name] for name in names) <= calls[:, 0] * 1.01 + 50).all()  # within the call
+        assert dispatcher.timings.snapshot_all()[1] == {}

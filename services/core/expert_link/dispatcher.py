@@ -245,8 +245,8 @@ class ExpertDispatcher(RoutingMixin, FramePathMixin, GrpcPathMixin):
         pending.request_ids = BATCH_REQUEST_IDS.get()
         pending.frame_calls = self._frames_send(pending)
         if pending.frame_calls is None:
+            pending.mark_sent()  # the I/O loop encodes and writes: all of that is the send's
             self._grpc_start(pending)
-        pending.sent, pending.sent_ns = time.perf_counter(), time.monotonic_ns()
         return pending
 
     def _overlap_failed(self, layer: int) -> None:
@@ -314,14 +314,18 @@ class ExpertDispatcher(RoutingMixin, FramePathMixin, GrpcPathMixin):
         self, pending: PendingCall, stats, one_clock: bool, arrived, arrived_ns, finished
     ) -> None:
         """The call's parts (LayerCallTimings): the slowest worker's where several answered."""
-        record = self.timings.record_part
-        record("encode_send", (pending.sent - pending.started) * 1e6)
-        record("core_decode", (finished - arrived) * 1e6)
-        for name in ("decode", "compute", "encode"):
-            record(f"worker_{name}", max(getattr(s, f"{name}_us") for s in stats))
+        parts = {
+            "encode": (pending.sent - pending.started) * 1e6,
+            "core_decode": (finished - arrived) * 1e6,
+            **{
+                f"worker_{n}": max(getattr(s, f"{n}_us") for s in stats)
+                for n in ("decode", "compute", "encode")
+            },
+        }
         if one_clock and all(s.started_ns for s in stats):
-            record("send", (max(s.started_ns for s in stats) - pending.sent_ns) / 1e3)
-            record("reply", (arrived_ns - max(s.finished_ns for s in stats)) / 1e3)
+            parts["send"] = (max(s.started_ns for s in stats) - pending.sent_ns) / 1e3
+            parts["reply"] = (arrived_ns - max(s.finished_ns for s in stats)) / 1e3
+        self.timings.record_parts(parts)
 
     def abandon(self, pending: PendingCall) -> None:
         """Forget a call nobody will read (its forward failed). A frame answer still on its way

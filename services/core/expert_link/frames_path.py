@@ -28,14 +28,16 @@ class FramePathMixin:
         frames = [link.frames for link in links]
         if not all(link.up for link in links) or any(f is None or not f.usable for f in frames):
             return None
-        calls = []
+        calls = [expert_call_message(layer, part.hidden, part.ids, pending.request_ids) for part in plan]
+        pending.mark_sent()  # encoded: from here the time is the send's
+        sent = 0
         try:
-            for part, link, frame_link in zip(plan, links, frames, strict=True):
+            for call, link, frame_link in zip(calls, links, frames, strict=True):
                 link.calls_metric.inc()
-                calls.append(expert_call_message(layer, part.hidden, part.ids, pending.request_ids))
-                frame_link.send(calls[-1], pending.deadline)
+                sent += 1
+                frame_link.send(call, pending.deadline)
         except FrameError as error:
-            return self._frames_failed(pending, links[len(calls) - 1], error)
+            return self._frames_failed(pending, links[sent - 1], error)
         return calls
 
     def _frames_receive(self, pending: PendingCall) -> list[tuple] | None:

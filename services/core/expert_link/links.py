@@ -43,7 +43,7 @@ class LayerCallTimings:
     """Per layer call, in microseconds, over a sliding window: where the time goes.
 
     `record` keeps each call's (total, worker, compute); `record_part` the parts of a call and
-    of the engine step around it, by name (core_sync, encode_send, send, worker_decode,
+    of the engine step around it, by name (core_sync, encode, send, worker_decode,
     worker_compute, worker_encode, reply, core_decode, engine_step). Written by the engine
     thread, read by the servicer thread, hence the lock.
     """
@@ -59,11 +59,16 @@ class LayerCallTimings:
             self._calls.append((total, worker, compute))
 
     def record_part(self, name: str, microseconds: float) -> None:
+        self.record_parts({name: microseconds})
+
+    def record_parts(self, parts: dict[str, float]) -> None:
+        """Several parts under one lock (a layer call records all of its own at once)."""
         with self._lock:
-            values = self._parts.get(name)
-            if values is None:
-                values = self._parts[name] = deque(maxlen=self._window)
-            values.append(microseconds)
+            for name, microseconds in parts.items():
+                values = self._parts.get(name)
+                if values is None:
+                    values = self._parts[name] = deque(maxlen=self._window)
+                values.append(microseconds)
 
     def snapshot(self, reset: bool = False) -> np.ndarray:
         """[n, 3] array of (total, worker, compute) microseconds."""

@@ -25,8 +25,12 @@ class PendingCall:
         self.frame_calls: list | None = None  # sent as frames: the calls whose answers are due
         self.replies: queue.SimpleQueue = queue.SimpleQueue()  # the gRPC path answers here
         self.slot: np.ndarray | None = None
-        self.sent = 0.0  # perf_counter, and the monotonic clock in ns, once every part was sent
+        self.sent = 0.0  # perf_counter, and the monotonic clock in ns, when sending began
         self.sent_ns = 0
+
+    def mark_sent(self) -> None:
+        """Sending begins now: what came before is the call's encoding, what follows its send."""
+        self.sent, self.sent_ns = time.perf_counter(), time.monotonic_ns()
 
     def seconds_left(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
