@@ -43,18 +43,8 @@ from bench.decode import PROMPT, checkpoint, log, spin_as_up, split_system, time
 from bench.workdir import bench_workdir
 from services.common.manifest import Manifest
 from services.common.model_build import expert_modules
+from services.core.expert_link.links import HOP_PARTS
 from services.up import resolve_split
-
-HOP_PARTS = (
-    "core_sync",
-    "encode",
-    "send",
-    "worker_decode",
-    "worker_compute",
-    "worker_encode",
-    "reply",
-    "core_decode",
-)
 
 
 def bare_expert_us(path: Path, calls: int = 300) -> float:

@@ -13,6 +13,7 @@ import pytest
 
 from services.common.frames import HEADER, frame
 from services.core.expert_link.dispatcher import ExpertCallError, ExpertDispatcher
+from services.core.expert_link.links import HOP_PARTS
 from services.proto.moemesh.v1 import expert_pb2
 from tests.helpers import linked_dispatcher
 
@@ -159,15 +160,7 @@ def test_a_call_is_timed_part_by_part(split, short_tmp):
         for seed in range(5):
             dispatcher.call(layer, *_inputs(manifest, seed=seed))
         calls, parts = dispatcher.timings.snapshot_all(reset=True)
-        names = (
-            "encode",
-            "send",
-            "worker_decode",
-            "worker_compute",
-            "worker_encode",
-            "reply",
-            "core_decode",
-        )
+        names = HOP_PARTS[1:]  # the call's own parts (core_sync is the proxy's, before the call)
         assert set(names) <= set(parts) and all(len(parts[name]) == 5 for name in names)
         assert all((parts[name] >= 0).all() for name in names)
         assert (sum(parts[name] for name in names) <= calls[:, 0] * 1.01 + 50).all()  # within the call

@@ -27,6 +27,19 @@ from services.proto.moemesh.v1 import expert_pb2, expert_pb2_grpc, tensor_pb2
 BATCH_REQUEST_IDS: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
     "batch_request_ids", default=()
 )
+# The parts a remote layer call is timed in, in order (LayerCallTimings.record_parts): core's
+# evaluation before the hop, then the call itself, encode through core_decode. send and reply
+# are recorded on same-host frame links only, where core and worker share a clock.
+HOP_PARTS = (
+    "core_sync",
+    "encode",
+    "send",
+    "worker_decode",
+    "worker_compute",
+    "worker_encode",
+    "reply",
+    "core_decode",
+)
 CORE_LINK_ID = f"core-{socket.gethostname()}-{os.getpid()}"
 _CALL_IDS = itertools.count(1)  # unique on every link, whichever path carries the call
 
