@@ -4,10 +4,13 @@
 
 One sequence, greedy, `--tokens` tokens, ms per token (the first two steps left out), for:
   mono_generate_step     mlx-lm's model under mlx-lm's generate_step (monolithic decode)
-  mono_batch_generator   the same model under mlx-lm's BatchGenerator (what core's engine drives)
+  mono_batch_generator   the same model under mlx-lm's BatchGenerator
+  mono_engine_step       that BatchGenerator stepped as core's engine steps it (batch_step.py:
+                         GeneratorStep, which leaves the decode mask out of an unpadded batch)
   core_generate_step     core's model (model_loader.py) with every expert local and in its graph
                          (expert_link/local.py), under generate_step
   core_batch_generator   that model under BatchGenerator
+  core_engine_step       that model stepped as core's engine steps it
 core vs mono is the price of the surgery (same math: tests/core/test_local_experts.py), batch
 generator vs generate_step the price of mlx-lm's batching at one sequence. Prints one JSON object.
 """
@@ -30,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode import checkpoint, log
 from services.common.manifest import Manifest
+from services.core.batch_step import GeneratorStep
 from services.core.expert_link.local import LocalExperts
 from services.core.expert_link.local_spec import LocalExpertsSpec
 from services.core.model_loader import load_core_model
@@ -58,6 +62,20 @@ def under_batch_generator(model, prompt: list[int], tokens: int) -> float:
     return ms_per_token(stamps)
 
 
+def under_engine_step(model, prompt: list[int], tokens: int) -> float:
+    generator = BatchGenerator(
+        model, max_tokens=tokens, sampler=lambda logprobs: mx.argmax(logprobs, axis=-1)
+    )
+    generator.insert([prompt], [tokens])
+    stamps: list[float] = []
+    while len(stamps) < tokens - 1:
+        step = GeneratorStep(generator)
+        _, responses = step.finish([task() for task in step.tasks])
+        if responses:
+            stamps.append(time.perf_counter())
+    return ms_per_token(stamps)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-30b-a3b-4layer")
@@ -79,6 +97,7 @@ def main() -> None:
     under_generate_step(mono, prompt, 16)  # warm-up: kernels compiled, weights where they will stay
     report["mono_generate_step_ms"] = round(under_generate_step(mono, prompt, args.tokens), 3)
     report["mono_batch_generator_ms"] = round(under_batch_generator(mono, prompt, args.tokens), 3)
+    report["mono_engine_step_ms"] = round(under_engine_step(mono, prompt, args.tokens), 3)
     del mono
     log("core's model, every expert local and in its graph")
     manifest = Manifest.load(split)
@@ -87,6 +106,7 @@ def main() -> None:
     under_generate_step(core, prompt, 16)
     report["core_generate_step_ms"] = round(under_generate_step(core, prompt, args.tokens), 3)
     report["core_batch_generator_ms"] = round(under_batch_generator(core, prompt, args.tokens), 3)
+    report["core_engine_step_ms"] = round(under_engine_step(core, prompt, args.tokens), 3)
     local.close()
     print(json.dumps(report, indent=1))
 

@@ -149,6 +149,21 @@ def to_mlx(host: np.ndarray) -> mx.array:
     return _as_mlx(host, hidden_dtype_of(host))
 
 
+def to_mlx_with_ids(host: np.ndarray, ids: np.ndarray) -> tuple[mx.array, mx.array]:
+    """`to_mlx(host)` and int32 `ids` as MLX arrays made from one host buffer. On a discrete GPU
+    each array made from host memory pays an allocation and a page migration of its own, so a
+    call's two inputs travel as one (ids first: 4-byte aligned, whatever the states' dtype)."""
+    ids = np.ascontiguousarray(ids, dtype=np.int32)
+    packed = np.empty(ids.nbytes + host.nbytes, dtype=np.uint8)
+    packed[: ids.nbytes] = ids.reshape(-1).view(np.uint8)
+    packed[ids.nbytes :] = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
+    device = mx.array(packed)
+    dtype = hidden_dtype_of(host)
+    device_ids = device[: ids.nbytes].view(mx.int32).reshape(ids.shape)
+    device_hidden = device[ids.nbytes :].view(dtype).reshape(host.shape)
+    return device_hidden, device_ids
+
+
 def _as_mlx(host: np.ndarray, dtype: mx.Dtype) -> mx.array:
     array = mx.array(host)  # bf16 arrives as its uint16 bits
     return array.view(mx.bfloat16) if dtype == mx.bfloat16 else array

@@ -9,7 +9,8 @@ generation batch, the first token of finished prompts on a batch split off the p
 batch (joined to the generation batch only in `finish`), the prefill chunk on what stays
 in the prompt batch.
 
-One addition: rows that asked for prompt logprobs keep their prefill logits
+Two additions: a decode step of a batch with no left padding runs without an attention mask
+(decode_mask.py), and rows that asked for prompt logprobs keep their prefill logits
 (`logprobs.prefill_keeping_logprobs`), found in `prompt_logprobs` after `finish`.
 
 One difference from `_next`: whether the running batch has room for new prompts is
@@ -24,6 +25,7 @@ from collections.abc import Callable
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
 
+from services.core.decode_mask import skip_decode_mask_if_unpadded
 from services.core.logprobs import prefill_keeping_logprobs
 
 
@@ -53,6 +55,7 @@ class GeneratorStep:
         gen = self.generator
         generation = gen._generation_batch
         if len(generation) > 0:
+            skip_decode_mask_if_unpadded(generation.prompt_cache)
             self._decode_task = self._add(generation.next)
         # Busy enough with decoding: no prompt work this step.
         if len(generation) >= gen.completion_batch_size:

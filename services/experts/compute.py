@@ -203,21 +203,22 @@ class ExpertCompute:
             return self._run_kernel(kernel, layer, hidden, ids, asked, pair_count, groups)
         if len(groups) > 1:
             return self._run_in_groups(layer, module, tensor_codec.to_mlx(hidden), ids, asked, groups)
-        hidden = tensor_codec.to_mlx(hidden)
         slot = self.store.load(layer, groups[0] if groups else [])[ids]
         per_token = None if everything_asked else asked.sum(axis=1)
         if everything_asked:
-            out = module(hidden, mx.array(slot)).reshape(-1, hidden_size)
+            hidden, slot_ids = tensor_codec.to_mlx_with_ids(hidden, slot)
+            out = module(hidden, slot_ids).reshape(-1, hidden_size)
         elif per_token[0] > 0 and (per_token == per_token[0]).all():
             # Every token asks as many pairs (a decode step split over workers): keep them as
             # each token's experts, [T, c], instead of one row per pair — one gather of
             # hidden rows less, same math, rows in the same (row-major) order.
             compact = slot[asked].reshape(tokens, int(per_token[0]))
-            out = module(hidden, mx.array(compact)).reshape(-1, hidden_size)
+            hidden, slot_ids = tensor_codec.to_mlx_with_ids(hidden, compact)
+            out = module(hidden, slot_ids).reshape(-1, hidden_size)
         else:
             rows, cols = np.nonzero(asked)
-            pairs = module(hidden[mx.array(rows)], mx.array(slot[rows, cols])[:, None])
-            out = pairs.reshape(-1, hidden_size)
+            hidden, pair_ids = tensor_codec.to_mlx_with_ids(hidden[rows], slot[rows, cols][:, None])
+            out = module(hidden, pair_ids).reshape(-1, hidden_size)
         # replies come in the dtype the call came in: core's model computes in it (mlx-lm
         # promotes bf16 states through float32 norms to float32, for instance)
         wire = tensor_codec.wire_form(out.astype(hidden.dtype))
