@@ -2,11 +2,17 @@
 
     python bench/concurrency.py                          # demo + Qwen3-30B-A3B-shaped model
     python bench/concurrency.py --models demo --tokens 32
+    python bench/concurrency.py --models qwen3-30b-a3b-4layer --dtype bfloat16 --levels 1,16 \
+        --variants local_experts,workers_1 --baseline     # on a GPU
 
 Core and two expert workers are real processes on Unix sockets; clients stream from
 Core.Generate over gRPC, every request greedy with its own prompt and `ignore_eos`, so each
 produces exactly --tokens tokens. Aggregate tok/s = all generated tokens / wall time from the
 first request sent to the last token received. TTFT is per request, from send to first token.
+`--variants`: `workers_N` (N worker processes, the default `workers_2`) and `local_experts` (core
+alone, `--worker local`). `--baseline` adds mlx-lm's own `BatchGenerator` serving the monolithic
+checkpoint in this process with the same prompts and token counts (`mlx_lm_batch_generator`), and
+each variant's `ratio_vs_mlx_lm` per level.
 
 Two more figures for the demo model, from the issue's checks:
 - long_prompt: a ~2K-token prompt arrives while 4 streams decode; the largest gap between
@@ -38,7 +44,7 @@ from bench.workdir import bench_workdir
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 from services.up import resolve_split
 
-CONCURRENCY = (1, 4, 8, 16)
+CONCURRENCY = "1,4,8,16"
 TOPICS = [
     "a lighthouse", "the moon", "a city at night", "a forest", "the ocean", "a library", "a train",
     "the desert", "a garden", "a mountain", "a market", "the rain", "a bridge", "a river", "winter",
@@ -78,11 +84,12 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
+def story(i: int, round_index: int) -> str:
+    return f"Write a story about {TOPICS[i % len(TOPICS)]} (take {round_index})."
+
+
 async def concurrency_level(stub, streams: int, tokens: int, round_index: int) -> dict:
-    requests = [
-        chat(f"Write a story about {TOPICS[i % len(TOPICS)]} (take {round_index}).", tokens)
-        for i in range(streams)
-    ]
+    requests = [chat(story(i, round_index), tokens) for i in range(streams)]
     start = time.perf_counter()
     results = await asyncio.gather(*(timed_stream(stub, r) for r in requests))
     wall = max(r["arrivals"][-1] for r in results) - start
@@ -153,12 +160,13 @@ async def prefix_reuse(stub) -> dict:
     }
 
 
-async def run_model(address: str, tokens: int, rounds: int, extras: bool) -> dict:
+async def run_model(address: str, tokens: int, rounds: int, extras: bool, concurrency: list[int]) -> dict:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = core_pb2_grpc.CoreStub(channel)
         await timed_stream(stub, chat("Warm up.", 4))
         levels = []
-        for streams in CONCURRENCY:
+        for streams in concurrency:
+            await concurrency_level(stub, streams, 4, rounds)  # warm-up, as the baseline's
             best = None
             for r in range(rounds):
                 result = await concurrency_level(stub, streams, tokens, r)
@@ -180,12 +188,70 @@ async def run_model(address: str, tokens: int, rounds: int, extras: bool) -> dic
         return out
 
 
-def bench_model(name: str, tokens: int, rounds: int, budget: int, extras: bool) -> dict:
-    split = resolve_split(str(checkpoint(name, "float32")) if name != "demo" else None)
+def mlx_lm_baseline(path: Path, tokens: int, rounds: int, budget: int, concurrency: list[int]) -> dict:
+    """mlx-lm's BatchGenerator on the monolithic checkpoint, in this process: the same chat prompts
+    (mlx-lm's chat template), `tokens` each, EOS ignored; aggregate tok/s from insert to last token."""
+    import mlx_lm
+    from mlx_lm.generate import BatchGenerator
+
+    model, tokenizer = mlx_lm.load(str(path))
+
+    def prompt(text: str) -> list[int]:
+        messages = [{"role": "user", "content": text}]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def level(streams: int, round_index: int) -> float:
+        generator = BatchGenerator(
+            model,
+            sampler=lambda logprobs: mx.argmax(logprobs, axis=-1),
+            completion_batch_size=16,
+            prefill_batch_size=16,
+            prefill_step_size=budget,
+        )
+        start = time.perf_counter()
+        generator.insert([prompt(story(i, round_index)) for i in range(streams)], [tokens] * streams)
+        generated = 0
+        while generated < streams * tokens:
+            _, responses = generator.next()
+            generated += len(responses)
+        generator.close()
+        return generated / (time.perf_counter() - start)
+
+    levels = []
+    for streams in concurrency:
+        level(streams, rounds)  # warm-up: kernels for this batch shape compile on first use
+        best = max(level(streams, r) for r in range(rounds))
+        log(f"mlx-lm BatchGenerator, {streams} streams: {best:.2f} tok/s")
+        levels.append({"streams": streams, "aggregate_tok_s": round(best, 2)})
+    return {"levels": levels}
+
+
+def variant_system(split: Path, variant: str, budget: int):
     flags = ["--max-num-seqs", "16", "--max-num-batched-tokens", str(budget)]
-    with split_system(split, bench_workdir("mm-bench-"), 2, spin_as_up(2), flags) as (address, _):
-        log(f"{name}: serving")
-        return asyncio.run(run_model(address, tokens, rounds, extras))
+    workers = 0 if variant == "local_experts" else int(variant.removeprefix("workers_"))
+    return split_system(split, bench_workdir("mm-bench-"), workers, spin_as_up(max(workers, 1)), flags)
+
+
+def bench_model(name: str, args, extras: bool) -> dict:
+    path = checkpoint(name, args.dtype)
+    split = resolve_split(str(path) if name != "demo" else None)
+    concurrency = [int(n) for n in args.levels.split(",")]
+    out = {}
+    if args.baseline:
+        out["mlx_lm_batch_generator"] = mlx_lm_baseline(
+            path, args.tokens, args.rounds, args.max_num_batched_tokens, concurrency
+        )
+    for variant in args.variants.split(","):
+        with variant_system(split, variant, args.max_num_batched_tokens) as (address, _):
+            log(f"{name} {variant}: serving")
+            result = asyncio.run(run_model(address, args.tokens, args.rounds, extras, concurrency))
+        if args.baseline:
+            base = {lv["streams"]: lv["aggregate_tok_s"] for lv in out["mlx_lm_batch_generator"]["levels"]}
+            for lv in result["levels"]:
+                lv["ratio_vs_mlx_lm"] = round(lv["aggregate_tok_s"] / base[lv["streams"]], 3)
+        out[variant] = result
+        extras = False  # the long-prompt and prefix-cache figures once per model
+    return out
 
 
 def main() -> None:
@@ -194,6 +260,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="tokens per stream")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    parser.add_argument("--dtype", default="float32", help="synthetic models' dtype (bfloat16 on GPUs)")
+    parser.add_argument("--levels", default=CONCURRENCY, help="concurrent streams, comma-separated")
+    parser.add_argument("--variants", default="workers_2", help="workers_N and/or local_experts")
+    parser.add_argument("--baseline", action="store_true", help="also mlx-lm's BatchGenerator, monolithic")
+    parser.add_argument("--skip-extras", action="store_true", help="no long-prompt or prefix-cache figures")
     args = parser.parse_args()
     from services.common.logging import configure_logging
 
@@ -203,14 +274,13 @@ def main() -> None:
         "machine": f"{platform.system()} {platform.machine()}, mlx {mx.__version__} on {mx.default_device()}",
         "tokens_per_stream": args.tokens,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "dtype": args.dtype,
         "models": {},
     }
     for name in args.models.split(","):
         # Model building prints (mlx-lm's quantizer): keep stdout for the JSON alone.
         with contextlib.redirect_stdout(sys.stderr):
-            result["models"][name] = bench_model(
-                name, args.tokens, args.rounds, args.max_num_batched_tokens, extras=name == "demo"
-            )
+            result["models"][name] = bench_model(name, args, extras=name == "demo" and not args.skip_extras)
     print(json.dumps(result, indent=2))
 
 

@@ -20,7 +20,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import grpc
 import mlx.core as mx
@@ -29,6 +28,7 @@ from mlx_lm.generate import BatchGenerator, generation_stream
 from services.common.logging import get_logger
 from services.common.mlx_threads import releasing_mlx
 from services.core.batch_step import GeneratorStep
+from services.core.engine_config import EngineConfig, EngineCounters
 from services.core.engine_metrics import ENGINE_FORWARDS, ENGINE_STEPS
 from services.core.expert_link.links import BATCH_REQUEST_IDS, ExpertCallError
 from services.core.expert_link.step_merge import run_side_by_side
@@ -37,6 +37,7 @@ from services.core.logprobs import LogprobWriter
 from services.core.prefill_pacer import PrefillPacer
 from services.core.prefix_cache import PrefixCache
 from services.core.request_prep import PreparedRequest
+from services.core.sequence import EngineError, Outbox, Sequence
 from services.core.text_output import TextEmitter
 from services.core.token_bytes import TokenBytes
 from services.proto.moemesh.v1 import core_pb2
@@ -45,72 +46,8 @@ log = get_logger(__name__)
 FINISH = {"stop": core_pb2.FinishReason.STOP, "length": core_pb2.FinishReason.LENGTH}
 
 
-@dataclass(frozen=True)
-class EngineError:
-    """Sent on a request's queue instead of a chunk when the request fails."""
-
-    code: grpc.StatusCode
-    message: str
-
-
 class Overloaded(Exception):
     pass
-
-
-@dataclass
-class Sequence:
-    request: PreparedRequest
-    out: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
-    emitter: TextEmitter
-    kind: str = ""  # KV cache kind, which is also the batch it runs in
-    uid: int | None = None  # the uid its generator gave it
-    generated: int = 0
-    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
-    # with request.prompt_logprobs: one entry per prompt token scored so far, sent on the first chunk
-    prompt_logprobs: list = field(default_factory=list)
-    done: bool = False
-    submitted_at: float = field(default_factory=time.monotonic)
-    prefill_started_at: float | None = None
-    first_token_at: float | None = None
-
-    @property
-    def key(self) -> tuple[str, int | None]:
-        return (self.kind, self.uid)
-
-    def send(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.out.put_nowait, item)
-
-
-@dataclass
-class EngineConfig:
-    max_num_seqs: int = 16  # sequences in the running batch (decoding or prefilling)
-    max_queue: int = 256  # admitted sequences waiting for a place in the batch
-    # Tokens one step computes: one per decoding sequence plus the prefill chunk. Bounding it keeps
-    # a long prompt from freezing the streams that decode beside it.
-    max_num_batched_tokens: int = 512
-    # While sequences decode, a step's prefill chunk is also cut to what fits this many seconds
-    # (services/core/prefill_pacer.py); 0: tokens only
-    max_step_seconds: float = 1.0
-    prefix_cache_bytes: int = 1 << 30  # 0 turns prefix caching off
-    kv_cache: str = "fp16"  # the launch default; a request may ask for another kind
-    kv_settings: object | None = None  # services.core.kv.KVCacheSettings for turboquant
-    idle_probe_s: float = 2.0
-
-    def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name.replace('_', '-')} must be at least 1")
-        if self.max_queue < 0 or self.prefix_cache_bytes < 0:
-            raise ValueError("max-queue and the prefix cache budget must not be negative")
-        if self.kv_cache not in KV_CACHE_KINDS:
-            raise ValueError(f"kv-cache must be one of {', '.join(KV_CACHE_KINDS)}, not {self.kv_cache!r}")
-
-
-@dataclass
-class EngineCounters:
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
 
 
 class Engine:
@@ -137,6 +74,7 @@ class Engine:
         self._admitted = 0  # submitted and not yet finished: bounded by max_num_seqs + max_queue
         self._admitted_lock = threading.Lock()
         self._active: dict[tuple[str, int], Sequence] = {}
+        self._outbox = Outbox()  # a step's chunks go to their event loops together, at its end
         self._stop = threading.Event()
         self._health_listeners: list[Callable[[bool], None]] = []
         self.closers: list[Callable[[], None]] = []  # run by stop(), after the step loop ends
@@ -191,6 +129,7 @@ class Engine:
             out,
             loop,
             TextEmitter(self.tokenizer.detokenizer, request.output),
+            self._outbox,
             kind=request.kv_cache or self.config.kv_cache,
         )
         self._inbox.put(("add", sequence))
@@ -251,7 +190,11 @@ class Engine:
                     last_probe = time.monotonic()
                 continue
             started = time.perf_counter()
-            self._step()
+            self._outbox.holding = True
+            try:
+                self._step()
+            finally:
+                self._outbox.flush()
             if self.layer_call_timings is not None:
                 self.layer_call_timings.record_part("engine_step", (time.perf_counter() - started) * 1e6)
 
