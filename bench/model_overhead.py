@@ -49,29 +49,25 @@ def under_generate_step(model, prompt: list[int], tokens: int) -> float:
     return ms_per_token(stamps)
 
 
-def under_batch_generator(model, prompt: list[int], tokens: int) -> float:
+def mlx_lm_step(generator: BatchGenerator) -> list:
+    return generator.next()[1]
+
+
+def engine_step(generator: BatchGenerator) -> list:
+    step = GeneratorStep(generator)
+    return step.finish([task() for task in step.tasks])[1]
+
+
+def under_batch_generator(model, prompt: list[int], tokens: int, advance=mlx_lm_step) -> float:
+    """ms per token of one sequence in a BatchGenerator, stepped by `advance` (mlx-lm's own
+    `next`, or core's engine step)."""
     generator = BatchGenerator(
         model, max_tokens=tokens, sampler=lambda logprobs: mx.argmax(logprobs, axis=-1)
     )
     generator.insert([prompt], [tokens])
     stamps: list[float] = []
     while len(stamps) < tokens - 1:
-        _, responses = generator.next()
-        if responses:
-            stamps.append(time.perf_counter())
-    return ms_per_token(stamps)
-
-
-def under_engine_step(model, prompt: list[int], tokens: int) -> float:
-    generator = BatchGenerator(
-        model, max_tokens=tokens, sampler=lambda logprobs: mx.argmax(logprobs, axis=-1)
-    )
-    generator.insert([prompt], [tokens])
-    stamps: list[float] = []
-    while len(stamps) < tokens - 1:
-        step = GeneratorStep(generator)
-        _, responses = step.finish([task() for task in step.tasks])
-        if responses:
+        if advance(generator):
             stamps.append(time.perf_counter())
     return ms_per_token(stamps)
 
@@ -97,7 +93,7 @@ def main() -> None:
     under_generate_step(mono, prompt, 16)  # warm-up: kernels compiled, weights where they will stay
     report["mono_generate_step_ms"] = round(under_generate_step(mono, prompt, args.tokens), 3)
     report["mono_batch_generator_ms"] = round(under_batch_generator(mono, prompt, args.tokens), 3)
-    report["mono_engine_step_ms"] = round(under_engine_step(mono, prompt, args.tokens), 3)
+    report["mono_engine_step_ms"] = round(under_batch_generator(mono, prompt, args.tokens, engine_step), 3)
     del mono
     log("core's model, every expert local and in its graph")
     manifest = Manifest.load(split)
@@ -106,7 +102,7 @@ def main() -> None:
     under_generate_step(core, prompt, 16)
     report["core_generate_step_ms"] = round(under_generate_step(core, prompt, args.tokens), 3)
     report["core_batch_generator_ms"] = round(under_batch_generator(core, prompt, args.tokens), 3)
-    report["core_engine_step_ms"] = round(under_engine_step(core, prompt, args.tokens), 3)
+    report["core_engine_step_ms"] = round(under_batch_generator(core, prompt, args.tokens, engine_step), 3)
     local.close()
     print(json.dumps(report, indent=1))
 
