@@ -38,12 +38,12 @@ from services.core.prefill_pacer import PrefillPacer
 from services.core.prefix_cache import PrefixCache
 from services.core.request_prep import PreparedRequest
 from services.core.sequence import EngineError, Outbox, Sequence
+from services.core.sequence_output import SequenceOutput
+from services.core.step_budget import share_step_budget
 from services.core.text_output import TextEmitter
 from services.core.token_bytes import TokenBytes
-from services.proto.moemesh.v1 import core_pb2
 
 log = get_logger(__name__)
-FINISH = {"stop": core_pb2.FinishReason.STOP, "length": core_pb2.FinishReason.LENGTH}
 
 
 class Overloaded(Exception):
@@ -74,6 +74,7 @@ class Engine:
         self._admitted = 0  # submitted and not yet finished: bounded by max_num_seqs + max_queue
         self._admitted_lock = threading.Lock()
         self._active: dict[tuple[str, int], Sequence] = {}
+        self.output = SequenceOutput(self.logprobs, self.counters, self.prefix_cache, self._finish)
         self._outbox = Outbox()  # a step's chunks go to their event loops together, at its end
         self._stop = threading.Event()
         self._health_listeners: list[Callable[[bool], None]] = []
@@ -240,17 +241,20 @@ class Engine:
         self._active[sequence.key] = sequence
         self.counters.prompt_tokens += len(request.prompt)
 
-    def _has_work(self, kind: str) -> bool:
-        return any(key[0] == kind for key in self._active)
-
     def _step(self) -> None:
         started = time.monotonic()
         # The expert calls of this step carry these ids to the workers' logs.
         BATCH_REQUEST_IDS.set(tuple(s.request.request_id for s in self._active.values()))
         try:
             with mx.stream(generation_stream):
-                busy = {kind: g for kind, g in self._generators.items() if self._has_work(kind)}
-                decoding, self._in_batch = self._limit_prefill_chunks(list(busy.values()))
+                working = {kind for kind, _ in self._active}
+                busy = {kind: g for kind, g in self._generators.items() if kind in working}
+                decoding, self._in_batch = share_step_budget(
+                    list(busy.values()),
+                    self.config.max_num_seqs,
+                    self.config.max_num_batched_tokens,
+                    self.pacer,
+                )
                 steps = {
                     kind: GeneratorStep(generator, self._scoring(kind)) for kind, generator in busy.items()
                 }
@@ -283,16 +287,8 @@ class Engine:
                     decoding=decoding,
                     seconds=round(seconds, 3),
                 )
-        for kind, (prompt_responses, responses) in outcomes.items():
-            generator = self._generators[kind]
-            self._score_prompts(kind, steps[kind].prompt_logprobs)
-            self._after_prefill(kind, generator, prompt_responses, started)
-            for response in responses:
-                sequence = self._active.get((kind, response.uid))
-                if sequence is not None:
-                    if sequence.prefill_started_at is None:
-                        sequence.prefill_started_at = started
-                    self._emit(sequence, response)
+        for kind, outcome in outcomes.items():
+            self.output.deliver(kind, self._generators[kind], steps[kind], outcome, self._active, started)
         self._refresh_gauges()
         now = time.monotonic()
         for sequence in list(self._active.values()):
@@ -304,132 +300,6 @@ class Engine:
         return frozenset(
             uid for (k, uid), s in self._active.items() if k == kind and s.request.prompt_logprobs
         )
-
-    def _score_prompts(self, kind: str, logprobs: dict[int, mx.array]) -> None:
-        """Each row of a prefill chunk's logprobs scores the prompt token after that position."""
-        for uid, rows in logprobs.items():
-            sequence = self._active.get((kind, uid))
-            if sequence is not None:
-                scored = len(sequence.prompt_logprobs)
-                targets = sequence.request.prompt[scored : scored + rows.shape[0]]
-                if targets:
-                    top = sequence.request.top_logprobs
-                    sequence.prompt_logprobs += self.logprobs.scored(targets, rows[: len(targets)], top)
-                if sequence.request.score_only and len(sequence.prompt_logprobs) == len(
-                    sequence.request.prompt
-                ):
-                    # scored in full: no need to compute the last token and the one after it
-                    self._emit_score(sequence, retired=False)
-
-    def _limit_prefill_chunks(self, generators: list[BatchGenerator]) -> tuple[int, int]:
-        """Share the step's token budget across every batch of the step: decoding sequences take
-        one token each, the sequences being prefilled split the rest. Mirrors how
-        `BatchGenerator._next` admits prompts, so the chunks it cuts this step stay within budget.
-        Returns the sequences decoding in the step and all it runs (decoding, prefilling and
-        joining): a prompt counts as running from the step that starts its prefill, not from the
-        end of that step, which on a slow machine is many seconds later."""
-        decoding = sum(len(g._generation_batch) for g in generators)
-        in_batches = sum(len(g._generation_batch) + len(g._prompt_batch) for g in generators)
-        prefilling = {}
-        for generator in generators:
-            # --max-num-seqs bounds all batches together: this one may grow into what the others
-            # leave free (it stops admitting prompts at its own size, never shrinks below it).
-            own = len(generator._generation_batch) + len(generator._prompt_batch)
-            room = max(self.config.max_num_seqs - (in_batches - own), 0)
-            generator.completion_batch_size = room
-            # mlx-lm admits up to completion_batch_size decoding *plus* prefill_batch_size prompts;
-            # here prompts being prefilled count against the same room as the decoding sequences
-            generator.prefill_batch_size = max(room - len(generator._generation_batch), 0)
-            joining = min(
-                generator.prefill_batch_size - len(generator._prompt_batch),
-                generator.completion_batch_size - len(generator._generation_batch),
-                len(generator._unprocessed_sequences),
-            )
-            prefilling[generator] = len(generator._prompt_batch) + max(joining, 0)
-            in_batches += max(joining, 0)  # the next batch's room leaves out who joins this one
-        if sum(prefilling.values()):
-            tokens = self.pacer.budget(self.config.max_num_batched_tokens - decoding, decoding)
-            chunk = max(1, tokens // sum(prefilling.values()))
-            for generator, count in prefilling.items():
-                if count:
-                    generator.prefill_step_size = chunk
-                    generator._prompt_batch.prefill_step_size = chunk
-        return decoding, in_batches
-
-    def _after_prefill(self, kind: str, generator: BatchGenerator, prompt_responses, started: float) -> None:
-        """Note when each sequence's prefill began, and keep the KV of every prompt whose
-        prefill just finished, so requests that share the prefix skip it."""
-        finished = []
-        for response in prompt_responses:
-            sequence = self._active.get((kind, response.uid))
-            if sequence is None:
-                continue
-            if sequence.prefill_started_at is None:
-                sequence.prefill_started_at = started
-            if response.end_of_segment and not response.end_of_prompt:
-                finished.append(response.uid)
-        if finished and self.prefix_cache.enabled:
-            for cache, tokens in generator.extract_cache(finished).values():
-                self.prefix_cache.store(kind, tokens[:], cache)
-
-    def _emit(self, sequence: Sequence, response) -> None:
-        request = sequence.request
-        if request.score_only:  # a one-token prompt: never prefilled, so scored here
-            self._emit_score(sequence, retired=response.finish_reason is not None)
-            return
-        sequence.generated += 1
-        self.counters.generation_tokens += 1
-        if sequence.first_token_at is None:
-            sequence.first_token_at = time.monotonic()
-        chunk = core_pb2.GenerateChunk(request_id=request.request_id, token_ids=[response.token])
-        if sequence.generated == 1:  # clients want the prompt's size up front (Anthropic's message_start)
-            chunk.usage.prompt_tokens = len(request.prompt)
-            chunk.usage.cached_prompt_tokens = sequence.cached_tokens
-            chunk.prompt_logprobs.extend(sequence.prompt_logprobs)
-            sequence.prompt_logprobs = []
-        finish = FINISH.get(response.finish_reason) if response.finish_reason else None
-        is_stop_token = response.finish_reason == "stop"
-        if not is_stop_token:
-            sequence.emitter.add(response.token).write_to(chunk)
-        if request.logprobs:
-            chunk.logprobs.append(
-                self.logprobs.sampled(response.token, response.logprobs, request.top_logprobs)
-            )
-        if sequence.emitter.stopped and finish is None:
-            finish = core_pb2.FinishReason.STOP
-            self._finish(sequence, remove=True, keep_prefix=True)
-        if finish is not None:
-            sequence.emitter.finish().write_to(chunk)
-            chunk.finish_reason = sequence.emitter.finish_reason(finish)
-            self._fill_final(chunk, sequence)
-            if not sequence.done:
-                if response.prompt_cache is not None:
-                    self.prefix_cache.store(sequence.kind, response.all_tokens, response.prompt_cache)
-                self._finish(sequence, remove=False)
-        sequence.send(chunk)
-
-    def _emit_score(self, sequence: Sequence, retired: bool) -> None:
-        """max_tokens 0 with prompt logprobs: the prompt, scored, is the whole answer, sent once the
-        last prompt token is scored (the sequence then leaves its batch); `retired`: mlx-lm's
-        generator has already let it go."""
-        sequence.first_token_at = time.monotonic()
-        chunk = core_pb2.GenerateChunk(request_id=sequence.request.request_id)
-        chunk.prompt_logprobs.extend(sequence.prompt_logprobs)
-        sequence.prompt_logprobs = []
-        sequence.emitter.finish().write_to(chunk)  # the echoed prompt, if asked for
-        chunk.finish_reason = core_pb2.FinishReason.LENGTH
-        self._fill_final(chunk, sequence)
-        if not sequence.done:
-            self._finish(sequence, remove=not retired)
-        sequence.send(chunk)
-
-    def _fill_final(self, chunk: core_pb2.GenerateChunk, sequence: Sequence) -> None:
-        chunk.usage.prompt_tokens = len(sequence.request.prompt)
-        chunk.usage.completion_tokens = sequence.generated
-        chunk.usage.cached_prompt_tokens = sequence.cached_tokens
-        prefill_started = sequence.prefill_started_at or sequence.submitted_at
-        chunk.timings.queue_seconds = prefill_started - sequence.submitted_at
-        chunk.timings.prefill_seconds = (sequence.first_token_at or prefill_started) - prefill_started
 
     def _release(self, sequence: Sequence) -> None:
         sequence.done = True

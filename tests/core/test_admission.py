@@ -1,4 +1,4 @@
-"""How many sequences each batch may admit in a step (`Engine._limit_prefill_chunks`):
+"""How many sequences each batch may admit in a step (`step_budget.share_step_budget`):
 --max-num-seqs bounds decoding and prefilling sequences of every KV cache kind together."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from collections import deque
 
 import pytest
 
-from services.core.engine import Engine, EngineConfig
 from services.core.prefill_pacer import PrefillPacer
+from services.core.step_budget import share_step_budget
 
 
 class PromptBatch(list):
@@ -46,10 +46,7 @@ class Batches:
     ],
 )
 def test_decoding_and_prefilling_sequences_of_every_kind_share_max_num_seqs(batches):
-    engine = Engine.__new__(Engine)  # the admission arithmetic alone, no model
-    engine.config = EngineConfig(max_num_seqs=4)
-    engine.pacer = PrefillPacer(0.0)
     generators = [Batches(*shape) for shape in batches]
-    engine._limit_prefill_chunks(generators)
+    share_step_budget(generators, max_num_seqs=4, max_num_batched_tokens=512, pacer=PrefillPacer(0.0))
     in_batches = sum(len(g._generation_batch) + len(g._prompt_batch) for g in generators)
     assert in_batches + sum(g.admitted() for g in generators) == 4
