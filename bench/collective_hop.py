@@ -113,8 +113,8 @@ def core_rank(args: argparse.Namespace, model: StandIn) -> dict:
     t, h, k = args.tokens, args.hidden, args.top_k
     x = mx.random.normal((t, h)).astype(model.dtype)
 
-    def distributed_step(tokens: int):
-        header = mx.distributed.all_sum(mx.array([tokens], dtype=mx.int32))
+    def distributed_step():
+        header = mx.distributed.all_sum(mx.array([t], dtype=mx.int32))
         state, last = mx.depends(x, header), header
         for layer in range(args.layers):
             a, ids = model.core_part(layer, state)
@@ -142,7 +142,7 @@ def core_rank(args: argparse.Namespace, model: StandIn) -> dict:
         return 1e3 * float(np.median(times)), out
 
     local_ms, local_out = p50_ms(local_step)
-    exchanged_ms, exchanged_out = p50_ms(lambda: distributed_step(t))
+    exchanged_ms, exchanged_out = p50_ms(distributed_step)
     mx.eval(mx.distributed.all_sum(mx.array([0], dtype=mx.int32)))  # header 0: the worker stops
     return {
         "bench": "collective_hop",
@@ -164,7 +164,7 @@ def core_rank(args: argparse.Namespace, model: StandIn) -> dict:
 def worker_rank(args: argparse.Namespace, model: StandIn) -> None:
     mx = model.mx
     h, k = args.hidden, args.top_k
-    width = {"float32": 1, "float16": 2, "bfloat16": 2}[args.dtype]  # states per uint32
+    width = 4 // model.dtype.size  # states per uint32
     while True:
         tokens = mx.distributed.all_sum(mx.zeros((1,), dtype=mx.int32)).item()
         if tokens == 0:
