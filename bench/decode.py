@@ -23,7 +23,10 @@ process and graph (services/core/expert_link/local.py). `--variants` picks which
 always does: every ratio is against it). Per token, `outside_layer_calls_ms` is the decode
 token's time minus its layer calls' (p50 x MoE layers): core's own work around the hops. Frame reads poll before
 they sleep when the machine has a core per process (`--frame-spin-us`, chosen as
-`moe-mesh up` chooses it; recorded per variant).
+`moe-mesh up` chooses it; recorded per variant). `workers_N_ring` and `workers_1_two_gpus_nccl`
+carry the layer calls in-graph over MLX's distributed group instead (`--distributed`,
+services/common/data_plane.py): their `layer_call` percentiles are empty, since core makes no
+hop it could time.
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ import json
 import os
 import platform
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,7 +57,14 @@ from services.common.model_build import expert_modules, replace_modules
 from services.common.synthetic_model import QWEN3_30B_A3B_SHAPE, build_random_checkpoint
 from services.common.tensor_codec import numpy_view, to_mlx
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
-from services.up import cache_root, expert_ranges, resolve_split, worker_compute_threads
+from services.up import (
+    cache_root,
+    data_plane_envs,
+    expert_ranges,
+    gpu_count,
+    resolve_split,
+    worker_compute_threads,
+)
 from tests.helpers import Workers, spawn, stop, wait_serving
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -203,23 +212,19 @@ SPLIT_VARIANTS = {
     "workers_1_no_overlap": (1, ["--expert-overlap", "off"], []),
     "workers_1_mlx_experts": (1, [], ["--expert-kernel", "mlx"]),
     "workers_2_mlx_experts": (2, [], ["--expert-kernel", "mlx"]),
+    # the in-graph data plane (services/common/data_plane.py) instead of frames
+    "workers_1_ring": (1, ["--distributed", "ring"], ["--distributed", "ring"]),
+    "workers_2_ring": (2, ["--distributed", "ring"], ["--distributed", "ring"]),
+    "workers_1_two_gpus_nccl": (1, ["--distributed", "nccl"], ["--distributed", "nccl"]),
 }
 
 
 # Variants that place processes on GPUs of their own: name -> (core's env, each worker's env).
 # They run only on a host with that many GPUs (`gpu_count`); the hop still crosses the host.
-GPU_PLACEMENT = {"workers_1_two_gpus": ({"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"})}
-
-
-def gpu_count() -> int:
-    """NVIDIA GPUs on this host (0 where nvidia-smi is absent)."""
-    try:
-        listing = subprocess.run(
-            ["nvidia-smi", "-L"], check=False, capture_output=True, text=True, timeout=30
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(line.startswith("GPU ") for line in listing.stdout.splitlines())
+GPU_PLACEMENT = {
+    "workers_1_two_gpus": ({"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}),
+    "workers_1_two_gpus_nccl": ({}, {}),  # data_plane_envs puts rank r on GPU r
+}
 
 
 @contextlib.contextmanager
@@ -264,10 +269,19 @@ def split_system(
     spin = ["--frame-spin-us", str(spin_us)]
     ranges = expert_ranges(manifest.num_experts, workers) if workers else []
     threads = ["--compute-threads", str(worker_compute_threads(workers))]  # as `moe-mesh up` sets it
+    # the data plane's group, as `moe-mesh up --distributed` forms it: core rank 0, workers 1..N
+    flags = list(core_flags)
+    backend = flags[flags.index("--distributed") + 1] if "--distributed" in flags else None
+    envs = data_plane_envs(workdir, backend, workers + 1) if backend else [{}] * (workers + 1)
     started = time.monotonic()
     with environment(placement[1]):
         pool = Workers(
-            split, workdir, ranges, tag=f"w{workers}-", extra_args=[*spin, *threads, *worker_flags]
+            split,
+            workdir,
+            ranges,
+            tag=f"w{workers}-",
+            extra_args=[*spin, *threads, *worker_flags],
+            envs=envs[1:],
         ).start()
     START_SECONDS["workers"] = time.monotonic() - started if workers else 0.0
     address = f"unix:{workdir / f'core{workers}.sock'}"
@@ -276,7 +290,7 @@ def split_system(
     core_args = ["core", "--split", str(split), "--listen", address, "--worker", expert_addresses]
     started = time.monotonic()
     with environment(placement[0]):
-        core = spawn(core_args + spin + list(core_flags), core_log)
+        core = spawn(core_args + spin + list(core_flags), core_log, envs[0])
     try:
         wait_serving(address, core, timeout_s=600, log_path=core_log)
         START_SECONDS["core"] = time.monotonic() - started

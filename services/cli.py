@@ -40,7 +40,7 @@ def _expert(args) -> None:
 
     # cluster.toml settings (expert_kwargs) win over the streaming flags' defaults.
     kwargs = {**streaming_kwargs(args), **compute_kwargs(args), **expert_kwargs(args)}
-    run_expert_worker(**kwargs, frame_spin_s=spin_seconds(args.frame_spin_us))
+    run_expert_worker(**kwargs, frame_spin_s=spin_seconds(args.frame_spin_us), distributed=args.distributed)
 
 
 def _core(args) -> None:
@@ -57,6 +57,7 @@ def _core(args) -> None:
         frame_spin_s=spin_seconds(args.frame_spin_us),
         expert_overlap={"auto": None, "on": True, "off": False}[args.expert_overlap],
         dense_kernel=args.dense_kernel,
+        distributed=args.distributed,
         engine_config=EngineConfig(
             max_num_seqs=args.max_num_seqs,
             max_queue=args.max_queue,
@@ -93,6 +94,7 @@ def _up(args) -> None:
             frame_spin_us=args.frame_spin_us,
             log_level=args.log_level,
             local_experts=args.local_experts,
+            distributed=args.distributed,
         )
     )
 
@@ -135,6 +137,7 @@ class _ArgvRecordingParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from services.cluster_roles import add_cluster_flags
     from services.cluster_tools import add_cluster_commands
+    from services.common.data_plane_flag import add_data_plane_flag
     from services.common.frames import add_spin_flag
     from services.core.kv.cli_flags import add_kv_cache_flags
     from services.experts.cli_flags import add_compute_flags, add_storage_commands, add_streaming_flags
@@ -168,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_streaming_flags(p)
     add_compute_flags(p)
     add_spin_flag(p)
+    add_data_plane_flag(p, "join core's")
     p.set_defaults(func=_expert, parser=p)
 
     p = sub.add_parser("core", help="serve the Core gRPC API over the expert workers")
@@ -224,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
         "auto = moe-mesh's C kernel where MLX runs on the CPU, mlx = MLX's own op",
     )
     add_spin_flag(p)
+    add_data_plane_flag(p, "form")
     add_cluster_flags(p)
     p.set_defaults(func=_core, parser=p)
 
@@ -261,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_step_time_flag(p)
     _add_api_key_flags(p)
     add_spin_flag(p)
+    add_data_plane_flag(p, "core and the workers form")
     p.set_defaults(func=_up)
     add_cluster_commands(sub)  # certs, deploy, cluster check
     add_storage_commands(sub)  # iobench, plan

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -95,14 +96,17 @@ class Cluster:
         self.log_level = log_level
         self.procs: list[tuple[str, subprocess.Popen, Path]] = []
         self._args: dict[str, tuple[str, ...]] = {}
+        self._env: dict[str, dict[str, str] | None] = {}
         self._restarts: dict[str, list[float]] = {}
 
-    def start(self, name: str, *args: str) -> None:
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:
+        """Start service `name` (`env`: variables added to this process's environment)."""
         log_path = self.workdir / f"{name}.log"
         command = cli_command("--log-level", self.log_level, *args)
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(
                 command,
+                env={**os.environ, **env} if env else None,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -112,6 +116,7 @@ class Cluster:
                 preexec_fn=_die_with_parent,  # noqa: PLW1509 - only calls prctl, no locks taken
             )
         self._args[name] = args
+        self._env[name] = env
         names = [entry[0] for entry in self.procs]
         if name in names:  # a restart keeps its place: stop() goes gateway, core, workers
             self.procs[names.index(name)] = (name, proc, log_path)
@@ -132,6 +137,8 @@ class Cluster:
         if len(recent) >= RESTART_LIMIT:
             return False
         self._restarts[name] = [*recent, now]
+        # Without its data plane environment: a group cannot take a member back, so a restarted
+        # worker serves gRPC alone (services/core/expert_link/distributed.py).
         self.start(name, *self._args[name])
         return True
 
@@ -158,8 +165,6 @@ def worker_compute_threads(experts: int) -> int:
 
 
 def _check_port_free(host: str, port: int) -> None:
-    import socket
-
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         with socket.socket(family, socket.SOCK_STREAM) as probe:
@@ -198,10 +203,12 @@ def run_up(
     frame_spin_us: int | None = None,
     log_level: str = "info",
     local_experts: bool = False,
+    distributed: str | None = None,
 ) -> int:
     """`frame_spin_us`: how long core's and the workers' frame reads poll (None: poll when the
     machine has a core for each of them, services.common.frames.spin_for); `local_experts`: no
-    worker processes, core computes every expert itself (services/core/expert_link/local.py)."""
+    worker processes, core computes every expert itself (services/core/expert_link/local.py);
+    `distributed`: core and the workers form an in-graph data plane on this backend."""
     from services.common.frames import spin_for
     from services.common.manifest import Manifest
 
@@ -254,6 +261,8 @@ def run_up(
         frame_spin_us = round(spin_for(experts + 1) * 1e6)
     spin = ["--frame-spin-us", str(frame_spin_us)]
     threads = ["--compute-threads", str(worker_compute_threads(experts))]
+    plane_envs = data_plane_envs(work, distributed, experts + 1) if distributed and experts else None
+    plane = ["--distributed", distributed] if plane_envs else []
     try:
         for i in range(experts):
             # Each worker keeps at most expert_memory_gb of its experts in RAM, streams the rest.
@@ -268,11 +277,23 @@ def run_up(
                 *budget,
                 *spin,
                 *threads,
+                *plane,
+                env=plane_envs[i + 1] if plane_envs else None,
             )
         local_budget = (
             ["--local-memory-gb", str(expert_memory_gb)] if expert_memory_gb and local_experts else []
         )
-        cluster.start("core", "core", "--config", str(config), *core_args, *local_budget, *spin)
+        cluster.start(
+            "core",
+            "core",
+            "--config",
+            str(config),
+            *core_args,
+            *local_budget,
+            *spin,
+            *plane,
+            env=plane_envs[0] if plane_envs else None,
+        )
         cluster.start("gateway", "gateway", "--config", str(config), *gateway_args)
         url = f"http://{host}:{port}"
         checks = [(address, lambda a=address: _grpc_serving(a)) for address in worker_sockets]
@@ -318,6 +339,40 @@ def run_up(
             Path(frames_path_for(address.removeprefix("unix:"))).unlink(missing_ok=True)
         if own_workdir and clean:  # a failed start keeps its logs for reading
             shutil.rmtree(work, ignore_errors=True)
+
+
+def data_plane_envs(work: Path, backend: str, members: int) -> list[dict[str, str]]:
+    """Each member's environment for MLX's group on this host, as `mlx.launch` would set it:
+    core is rank 0, worker i rank i + 1. Ring gets a hostfile of loopback ports; NCCL puts rank r
+    on GPU r (modulo the GPUs there are: several ranks on one GPU do not work in NCCL)."""
+    hostfile = work / "data-plane-hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(members)]))
+    common = {"MLX_HOSTFILE": str(hostfile), "MLX_WORLD_SIZE": str(members)}
+    if backend == "nccl":
+        common.update(NCCL_HOST_IP="127.0.0.1", NCCL_PORT=str(free_port()))
+    envs = [{**common, "MLX_RANK": str(rank)} for rank in range(members)]
+    if backend == "nccl":
+        gpus = max(1, gpu_count())
+        for rank, env in enumerate(envs):
+            env["CUDA_VISIBLE_DEVICES"] = str(rank % gpus)
+    return envs
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def gpu_count() -> int:
+    """NVIDIA GPUs this host has (0 where nvidia-smi is absent)."""
+    try:
+        listing = subprocess.run(
+            ["nvidia-smi", "-L"], check=False, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in listing.stdout.splitlines())
 
 
 def _report_death(name: str, code: int, log_path: Path) -> int:

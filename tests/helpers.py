@@ -56,8 +56,9 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def spawn(args: list[str], log_path: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def spawn(args: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`moe-mesh ARGS` with its output in `log_path` (`env`: variables added to this environment)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "services.cli", *args],
@@ -125,10 +126,18 @@ class Workers:
     """Expert worker processes on Unix sockets, one per expert range."""
 
     def __init__(
-        self, split_dir: Path, workdir: Path, ranges: list[str], tag: str = "w", extra_args: tuple = ()
+        self,
+        split_dir: Path,
+        workdir: Path,
+        ranges: list[str],
+        tag: str = "w",
+        extra_args: tuple = (),
+        envs: list[dict[str, str]] | None = None,
     ):
+        """`envs`: each worker's added environment (a data plane rank, say)."""
         self.split_dir, self.workdir, self.ranges, self.tag = split_dir, workdir, ranges, tag
         self.extra_args = list(extra_args)
+        self.envs = envs or [{} for _ in ranges]
         self.addresses = [f"unix:{workdir / f'{tag}{i}.sock'}" for i in range(len(ranges))]
         self.logs = [workdir / f"{tag}{i}.log" for i in range(len(ranges))]
         self.procs: list[subprocess.Popen | None] = [None] * len(ranges)
@@ -148,6 +157,7 @@ class Workers:
                     *self.extra_args,
                 ],
                 self.logs[i],
+                self.envs[i],
             )
         for i in indices:
             wait_serving(self.addresses[i], self.procs[i], log_path=self.logs[i])

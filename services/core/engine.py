@@ -30,14 +30,14 @@ from services.common.mlx_threads import releasing_mlx
 from services.core.batch_step import GeneratorStep
 from services.core.engine_config import EngineConfig, EngineCounters
 from services.core.engine_metrics import ENGINE_FORWARDS, ENGINE_STEPS
-from services.core.expert_link.links import BATCH_REQUEST_IDS, ExpertCallError
+from services.core.expert_link.links import BATCH_REQUEST_IDS
 from services.core.expert_link.step_merge import run_side_by_side
 from services.core.kv import KV_CACHE_KINDS, make_kv_cache
 from services.core.logprobs import LogprobWriter
 from services.core.prefill_pacer import PrefillPacer
 from services.core.prefix_cache import PrefixCache
 from services.core.request_prep import PreparedRequest
-from services.core.sequence import EngineError, Outbox, Sequence
+from services.core.sequence import EngineError, Outbox, Sequence, step_failure
 from services.core.sequence_output import SequenceOutput
 from services.core.step_budget import share_step_budget
 from services.core.text_output import TextEmitter
@@ -79,6 +79,8 @@ class Engine:
         self._stop = threading.Event()
         self._health_listeners: list[Callable[[bool], None]] = []
         self.closers: list[Callable[[], None]] = []  # run by stop(), after the step loop ends
+        self.step_failure = step_failure  # (error) -> (status, message) for the step's requests
+        self.step_started: float | None = None  # perf_counter() of the step in progress, if any
         # One batch per KV cache kind: a batch's caches merge into one batched cache, so kinds
         # cannot share one. Their forwards still share each step's expert calls (step_merge).
         self._generators: dict[str, BatchGenerator] = {}
@@ -190,11 +192,12 @@ class Engine:
                     self._probe()
                     last_probe = time.monotonic()
                 continue
-            started = time.perf_counter()
+            started = self.step_started = time.perf_counter()
             self._outbox.holding = True
             try:
                 self._step()
             finally:
+                self.step_started = None
                 self._outbox.flush()
             if self.layer_call_timings is not None:
                 self.layer_call_timings.record_part("engine_step", (time.perf_counter() - started) * 1e6)
@@ -266,12 +269,8 @@ class Engine:
                 for kind, step in steps.items():
                     outcomes[kind] = step.finish(results[start : start + len(step.tasks)])
                     start += len(step.tasks)
-        except ExpertCallError as error:
-            self._fail_all(error.code, str(error))
-            return
-        except Exception as error:  # never let one bad step take the server down
-            log.exception("engine_step_failed")
-            self._fail_all(grpc.StatusCode.INTERNAL, f"generation failed: {error}")
+        except Exception as error:  # noqa: BLE001 -- one bad step must not take the server down; step_failure logs it
+            self._fail_all(*self.step_failure(error))
             return
         if tasks:
             ENGINE_STEPS.inc()

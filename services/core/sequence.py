@@ -14,8 +14,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.common.logging import get_logger
+from services.core.expert_link.links import ExpertCallError
 from services.core.request_prep import PreparedRequest
 from services.core.text_output import TextEmitter
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,14 @@ class EngineError:
 
     code: grpc.StatusCode
     message: str
+
+
+def step_failure(error: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status a failed engine step gives its requests: an expert call's own, else INTERNAL."""
+    if isinstance(error, ExpertCallError):
+        return error.code, str(error)
+    log.error("engine_step_failed", exc_info=error)
+    return grpc.StatusCode.INTERNAL, f"generation failed: {error}"
 
 
 def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:

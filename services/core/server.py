@@ -18,6 +18,7 @@ from services.common.ranges import format_ranges
 from services.common.tls import TlsFiles
 from services.core.engine import Engine, EngineConfig
 from services.core.expert_link.dispatcher import ExpertDispatcher, LayerCallTimings
+from services.core.expert_link.distributed import DataPlane, DistributedExperts
 from services.core.expert_link.local import LocalExperts
 from services.core.expert_link.local_spec import LocalExpertsSpec
 from services.core.kv.metal_attention import kernel_backend
@@ -46,9 +47,12 @@ def build_engine(
     expert_overlap: bool | None = None,
     dense_kernel: str = "auto",
     local_experts: LocalExpertsSpec | None = None,
+    distributed: str | None = None,
 ) -> tuple[Engine, RequestPreparer, core_pb2.ModelInfo]:
     """`workers`: addresses of expert worker processes; `local_experts`: the layers whose experts
-    core computes itself (expert_link/local.py). Together they must cover every MoE layer."""
+    core computes itself (expert_link/local.py). Together they must cover every MoE layer.
+    `distributed`: carry the workers' layer calls in-graph on this mx.distributed backend
+    (expert_link/distributed.py)."""
     manifest = Manifest.load(split_dir)
     tokenizer = load_core_tokenizer(split_dir, manifest)
     text_config = _text_config(manifest.config)
@@ -65,7 +69,7 @@ def build_engine(
         )
 
     def loader():
-        local_modules, dispatcher = {}, None
+        local_modules, dispatcher, plane = {}, None, None
         if local_layers:
             local = LocalExperts(split_dir, manifest, local_experts)
             engine.closers.append(local.close)
@@ -82,6 +86,12 @@ def build_engine(
                 layers=remote_layers,
             )
             engine.closers.append(dispatcher.close)
+            if distributed:
+                plane = DataPlane(dispatcher, distributed, stuck_s=expert_timeout_s)
+                plane.watch(lambda: engine.step_started)
+                engine.closers.insert(0, plane.stop)
+                engine.step_failure = plane.step_failure(engine.step_failure)
+                local_modules.update({layer: DistributedExperts(layer, plane) for layer in remote_layers})
         started = time.monotonic()
         model, on_kernel = load_core_model(split_dir, manifest, dispatcher, dense_kernel, local_modules)
         log.info(
@@ -110,7 +120,7 @@ def build_engine(
         )
         if dispatcher is None:  # every layer local: nothing to probe, no layer calls to time
             return model, list, LayerCallTimings()
-        return model, dispatcher.discover, dispatcher.timings
+        return model, plane.probe if plane else dispatcher.discover, dispatcher.timings
 
     engine = Engine(tokenizer, engine_config, loader)
     info = core_pb2.ModelInfo(
@@ -136,12 +146,14 @@ async def serve_core(
     expert_overlap: bool | None = None,
     dense_kernel: str = "auto",
     local_experts: LocalExpertsSpec | None = None,
+    distributed: str | None = None,
 ) -> None:
     """`tls`: mTLS for the Core server and the links to workers; `metrics`: host:port of the
     Prometheus endpoint (None = none); `expert_frames`: use same-host workers' frame sockets;
     `frame_spin_s`: how long reading their answers polls before it sleeps; `expert_overlap`:
     build the next layer while a layer's experts compute (ExpertDispatcher.call); `dense_kernel`:
-    "auto" computes quantized projections with metal/linear_cpu.py where MLX runs on the CPU."""
+    "auto" computes quantized projections with metal/linear_cpu.py where MLX runs on the CPU;
+    `distributed`: the in-graph data plane's backend (None: off)."""
     engine, preparer, info = build_engine(
         split_dir,
         workers,
@@ -153,6 +165,7 @@ async def serve_core(
         expert_overlap,
         dense_kernel,
         local_experts,
+        distributed,
     )
     running = await start_server(
         lambda server: core_pb2_grpc.add_CoreServicer_to_server(CoreServicer(engine, preparer, info), server),

@@ -167,15 +167,24 @@ class ExpertCompute:
         stats.started_ns, stats.finished_ns = started_ns, time.monotonic_ns()
         return result
 
+    def module(self, layer: int) -> nn.Module:
+        """The layer's mlx-lm expert module: rows are this worker's experts in local order."""
+        return self._modules[layer]
+
+    def in_graph_rows(self, layer: int) -> bool:
+        """Whether the layer can be computed inside another graph, on local rows, with no
+        synchronisation: its experts resident in RAM and computed by MLX, not the CPU kernel."""
+        return (
+            layer in self._modules
+            and layer not in self._kernels
+            and isinstance(self.store, ResidentExpertStore)
+        )
+
     def in_graph_module(self, layer: int) -> nn.Module | None:
-        """The layer's mlx-lm module, to be called inside another model's graph, where that is
-        the same math with no synchronisation: every expert of the layer resident in RAM, in
-        global order (rows = expert ids), and computed by MLX rather than the CPU kernel."""
-        module = self._modules.get(layer)
+        """The layer's module where it can stand in another model's graph as is: computed in
+        the graph (`in_graph_rows`) with every expert of the layer, in global order."""
         whole = len(self.store.owned.get(layer, ())) == self.manifest.layer(layer).num_experts
-        if module is None or not whole or layer in self._kernels:
-            return None
-        return module if isinstance(self.store, ResidentExpertStore) else None
+        return self._modules[layer] if whole and self.in_graph_rows(layer) else None
 
     def compute_rows(
         self,

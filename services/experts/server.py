@@ -15,6 +15,7 @@ from services.common.ranges import format_ranges, parse_ranges
 from services.common.tls import TlsFiles
 from services.common.unix_sockets import path_fits
 from services.experts.compute import DEFAULT_MAX_CALL_BYTES, ExpertCompute
+from services.experts.data_plane_worker import DataPlaneWorker
 from services.experts.frame_server import FrameServer
 from services.experts.io import DEFAULT_MIN_SEGMENT_BYTES
 from services.experts.servicer import ExpertWorkerServicer
@@ -55,9 +56,11 @@ async def serve_expert_worker(
     frame_spin_s: float = 0.0,
     expert_kernel: str = "auto",
     compute_threads: int | None = None,
+    distributed: str | None = None,
 ) -> None:
     """`tls`: serve mTLS only (clients need a certificate from the cluster CA); `metrics`:
-    host:port of the Prometheus endpoint (None = none)."""
+    host:port of the Prometheus endpoint (None = none); `distributed`: join core's in-graph data
+    plane on this backend (services/experts/data_plane_worker.py)."""
     manifest = Manifest.load(split_dir)
     owned = owned_experts(manifest, layers, experts)
     worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}"
@@ -96,6 +99,8 @@ async def serve_expert_worker(
     elif grpc_socket is not None:
         servicer.frames_path = frames_path_for(str(grpc_socket))
         frames = FrameServer(servicer.frames_path, servicer.answer, max_call_bytes + (1 << 20), frame_spin_s)
+    if distributed is not None:
+        servicer.data_plane = DataPlaneWorker(compute, distributed)  # joins when core asks
     start_metrics_server(metrics)
     log.info(
         "worker_serving",

@@ -35,6 +35,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         self.memory_budget_bytes = memory_budget_bytes
         self.calls = 0
         self.frames_path = ""  # set when the frame socket serves (services/experts/frame_server.py)
+        self.data_plane = None  # a DataPlaneWorker when the worker joins core's group
         self.rejected = 0
         # Request ids seen recently: each is logged once when it first reaches this worker,
         # not once per layer call (that would be layers x tokens lines per request).
@@ -45,6 +46,8 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
         self._long_calls = MlxThread("long-call")
 
     async def Describe(self, request, context):
+        if request.join_data_plane and self.data_plane is not None:
+            self.data_plane.start()  # joins once, after this answer has gone
         store = self.compute.store
         reply = expert_pb2.DescribeResponse(
             model_fingerprint=self.compute.manifest.fingerprint,
@@ -54,6 +57,7 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             frames_path=self.frames_path,
             num_experts=self.compute.manifest.num_experts,
             hidden_dtype=self.compute.manifest.dtype,
+            data_plane_rank=self.data_plane.rank if self.data_plane is not None else 0,
         )
         describe_cache(reply, store.stats())
         for layer, experts in sorted(store.owned.items()):

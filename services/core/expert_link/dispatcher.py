@@ -140,6 +140,8 @@ class ExpertDispatcher(RoutingMixin, FramePathMixin, GrpcPathMixin):
         }
         self._closing = False
         self._last_down: list[str] = []
+        # what Describe asks: join_data_plane when core carries calls in-graph (distributed.py)
+        self.describe_request = expert_pb2.DescribeRequest()
 
     # ---- placement -------------------------------------------------------------------------
 
@@ -166,7 +168,7 @@ class ExpertDispatcher(RoutingMixin, FramePathMixin, GrpcPathMixin):
     async def _describe(self, link: WorkerLink, timeout_s: float) -> None:
         """Describe one link and mark it up or down; raises a readable error when down."""
         try:
-            reply = await link.stub.Describe(expert_pb2.DescribeRequest(), timeout=timeout_s)
+            reply = await link.stub.Describe(self.describe_request, timeout=timeout_s)
         except grpc.aio.AioRpcError as error:
             self._set_link(link, None)
             raise RuntimeError(f"expert worker {link.address} is unreachable: {error.details()}") from None
