@@ -16,6 +16,13 @@ port = 8000
 [tls]                                      # optional: mTLS on every gRPC link
 dir = "certs"                              # from `moe-mesh certs --config cluster.toml`
 
+[data_plane]                               # optional: layer calls as collectives (services/common/data_plane.py)
+backend = "jaccl"                          # ring | nccl | jaccl; ranks: core 0, the workers in file order
+
+[environment]                              # the same on every host: MLX's variables for the group
+MLX_IBV_DEVICES = "/etc/moe-mesh/ibv-devices.json"
+MLX_JACCL_COORDINATOR = "10.0.0.1:32323"
+
 [[workers]]
 name = "mac-a"
 address = "10.0.0.2:50061"                 # where core reaches it; "local": in core's process
@@ -39,6 +46,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.data_plane_flag import BACKENDS
 from services.common.ranges import parse_ranges
 from services.common.tls import TlsFiles
 
@@ -104,6 +112,14 @@ class ClusterConfig:
     tls_dir: Path | None = None
     fingerprint: str | None = None  # optional: the model every service must hold
     environment: dict[str, str] = field(default_factory=dict)
+    data_plane: str | None = None  # the mx.distributed backend of the data plane, if any
+
+    def data_plane_environment(self, worker: str | None = None) -> dict[str, str]:
+        """What a service's process needs to join the data plane: [environment], plus its rank
+        (core 0, `worker` its place among the remote workers plus one) and the group's size."""
+        remote = [w.name for w in self.remote_workers]
+        rank = 0 if worker is None else remote.index(worker) + 1
+        return {**self.environment, "MLX_RANK": str(rank), "MLX_WORLD_SIZE": str(len(remote) + 1)}
 
     def worker(self, name: str) -> WorkerConfig:
         for worker in self.workers:
@@ -151,7 +167,7 @@ def load_cluster(path: str | Path) -> ClusterConfig:
 
 def parse_cluster(data: dict, path: Path) -> ClusterConfig:
     reader = _Reader(path)
-    known = {"model", "core", "gateway", "tls", "workers", "environment"}
+    known = {"model", "core", "gateway", "tls", "workers", "environment", "data_plane"}
     reader.no_unknown(data, known, "")
     model = reader.table(data, "model")
     reader.no_unknown(model, {"split", "fingerprint"}, "model.")
@@ -237,6 +253,13 @@ def parse_cluster(data: dict, path: Path) -> ClusterConfig:
     environment = data.get("environment", {})
     if not isinstance(environment, dict) or not all(isinstance(v, str) for v in environment.values()):
         raise ClusterConfigError(f"{path}: [environment] must map names to strings")
+    plane_table = reader.table(data, "data_plane", required=False)
+    reader.no_unknown(plane_table, {"backend"}, "data_plane.")
+    data_plane = reader.string(plane_table, "backend", "data_plane.backend", None)
+    if data_plane is not None and data_plane not in BACKENDS:
+        raise ClusterConfigError(
+            f"{path}: data_plane.backend must be one of {', '.join(BACKENDS)}, got {data_plane!r}"
+        )
     return ClusterConfig(
         path=path,
         split=split,
@@ -246,6 +269,7 @@ def parse_cluster(data: dict, path: Path) -> ClusterConfig:
         tls_dir=tls_dir,
         fingerprint=reader.string(model, "fingerprint", "model.fingerprint", None),
         environment=dict(environment),
+        data_plane=data_plane,
     )
 
 

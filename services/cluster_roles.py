@@ -9,6 +9,7 @@ TLS (`[tls] dir` or `--tls-dir`) picks the service's own certificate by name: `c
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from services.cluster import LOCAL_ADDRESS, ClusterConfig, load_cluster
@@ -48,6 +49,16 @@ def _config(args: argparse.Namespace) -> ClusterConfig | None:
     return load_cluster(args.config) if args.config else None
 
 
+def _join_data_plane(args: argparse.Namespace, config: ClusterConfig, worker: str | None = None) -> None:
+    """cluster.toml's [data_plane]: this service joins the group (unless --distributed says which
+    backend), with its rank and [environment] in its own environment unless already set there."""
+    if config.data_plane is None:
+        return
+    _fill(args, "distributed", config.data_plane)
+    for name, value in config.data_plane_environment(worker).items():
+        os.environ.setdefault(name, value)
+
+
 def expert_kwargs(args: argparse.Namespace) -> dict:
     config = _config(args)
     worker = None
@@ -67,6 +78,7 @@ def expert_kwargs(args: argparse.Namespace) -> dict:
         _fill(args, "worker_id", worker.worker_id or worker.name)
         if getattr(args, "memory_gb", None) is None and worker.memory_gb is not None:
             args.memory_gb = worker.memory_gb  # the streaming flags (experts/cli_flags.py) read it
+        _join_data_plane(args, config, worker.name)
     if not args.split:
         raise ValueError("--split (or --config) is required")
     kwargs = {"memory_gb": args.memory_gb} if getattr(args, "memory_gb", None) is not None else {}
@@ -104,6 +116,7 @@ def core_kwargs(args: argparse.Namespace) -> dict:
         _fill(args, "prefix_cache_gb", config.core.prefix_cache_gb)
         _fill(args, "kv_cache", config.core.kv_cache)
         workers = workers or config.worker_addresses
+        _join_data_plane(args, config)
     if not args.split:
         raise ValueError("--split (or --config) is required")
     if not workers and local is None:

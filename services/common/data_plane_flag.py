@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 BACKENDS = ("ring", "nccl", "jaccl", "any")
+DATA_PLANE_STUCK = 70  # core's exit code when a step its data plane left blocked cannot finish
 
 
 def add_data_plane_flag(parser: argparse.ArgumentParser, role: str) -> None:

@@ -3,6 +3,7 @@ launchd plists (parsed with plistlib) and systemd units (systemd-analyze verify 
 
 from __future__ import annotations
 
+import os
 import plistlib
 import shutil
 import subprocess
@@ -276,4 +277,39 @@ def test_a_local_worker_runs_inside_core(tmp_path, tiny_models):
 
     path.write_text(path.read_text().replace('layers = "0-1"', 'layers = "0-1"\nexperts = "0-3"'))
     with pytest.raises(ClusterConfigError, match="whole layers"):
+        load_cluster(path)
+
+
+def test_data_plane_comes_from_the_file_with_each_service_rank(tmp_path, tiny_models, monkeypatch):
+    """[data_plane] makes every service join one MLX group: core rank 0, the workers (not the
+    local one) in file order, with [environment] (MLX's own variables) in each process."""
+    for name in ("MLX_RANK", "MLX_WORLD_SIZE", "MLX_HOSTFILE"):
+        monkeypatch.delenv(name, raising=False)
+    split = tiny_models.split("qwen3_moe", None)
+    path = tmp_path / "cluster.toml"
+    path.write_text(
+        f'[model]\nsplit = "{split}"\n[data_plane]\nbackend = "ring"\n'
+        '[environment]\nMLX_HOSTFILE = "/etc/moe-mesh/hosts.json"\n'
+        '[[workers]]\nname = "here"\naddress = "local"\nlayers = "0-1"\n'
+        '[[workers]]\nname = "a"\naddress = "127.0.0.1:7000"\nlayers = "2"\n'
+        '[[workers]]\nname = "b"\naddress = "127.0.0.1:7001"\nlayers = "3"\n'
+    )
+    config = load_cluster(path)
+    assert config.data_plane == "ring"
+    assert config.data_plane_environment("b") == {
+        "MLX_HOSTFILE": "/etc/moe-mesh/hosts.json",
+        "MLX_RANK": "2",
+        "MLX_WORLD_SIZE": "3",
+    }
+    parser = build_parser()
+    args = parser.parse_args(["expert", "--config", str(path), "--name", "a"])
+    expert_kwargs(args)
+    assert args.distributed == "ring" and os.environ["MLX_RANK"] == "1"
+    monkeypatch.delenv("MLX_RANK")
+    args = parser.parse_args(["core", "--config", str(path)])
+    core_kwargs(args)
+    assert args.distributed == "ring" and os.environ["MLX_RANK"] == "0"
+    assert os.environ["MLX_HOSTFILE"] == "/etc/moe-mesh/hosts.json"
+    path.write_text(path.read_text().replace('backend = "ring"', 'backend = "tcp"'))
+    with pytest.raises(ClusterConfigError, match="data_plane.backend"):
         load_cluster(path)

@@ -18,6 +18,7 @@ import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
 
+from services.common.data_plane_flag import DATA_PLANE_STUCK
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc, expert_pb2, expert_pb2_grpc
 from services.up import data_plane_envs
 from tests.helpers import Workers, core_args, short_dir, spawn, stop, wait_serving
@@ -183,4 +184,4 @@ async def test_a_member_lost_mid_generation_never_hangs_a_request(replicated, ti
     except subprocess.TimeoutExpired:  # core stayed up: the step raised, the plane is off
         assert await replicated.generate(PROMPT, 8) == want
     else:
-        assert code == 70 and "data_plane_stuck" in replicated.core_log.read_text()
+        assert code == DATA_PLANE_STUCK and "data_plane_stuck" in replicated.core_log.read_text()

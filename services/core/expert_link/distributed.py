@@ -27,6 +27,7 @@ import numpy as np
 from mlx import nn
 
 from services.common import data_plane as wire
+from services.common.data_plane_flag import DATA_PLANE_STUCK
 from services.common.logging import get_logger
 from services.core.expert_link.dispatcher import ExpertDispatcher
 from services.core.expert_link.proxy import RemoteExperts
@@ -206,8 +207,9 @@ class DataPlane:
             time.sleep(WATCH_INTERVAL_S)
             began = step_started()
             if began is not None and time.perf_counter() - began > self.stuck_s:
-                log.critical("data_plane_stuck", seconds=round(time.perf_counter() - began, 1), exit_code=70)
-                os._exit(70)
+                seconds = round(time.perf_counter() - began, 1)
+                log.critical("data_plane_stuck", seconds=seconds, exit_code=DATA_PLANE_STUCK)
+                os._exit(DATA_PLANE_STUCK)
 
     def _answers(self, link) -> bool:
         async def describe():
