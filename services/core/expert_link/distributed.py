@@ -31,6 +31,7 @@ from services.common.data_plane_flag import DATA_PLANE_STUCK
 from services.common.logging import get_logger
 from services.core.expert_link.dispatcher import ExpertDispatcher
 from services.core.expert_link.proxy import RemoteExperts
+from services.core.expert_link.step_merge import expert_call
 from services.proto.moemesh.v1 import expert_pb2
 
 log = get_logger(__name__)
@@ -129,23 +130,25 @@ class DataPlane:
             layers=len(self._ranks),
         )
 
-    def exchange(self, layer: int, ranks: mx.array, x: mx.array, indices: mx.array) -> mx.array:
-        """The layer's rows [..., k, H] for states x [..., H] and top-k `indices`, as collectives."""
-        width, top_k = x.shape[-1], indices.shape[-1]
-        states = x.reshape(-1, width)
-        ids = indices.reshape(-1, top_k).astype(mx.int32)
-        tokens = states.shape[0]
+    # Inside an engine step every forward's call of a layer joins one exchange (step_merge.py),
+    # without evaluating anything: the inputs stay lazy, in the graph.
+    needs_evaluated_inputs = False
+
+    def call_overlapped(self, layer: int, states: mx.array, ids: mx.array) -> mx.array:
+        """The layer's rows [T, k, H] for states [T, H] and int32 top-k ids [T, k], as three
+        collectives in the graph (services/common/data_plane.py); nothing is evaluated."""
+        tokens, width = states.shape
+        top_k = ids.shape[-1]
         header = self._header(layer, tokens, top_k, width, states.dtype)
         group, stream = self.group, self._stream
         header = mx.distributed.all_sum(wire.after(header, self._last), group=group, stream=stream)
-        sent = mx.distributed.all_sum(
-            mx.depends(wire.pack_inputs(states, ids, ranks[ids]), header), group=group, stream=stream
-        )
+        packed = wire.pack_inputs(states, ids, self._ranks[layer][ids])
+        sent = mx.distributed.all_sum(mx.depends(packed, header), group=group, stream=stream)
         rows = mx.distributed.all_sum(
             mx.depends(mx.zeros((tokens, top_k, width), dtype=states.dtype), sent), group=group, stream=stream
         )
         self._last = rows
-        return rows.reshape(*indices.shape, width)
+        return rows
 
     def _header(self, layer: int, tokens: int, top_k: int, width: int, dtype: mx.Dtype) -> mx.array:
         key = (layer, tokens, top_k, width, dtype)
@@ -248,7 +251,8 @@ class DistributedExperts(nn.Module):
         self._fallback = RemoteExperts(layer, plane.dispatcher)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        ranks = self._plane.ranks_for(self._layer)
-        if ranks is None or not wire.packable(x.shape[-1], x.dtype):
+        if self._plane.ranks_for(self._layer) is None or not wire.packable(x.shape[-1], x.dtype):
             return self._fallback(x, indices)
-        return self._plane.exchange(self._layer, ranks, x, indices)
+        width, top_k = x.shape[-1], indices.shape[-1]
+        states, ids = x.reshape(-1, width), indices.reshape(-1, top_k).astype(mx.int32)
+        return expert_call(self._plane, self._layer, states, ids).reshape(*indices.shape, width)

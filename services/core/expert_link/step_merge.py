@@ -42,9 +42,10 @@ class _Waiting:
 
 
 def expert_call(dispatcher, layer: int, hidden: mx.array, expert_ids: mx.array) -> mx.array:
-    """What `RemoteExperts` calls: hidden [T, H] (wire form) and expert_ids [T, k], both
-    evaluated -> [T, k, H]. Inside `run_side_by_side` the call joins the layer's merged call;
-    anywhere else it is a plain `dispatcher.call_overlapped`."""
+    """What `RemoteExperts` (and `DistributedExperts`) call: hidden [T, H] and expert_ids [T, k]
+    -> [T, k, H]; evaluated inputs (hidden in wire form) unless the dispatcher's
+    `needs_evaluated_inputs` is False. Inside `run_side_by_side` the call joins the layer's merged
+    call; anywhere else it is a plain `dispatcher.call_overlapped`."""
     current = greenlet.getcurrent()
     if isinstance(current, _Forward):
         return current.parent.switch(_Waiting(dispatcher, layer, hidden, expert_ids))
@@ -104,7 +105,8 @@ def _merged_call(waiting: dict[int, _Waiting]) -> dict[int, object]:
     else:
         hidden = mx.concatenate([p.hidden for p in parts])
         expert_ids = mx.concatenate([p.expert_ids for p in parts])
-        mx.eval(hidden, expert_ids)  # of evaluated inputs: each forward settled before its own eval
+        if getattr(first.dispatcher, "needs_evaluated_inputs", True):
+            mx.eval(hidden, expert_ids)  # of evaluated inputs: each forward settled before its own eval
     try:
         out = first.dispatcher.call_overlapped(first.layer, hidden, expert_ids)
     except Exception as error:  # noqa: BLE001 - raised again inside each forward of the call
