@@ -8,8 +8,8 @@ group, and every layer once the group has lost a member, goes through the dispat
 frame links (`RemoteExperts`), with their replicas and failover.
 
 A group cannot re-form in a running process, so a lost member turns the plane off until core
-restarts. The step that was running when it was lost fails (its requests get UNAVAILABLE);
-the next steps use gRPC.
+restarts. The step that was running when it was lost fails (its requests get UNAVAILABLE) and
+the next steps use gRPC, or, where MLX leaves that step blocked, core exits (`DataPlane._watch`).
 """
 
 from __future__ import annotations
