@@ -36,20 +36,17 @@ def alive(pid: int) -> bool:
 def up(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
     workdir = short_dir("mm-up-")  # given to `up`, which then keeps it (logs)
+    proc, url = start_up(cache, workdir, "--experts", "2")
+    yield proc, url, workdir, cache
+    if proc.poll() is None:
+        proc.kill()
+
+
+def start_up(cache: Path, workdir: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`moe-mesh up FLAGS` on a free port, once it says it serves: (its process, the API's URL)."""
     port = free_port()
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "up",
-            "--port",
-            str(port),
-            "--experts",
-            "2",
-            "--workdir",
-            str(workdir),
-        ],
+        [sys.executable, "-m", "services.cli", "up", "--port", str(port), *flags, "--workdir", str(workdir)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -59,9 +56,7 @@ def up(tmp_path_factory):
     if "serving" not in line:
         proc.kill()
         raise AssertionError(f"moe-mesh up did not start: {line}{proc.stderr.read()[-3000:]}")
-    yield proc, f"http://127.0.0.1:{port}/v1", workdir, cache
-    if proc.poll() is None:
-        proc.kill()
+    return proc, f"http://127.0.0.1:{port}/v1"
 
 
 def test_demo_answers_paris_not_streamed(up):

@@ -5,36 +5,21 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import openai
 import pytest
 
-from tests.e2e.test_up import QUESTION, children_of
-from tests.helpers import free_port, short_dir
+from tests.e2e.test_up import QUESTION, children_of, start_up
+from tests.helpers import short_dir
 
 
 @pytest.fixture(scope="module")
 def up_plane(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
     workdir = short_dir("mm-upd-")
-    port = free_port()
-    command = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--experts", "1"]
-    proc = subprocess.Popen(
-        [*command, "--distributed", "ring", "--workdir", str(workdir)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "MOE_MESH_CACHE": str(cache)},
-    )
-    line = proc.stdout.readline()  # blocks until ready (or exit)
-    if "serving" not in line:
-        proc.kill()
-        raise AssertionError(f"moe-mesh up did not start: {line}{proc.stderr.read()[-3000:]}")
-    yield proc, f"http://127.0.0.1:{port}/v1", workdir
+    proc, url = start_up(tmp_path_factory.mktemp("cache"), workdir, "--experts", "1", "--distributed", "ring")
+    yield proc, url, workdir
     if proc.poll() is None:
         proc.kill()
 
