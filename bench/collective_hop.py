@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,30 +41,22 @@ from pathlib import Path
 import numpy as np
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(args: argparse.Namespace, argv: list[str]) -> None:
     """Start both ranks, wait for them, print rank 0's report."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from services.up import data_plane_envs  # the group as `moe-mesh up --distributed` forms it
+
     with tempfile.TemporaryDirectory() as tmp:
-        hosts = Path(tmp) / "hosts.json"
-        hosts.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
-        env = {**os.environ, "MLX_HOSTFILE": str(hosts), "MLX_WORLD_SIZE": "2"}
-        if args.backend == "nccl":
-            env.update(NCCL_HOST_IP="127.0.0.1", NCCL_PORT=str(free_port()))
-        ranks = []
-        for rank in (1, 0):
-            rank_env = {**env, "MLX_RANK": str(rank)}
-            if args.backend == "nccl":
-                rank_env["CUDA_VISIBLE_DEVICES"] = str(rank)
-            ranks.append(
-                subprocess.Popen(
-                    [sys.executable, __file__, *argv], env=rank_env, stdout=subprocess.PIPE, text=True
-                )
+        envs = data_plane_envs(Path(tmp), args.backend, 2)
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, __file__, *argv],
+                env={**os.environ, **envs[rank]},
+                stdout=subprocess.PIPE,
+                text=True,
             )
+            for rank in (1, 0)
+        ]
         worker, core = ranks
         out, _ = core.communicate(timeout=600)
         worker.wait(timeout=60)

@@ -362,6 +362,7 @@ def data_plane_envs(work: Path, backend: str, members: int) -> list[dict[str, st
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.grpc_util import normalize_address
 from services.proto.moemesh.v1 import expert_pb2
+from services.up import free_port  # noqa: F401 - the tests take it from here
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,13 +47,6 @@ def remove_short_dirs() -> None:
 
     while _SHORT_DIRS:
         shutil.rmtree(_SHORT_DIRS.pop(), ignore_errors=True)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def spawn(args: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:

@@ -24,7 +24,6 @@ from services.common import data_plane as wire
 from services.common import tensor_codec
 from services.common.logging import get_logger
 from services.experts.compute import ExpertCompute
-from services.experts.store import ResidentExpertStore
 
 log = get_logger(__name__)
 ANSWER_FIRST_S = 0.2
@@ -110,23 +109,21 @@ class DataPlaneWorker:
             mine = mine & (local >= 0)
             out = compute.module(layer)(states, mx.where(mine, local, 0))
             return mx.where(mine[..., None], out, mx.zeros_like(out))
-        mx.eval(states, ids, mine)  # streamed experts or the CPU kernel: computed on the host
-        asked = np.array(mine)
+        wire_states = tensor_codec.wire_form(states)
+        mx.eval(wire_states, ids, mine)  # streamed experts or the CPU kernel: computed on the host
+        hidden, asked = np.asarray(wire_states), np.asarray(mine)
         tokens, top_k = asked.shape
-        width = states.shape[-1]
-        reply = np.zeros((tokens * top_k, width), dtype=np.asarray(tensor_codec.wire_form(states)).dtype)
+        reply = np.zeros((tokens * top_k, hidden.shape[1]), dtype=hidden.dtype)
         if asked.any():
-            host_ids = np.where(asked, np.array(ids), -1)
-            hidden = np.asarray(tensor_codec.wire_form(states))
+            host_ids = np.where(asked, np.asarray(ids), -1)
             reply[np.flatnonzero(asked.ravel())] = compute.compute_rows(
                 layer, hidden, host_ids, asked, int(asked.sum())
             )
-        return tensor_codec.to_mlx(reply).reshape(tokens, top_k, width)
+        return tensor_codec.to_mlx(reply).reshape(tokens, top_k, hidden.shape[1])
 
     def _slot_table(self, layer: int) -> mx.array | None:
         """Global expert id -> local row, where the layer can be computed inside the graph."""
         table = self._slots.get(layer)
-        if table is None and self.compute.in_graph_rows(layer):
-            assert isinstance(self.compute.store, ResidentExpertStore)
+        if table is None and self.compute.in_graph_rows(layer):  # a resident store: rows never move
             table = self._slots[layer] = mx.array(self.compute.store.load(layer, []).astype(np.int32))
         return table

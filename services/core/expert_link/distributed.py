@@ -165,12 +165,16 @@ class DataPlane:
         """Whether a step's failure came from the group (then the plane is off from now on)."""
         if not isinstance(error, RuntimeError) or not any(tag in str(error) for tag in BACKEND_ERROR_TAGS):
             return False
-        if self.lost is None:
-            self.lost = str(error)
-            self._last = None
-            shut = wire.abort_ring_sockets()  # members still waiting on core fail over too
-            log.error("data_plane_lost", backend=self.backend, error=self.lost, fallback="grpc", shut=shut)
+        self._lose(str(error))
         return True
+
+    def _lose(self, reason: str) -> None:
+        """Turn the plane off for good (once): every later call goes over gRPC."""
+        if self.lost is not None:
+            return
+        self.lost, self._last = reason, None
+        shut = wire.abort_ring_sockets()  # the members left waiting on core fail over too
+        log.error("data_plane_lost", backend=self.backend, error=reason, fallback="grpc", shut=shut)
 
     def step_failure(self, default: Callable) -> Callable:
         """The engine's step_failure, knowing that a lost member fails the step UNAVAILABLE."""
@@ -191,21 +195,17 @@ class DataPlane:
 
     def _watch(self, step_started: Callable[[], float | None]) -> None:
         """A member that stops answering turns the plane off before the next step meets it.
-        With three or more members, MLX's ring can leave a collective blocked for ever when one
-        dies (it raises only with two), and with it every step after; nothing can interrupt
-        it, so a step that runs past `stuck_s` once the plane is off makes core exit, for its
-        supervisor to start it again, rather than hang its requests."""
+        When a member dies mid-step, MLX's ring may raise or may leave the collective blocked
+        for ever, and with it every step after; nothing can interrupt that, so a step that runs
+        past `stuck_s` once the plane is off makes core exit, for its supervisor to start it
+        again, rather than hang its requests."""
         while self.lost is None:
             time.sleep(WATCH_INTERVAL_S)
             if self.group is None:
                 continue
             gone = [link.address for link in self._members if not self._answers(link)]
-            if gone and self.lost is None:
-                self.lost = f"members {gone} stopped answering"
-                shut = wire.abort_ring_sockets()  # the members left waiting on core fail over too
-                log.error(
-                    "data_plane_lost", backend=self.backend, error=self.lost, fallback="grpc", shut=shut
-                )
+            if gone:
+                self._lose(f"members {gone} stopped answering")
         while True:
             time.sleep(WATCH_INTERVAL_S)
             began = step_started()
