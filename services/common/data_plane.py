@@ -76,9 +76,9 @@ def join_group(
 def abort_ring_sockets() -> int:
     """Shut down this process's TCP connections to the ring group's addresses (MLX_HOSTFILE).
 
-    A ring of three or more members whose member dies can leave the others blocked for ever
-    on live neighbours that wait in turn; a member that sees the loss shuts its connections
-    down, so its neighbours' pending collectives fail too and they fall back. MLX keeps
+    A ring whose member dies can leave the others blocked on live neighbours that wait in
+    turn; a member that sees the loss shuts its connections down, so that those neighbours'
+    pending collectives can fail too and they fall back. MLX keeps
     owning the descriptors (they are shut down, not closed). Returns how many it shut down."""
     ports = _ring_ports()
     count = 0
