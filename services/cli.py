@@ -277,7 +277,6 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     from services.common.logging import configure_logging
     from services.common.manifest import ManifestError
-    from services.common.model_build import UnsupportedModelError
     from services.common.tls import TlsError
     from services.experts.store import ExpertFileError
 
@@ -288,8 +287,9 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         args.func(args)
-    except (ManifestError, UnsupportedModelError, ExpertFileError, TlsError, ValueError, OSError) as error:
-        # Bad flags, a missing or damaged split, a port in use: one line, no traceback.
+    except (ManifestError, ExpertFileError, TlsError, ValueError, OSError) as error:
+        # Bad flags, an unsupported model (a ValueError), a missing or damaged split, a port in
+        # use: one line, no traceback.
         raise SystemExit(f"moe-mesh {args.command}: {error}") from None
     except KeyboardInterrupt:
         print(f"moe-mesh {args.command}: interrupted", file=sys.stderr)

@@ -2,22 +2,28 @@
 
 Public contract used by the engine: KV_CACHE_KINDS, KVCacheSettings, make_kv_cache,
 install_turboquant_attention, kv_cache_bytes (and the cache classes themselves).
+
+Names resolve on first use, so a light submodule (the CLI flags) imports without mlx-lm.
 """
 
-from services.core.kv.attention import install_turboquant_attention, turboquant_attention
-from services.core.kv.batch_cache import BatchTurboQuantKVCache
-from services.core.kv.cache import TurboQuantKVCache
-from services.core.kv.factory import kv_cache_bytes, make_kv_cache
-from services.core.kv.settings import KV_CACHE_KINDS, PAPER_SETTINGS, KVCacheSettings
+from importlib import import_module
 
-__all__ = [
-    "KV_CACHE_KINDS",
-    "BatchTurboQuantKVCache",
-    "KVCacheSettings",
-    "PAPER_SETTINGS",
-    "TurboQuantKVCache",
-    "install_turboquant_attention",
-    "kv_cache_bytes",
-    "make_kv_cache",
-    "turboquant_attention",
-]
+_HOMES = {
+    "install_turboquant_attention": "attention",
+    "turboquant_attention": "attention",
+    "BatchTurboQuantKVCache": "batch_cache",
+    "TurboQuantKVCache": "cache",
+    "kv_cache_bytes": "factory",
+    "make_kv_cache": "factory",
+    "KV_CACHE_KINDS": "settings",
+    "PAPER_SETTINGS": "settings",
+    "KVCacheSettings": "settings",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_HOMES[name]}"), name)
