@@ -27,6 +27,11 @@ they sleep when the machine has a core per process (`--frame-spin-us`, chosen as
 carry the layer calls in-graph over MLX's distributed group instead (`--distributed`,
 services/common/data_plane.py): their `layer_call` percentiles are empty, since core makes no
 hop it could time.
+
+Greedy tokens are compared with monolithic mlx-lm (`tokens_match_monolithic`) and with mlx-lm's
+own BatchGenerator on one sequence (`tokens_match_mlx_lm_batched`), the engine path core drives.
+`first_differences` says where each run parts from monolithic and how close the top two logits
+were there, `mlx_lm_batched` among them.
 """
 
 from __future__ import annotations
@@ -156,6 +161,23 @@ def monolithic(path: Path, prompt: list[int], tokens: int, synced: str = "") -> 
         stamps.append(time.perf_counter())
     del model
     return (len(stamps) - 1) / (stamps[-1] - stamps[0]), out
+
+
+def batched_reference(path: Path, prompt: list[int], tokens: int) -> list[int]:
+    """mlx-lm's greedy tokens through its own BatchGenerator, one sequence: the path core's engine
+    drives (batched KV cache and attention), with mlx-lm's own expert module and no split. Where
+    monolithic `generate_step` and this part, mlx-lm's two paths part by themselves."""
+    from mlx_lm.generate import BatchGenerator
+
+    model, _ = mlx_lm.load(str(path))
+    generator = BatchGenerator(model, sampler=lambda logprobs: mx.argmax(logprobs, axis=-1))
+    generator.insert([prompt], [tokens])
+    out: list[int] = []
+    while len(out) < tokens:
+        out.extend(int(response.token) for response in generator.next_generated())
+    generator.close()
+    del model
+    return out[:tokens]
 
 
 def first_differences(path: Path, prompt: list[int], reference: list[int], runs: dict) -> dict:
@@ -362,6 +384,8 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str, variants: list[
         log(f"{step} monolithic")
         tok_s, reference = monolithic(path, prompt, tokens)
         results["monolithic"].append(tok_s)
+        if round_index == 0:
+            batched = batched_reference(path, prompt, tokens)
         if "synced_local" in variants:
             log(f"{step} mlx-lm with experts synced per layer, in-process")
             results["synced_local"].append(monolithic(path, prompt, tokens, synced="mlx")[0])
@@ -383,6 +407,7 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str, variants: list[
             log(f"{step} moe-mesh {variant} {' '.join([*core_flags, *worker_flags])}")
             run = split_run(split, workdir, workers, prompt, tokens, core_flags, worker_flags, placement)
             run["tokens_match_monolithic"] = run["tokens"] == reference
+            run["tokens_match_mlx_lm_batched"] = run["tokens"] == batched
             results[variant].append(run)
     mono = max(results["monolithic"])
     report = {
@@ -403,8 +428,12 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str, variants: list[
         report["kernel_local_tokens_match_monolithic"] = all(
             r["tokens_match_monolithic"] for r in results["kernel_local"]
         )
+    report["mlx_lm_batched_tokens_match_monolithic"] = batched == reference
     report["first_differences"] = first_differences(
-        path, prompt, reference, {v: results[v][-1]["tokens"] for v in variants if v != "synced_local"}
+        path,
+        prompt,
+        reference,
+        {"mlx_lm_batched": batched, **{v: results[v][-1]["tokens"] for v in variants if v != "synced_local"}},
     )
     for key in (v for v in variants if v in SPLIT_VARIANTS):
         best = max(results[key], key=lambda r: r["tok_s"])
@@ -413,6 +442,7 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str, variants: list[
             if base is not None:
                 entry[f"ratio_vs_{base_name}"] = round(best["tok_s"] / base, 3)
         entry["tokens_match_monolithic"] = all(r["tokens_match_monolithic"] for r in results[key])
+        entry["tokens_match_mlx_lm_batched"] = all(r["tokens_match_mlx_lm_batched"] for r in results[key])
         entry["start_s"] = [r["start_s"] for r in results[key]]  # each round's, the first one cold
         for field in ("per_token_ms", "outside_layer_calls_ms", "layer_call", "frame_spin_us"):
             entry[field] = best[field]

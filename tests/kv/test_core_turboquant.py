@@ -64,3 +64,27 @@ async def test_core_serves_turboquant_by_default_and_fp16_on_request(core):
     assert await remote_greedy(address, "", 12, cached) == turboquant  # again: from the prefix cache
     assert cached[0] > 0
     assert await remote_greedy(address, "fp16", 12) == fp16
+
+
+async def test_fp16_core_checks_turboquant_kernels_at_first_use(tiny_models):
+    """A core whose default cache is fp16 serves without running the fused kernels' self-check
+    (on a fresh CUDA machine it compiles for a minute and more); the first request that asks for
+    TurboQuant runs it, keeps its pass, and gets the same tokens as mlx-lm's TurboQuant cache."""
+    from metal import cpu_kernels
+
+    workdir = short_dir()
+    split = tiny_models.split("qwen3_moe", None)
+    address = f"unix:{workdir / 'core.sock'}"
+    flags = ["--worker", "local", "--kv-recent-window", "8"]
+    env = {"MOE_MESH_CACHE": str(workdir / "cache")}  # no self-check pass kept from earlier runs
+    proc = spawn(["core", "--split", str(split), "--listen", address, *flags], workdir / "core.log", env)
+    passes = workdir / "cache" / "selfcheck"
+    try:
+        wait_serving(address, proc, timeout_s=60, log_path=workdir / "core.log")
+        assert not passes.exists()
+        tokens = await remote_greedy(address, "turboquant", 12)
+        assert tokens == local_greedy(tiny_models.checkpoint("qwen3_moe", None), "turboquant", 12)
+        if cpu_kernels.kernels_available():  # this machine's kernels: their pass is now kept
+            assert list(passes.glob("*.passed"))
+    finally:
+        stop([proc])
