@@ -54,6 +54,7 @@ import numpy as np
 from mlx_lm.generate import generate_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.token_equality import batched_reference, first_differences
 from bench.workdir import bench_workdir
 from metal.experts_cpu import SwitchGLUKernel
 from services.common.frames import spin_for
@@ -161,45 +162,6 @@ def monolithic(path: Path, prompt: list[int], tokens: int, synced: str = "") -> 
         stamps.append(time.perf_counter())
     del model
     return (len(stamps) - 1) / (stamps[-1] - stamps[0]), out
-
-
-def batched_reference(path: Path, prompt: list[int], tokens: int) -> list[int]:
-    """mlx-lm's greedy tokens through its own BatchGenerator, one sequence: the path core's engine
-    drives (batched KV cache and attention), with mlx-lm's own expert module and no split. Where
-    monolithic `generate_step` and this part, mlx-lm's two paths part by themselves."""
-    from mlx_lm.generate import BatchGenerator
-
-    model, _ = mlx_lm.load(str(path))
-    generator = BatchGenerator(model, sampler=lambda logprobs: mx.argmax(logprobs, axis=-1))
-    generator.insert([prompt], [tokens])
-    out: list[int] = []
-    while len(out) < tokens:
-        out.extend(int(response.token) for response in generator.next_generated())
-    generator.close()
-    del model
-    return out[:tokens]
-
-
-def first_differences(path: Path, prompt: list[int], reference: list[int], runs: dict) -> dict:
-    """{variant: where its greedy tokens first leave monolithic's} for the variants that do:
-    the step, and at that step (monolithic's logits, the prefix teacher-forced) the gap between
-    the top two logits and between monolithic's token and the variant's. A gap of ~1e-2 in
-    bf16 is a near tie that rounding alone may flip; a wide gap is a wrong computation."""
-    out = {}
-    model = None
-    for variant, tokens in runs.items():
-        step = next((i for i, (a, b) in enumerate(zip(reference, tokens, strict=False)) if a != b), None)
-        if step is None:
-            continue
-        model = model or mlx_lm.load(str(path))[0]
-        logits = model(mx.array(prompt + reference[:step])[None])[0, -1].astype(mx.float32)
-        top2 = mx.sort(logits)[-2:]
-        out[variant] = {
-            "step": step,
-            "top2_gap": round((top2[1] - top2[0]).item(), 5),
-            "chosen_gap": round((logits[reference[step]] - logits[tokens[step]]).item(), 5),
-        }
-    return out
 
 
 def timed_decode(core_address: str, prompt: list[int], tokens: int) -> tuple[list[int], list[float], object]:
