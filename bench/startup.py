@@ -118,6 +118,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--logs", type=Path, help="copy the services' logs here")
     args = parser.parse_args()
+    from services.common.logging import configure_logging
+
+    configure_logging("bench", "warning")  # logs to stderr: stdout carries only the JSON
     started = time.monotonic()
     split = resolve_split(str(checkpoint(args.model, args.dtype)))
     prepare_s = time.monotonic() - started
