@@ -139,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     from services.cluster_tools import add_cluster_commands
     from services.common.data_plane_flag import add_data_plane_flag
     from services.common.frames import add_spin_flag
+    from services.common.version import moe_mesh_version
     from services.core.kv.cli_flags import add_kv_cache_flags
     from services.experts.cli_flags import add_compute_flags, add_storage_commands, add_streaming_flags
 
@@ -146,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="moe-mesh", description="Serve huge MoE models as a core plus expert workers."
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--version", action="version", version=f"moe-mesh {moe_mesh_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser(

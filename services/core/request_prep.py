@@ -75,7 +75,19 @@ class RequestPreparer:
         longest_piece = max((len(piece) for piece in tokenizer.get_vocab()), default=1)
         self.max_text_chars = context_length * max(longest_piece, 1)
 
-    def _check_text_size(self, chars: int, field: str) -> None:
+    def _check_text_fits(self, request: core_pb2.GenerateRequest) -> None:
+        """Refuse text that cannot fit the context before tokenizing it. Counting tokens
+        (`prompt_tokens` alone) takes any length: that is what counting is for."""
+        kind = request.WhichOneof("input")
+        if kind == "prompt":
+            chars, field = len(request.prompt), "prompt"
+        elif kind == "chat":
+            chat = request.chat
+            chars = sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in chat.messages)
+            chars += sum(len(tool.parameters_json) + len(tool.description) for tool in chat.tools)
+            field = "chat"
+        else:
+            return
         if chars > self.max_text_chars:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -91,7 +103,6 @@ class RequestPreparer:
         if kind == "prompt":
             if not request.prompt:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
-            self._check_text_size(len(request.prompt), "prompt")
             return list(self.tokenizer.encode(request.prompt))
         if kind == "token_ids":
             ids = list(request.token_ids.ids)
@@ -130,11 +141,6 @@ class RequestPreparer:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, "chat.messages: at least one message is required"
             )
-        self._check_text_size(
-            sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in chat.messages)
-            + sum(len(tool.parameters_json) + len(tool.description) for tool in chat.tools),
-            "chat",
-        )
         messages = []
         for index, message in enumerate(chat.messages):
             if message.role not in ("system", "user", "assistant", "tool", "developer"):
@@ -255,6 +261,7 @@ class RequestPreparer:
                 grpc.StatusCode.INVALID_ARGUMENT, f"request_id: at most {MAX_REQUEST_ID_CHARS} characters"
             )
         self.check_model(request.model)
+        self._check_text_fits(request)
         chat = self._chat_inputs(request.chat) if request.WhichOneof("input") == "chat" else None
         prompt = self._render_chat(request.chat, chat) if chat else self.prompt_tokens(request)
         if not prompt:

@@ -2,7 +2,7 @@
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (routes_openai); `POST /v1/messages`,
 `POST /v1/messages/count_tokens` (routes_anthropic); `GET /v1/models`, `GET /v1/models/{id}`,
-`/health`, `/ready`, `/metrics` (routes_service); `GET /openapi.json`. Middleware, outermost first: request id (every response
+`/version`, `/health`, `/ready`, `/metrics` (routes_service); `GET /openapi.json`. Middleware, outermost first: request id (every response
 carries X-Request-Id, every log line the request id), optional API keys, body size cap.
 The gateway holds no state besides the gRPC channel, the metrics and the served model's name: any
 number of them can front one core.
@@ -17,6 +17,7 @@ from fastapi import FastAPI
 
 from services.common.logging import get_logger
 from services.common.tls import TlsFiles
+from services.common.version import moe_mesh_version
 from services.gateway import routes_anthropic, routes_openai, routes_service
 from services.gateway.auth import ApiKeyMiddleware
 from services.gateway.core_client import CoreClient, CoreClientConfig
@@ -54,7 +55,7 @@ def create_app(
 
     app = FastAPI(
         title="moe-mesh gateway",
-        version="1",
+        version=moe_mesh_version(),
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,

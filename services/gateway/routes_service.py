@@ -1,4 +1,4 @@
-"""Service routes: models, liveness, readiness, Prometheus metrics.
+"""Service routes: models, version, liveness, readiness, Prometheus metrics.
 
 `/health` is liveness: 200 while the gateway runs, with core's grpc.health status alongside for
 dashboards. `/ready` is readiness: 200 only when core answers SERVING (model loaded, every expert
@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from services.common.logging import get_logger
+from services.common.version import moe_mesh_version
 from services.gateway.core_client import CoreClient
 from services.gateway.errors import OpenAIError, error_from_grpc
 from services.gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
@@ -53,6 +54,12 @@ async def get_model(model_id: str, request: Request) -> dict[str, Any]:
         if model.id == model_id:
             return _model_json(model)
     raise OpenAIError(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    """moe-mesh's version, in vLLM's shape."""
+    return {"version": moe_mesh_version()}
 
 
 @router.get("/health")

@@ -188,13 +188,19 @@ async def test_bad_requests_get_precise_status(stack, request_, code, words):
     assert failure.value.code().name == code and words in failure.value.details()
 
 
-async def test_count_tokens_refuses_text_beyond_the_context_and_counts_the_rest(stack):
+async def test_count_tokens_counts_text_of_any_length(stack):
+    """Counting is how a client learns a text is too long for the context, so it counts text that
+    generating would refuse; the chat template's tokens are counted the same way."""
     async with stack.channel() as channel:
         stub = core_pb2_grpc.CoreStub(channel)
         assert (await stub.CountTokens(core_pb2.CountTokensRequest(prompt="one two three"))).count == 3
+        long_text = " ".join(["one two three"] * 100_000)  # far past the context; generating refuses it
+        assert (await stub.CountTokens(core_pb2.CountTokensRequest(prompt=long_text))).count == 300_000
+        message = core_pb2.ChatMessage(role="user", content=long_text)
+        chat = core_pb2.ChatInput(messages=[message], add_generation_prompt=True)
+        assert (await stub.CountTokens(core_pb2.CountTokensRequest(chat=chat))).count > 300_000
         with pytest.raises(grpc.aio.AioRpcError) as failure:
-            await stub.CountTokens(core_pb2.CountTokensRequest(prompt="x " * 400_000))
-        assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            await generate(stack, core_pb2.GenerateRequest(prompt=long_text))
         assert "context_length_exceeded" in failure.value.details()
         with pytest.raises(grpc.aio.AioRpcError) as failure:
             await stub.CountTokens(core_pb2.CountTokensRequest())

@@ -245,6 +245,14 @@ def test_models(gateway_url: str, core: CoreDouble) -> None:
     ]
 
 
+def test_version_is_the_installed_one(gateway_url: str) -> None:
+    from importlib import metadata
+
+    installed = metadata.version("moe-mesh")
+    assert httpx.get(gateway_url + "/version").json() == {"version": installed}
+    assert httpx.get(gateway_url + "/openapi.json").json()["info"]["version"] == installed
+
+
 def test_health_reports_core_status(gateway_url: str, core_server, core: CoreDouble) -> None:
     assert httpx.get(gateway_url + "/health").json() == {"status": "ok", "core": "SERVING"}
     core_server.set_serving(False)
