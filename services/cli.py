@@ -90,7 +90,7 @@ def _up(args) -> None:
             workdir=args.workdir,
             gateway_args=_gateway_key_args(args),
             expert_memory_gb=args.expert_memory_gb,
-            core_args=[*kv_cli_args(args), "--max-step-seconds", str(args.max_step_seconds)],
+            core_args=[*kv_cli_args(args), *_serving_cli_args(args)],
             frame_spin_us=args.frame_spin_us,
             log_level=args.log_level,
             local_experts=args.local_experts,
@@ -99,13 +99,63 @@ def _up(args) -> None:
     )
 
 
-def _add_step_time_flag(p: argparse.ArgumentParser) -> None:
+SERVING_FLAGS = ("max_num_seqs", "max_queue", "max_num_batched_tokens", "max_step_seconds", "prefix_cache_gb")
+
+
+def _add_serving_flags(p: argparse.ArgumentParser) -> None:
+    """Core's batching and cache flags, on `core` and passed through by `up`."""
+    p.add_argument("--max-num-seqs", type=positive_int, default=16, help="sequences decoding at once")
+    p.add_argument(
+        "--max-queue", type=non_negative_int, default=256, help="requests waiting beyond those (then 429)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=512,
+        help="tokens computed per step: one per decoding sequence plus the prefill chunk",
+    )
     p.add_argument(
         "--max-step-seconds",
         type=non_negative_float,
         default=1.0,
         help="while sequences decode, cut the prefill chunk to what fits this step time (0: tokens only)",
     )
+    p.add_argument(
+        "--prefix-cache-gb",
+        type=non_negative_float,
+        default=1.0,
+        help="byte budget of the prefix cache (0 = off)",
+    )
+
+
+def _serving_cli_args(args) -> list[str]:
+    """`up`'s serving flags as core's command line."""
+    return [
+        item for name in SERVING_FLAGS for item in (f"--{name.replace('_', '-')}", str(getattr(args, name)))
+    ]
+
+
+class _DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every flag's help names its default, unless it has none or its text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help
+        if (
+            not text
+            or not action.option_strings
+            or action.default in (None, False, argparse.SUPPRESS)
+            or "default" in text
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = _DefaultsHelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _show_defaults(child)
 
 
 def _add_api_key_flags(p: argparse.ArgumentParser) -> None:
@@ -146,7 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _ArgvRecordingParser(
         prog="moe-mesh", description="Serve huge MoE models as a core plus expert workers."
     )
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="least level logged",
+    )
     parser.add_argument("--version", action="version", version=f"moe-mesh {moe_mesh_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -177,8 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_expert, parser=p)
 
     p = sub.add_parser("core", help="serve the Core gRPC API over the expert workers")
-    p.add_argument("--split", default=None)
-    p.add_argument("--listen", default="127.0.0.1:50051")
+    p.add_argument("--split", default=None, help="split folder (from `moe-mesh split`)")
+    p.add_argument("--listen", default="127.0.0.1:50051", help="host:port or unix:/path.sock")
     p.add_argument(
         "--worker",
         action="append",
@@ -192,21 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="RAM budget of the local worker's experts; the rest stream from disk (default: all resident)",
     )
-    p.add_argument("--max-num-seqs", type=positive_int, default=16)
-    p.add_argument("--max-queue", type=non_negative_int, default=256)
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=512,
-        help="tokens computed per step: one per decoding sequence plus the prefill chunk",
-    )
-    _add_step_time_flag(p)
-    p.add_argument(
-        "--prefix-cache-gb",
-        type=non_negative_float,
-        default=1.0,
-        help="byte budget of the prefix cache (0 = off)",
-    )
+    _add_serving_flags(p)
     add_kv_cache_flags(p)
     p.add_argument(
         "--expert-timeout", type=positive_float, default=60.0, help="seconds a layer call may take"
@@ -236,8 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("gateway", help="serve the OpenAI-compatible HTTP API in front of core")
     p.add_argument("--core", default="127.0.0.1:50051", help="core address")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=port_number, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address the HTTP API listens on")
+    p.add_argument("--port", type=port_number, default=8000, help="port the HTTP API listens on")
     add_cluster_flags(p, metrics=False)
     _add_api_key_flags(p)
     p.set_defaults(func=_gateway, parser=p)
@@ -256,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="no worker processes: core computes every expert in its own process and graph",
     )
     p.add_argument("--port", type=port_number, default=8000, help="gateway port")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
     p.add_argument("--workdir", default=None, help="where sockets and logs go (default: a temp folder)")
     p.add_argument(
         "--expert-memory-gb",
@@ -264,14 +305,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="each worker's expert RAM budget (default: all)",
     )
+    _add_serving_flags(p)
     add_kv_cache_flags(p)
-    _add_step_time_flag(p)
     _add_api_key_flags(p)
     add_spin_flag(p)
     add_data_plane_flag(p, "core and the workers form")
     p.set_defaults(func=_up)
     add_cluster_commands(sub)  # certs, deploy, cluster check
     add_storage_commands(sub)  # iobench, plan
+    _show_defaults(parser)
     return parser
 
 

@@ -32,7 +32,12 @@ def add_streaming_flags(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_IO_MODE,
         help="reads of streamed experts: direct I/O or page cache",
     )
-    parser.add_argument("--cache-policy", choices=POLICIES, default=DEFAULT_POLICY)
+    parser.add_argument(
+        "--cache-policy",
+        choices=POLICIES,
+        default=DEFAULT_POLICY,
+        help="which experts a worker under --memory-gb keeps in RAM",
+    )
     parser.add_argument(
         "--io-threads", type=positive_int, default=DEFAULT_IO_THREADS, help="parallel reads (queue depth)"
     )
