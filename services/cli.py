@@ -64,6 +64,7 @@ def _core(args) -> None:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_step_seconds=args.max_step_seconds,
             prefix_cache_bytes=int(args.prefix_cache_gb * (1 << 30)),
+            max_model_len=args.max_model_len,
             **kv_engine_kwargs(args),
         ),
     )
@@ -99,7 +100,14 @@ def _up(args) -> None:
     )
 
 
-SERVING_FLAGS = ("max_num_seqs", "max_queue", "max_num_batched_tokens", "max_step_seconds", "prefix_cache_gb")
+SERVING_FLAGS = (
+    "max_num_seqs",
+    "max_queue",
+    "max_num_batched_tokens",
+    "max_step_seconds",
+    "prefix_cache_gb",
+    "max_model_len",
+)
 
 
 def _add_serving_flags(p: argparse.ArgumentParser) -> None:
@@ -126,13 +134,18 @@ def _add_serving_flags(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="byte budget of the prefix cache (0 = off)",
     )
+    p.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        help="tokens a request's prompt and output may fill (default: the model's context)",
+    )
 
 
 def _serving_cli_args(args) -> list[str]:
-    """`up`'s serving flags as core's command line."""
-    return [
-        item for name in SERVING_FLAGS for item in (f"--{name.replace('_', '-')}", str(getattr(args, name)))
-    ]
+    """`up`'s serving flags as core's command line (those left unset stay unset)."""
+    flags = [(f"--{name.replace('_', '-')}", getattr(args, name)) for name in SERVING_FLAGS]
+    return [item for flag, value in flags if value is not None for item in (flag, str(value))]
 
 
 class _DefaultsHelpFormatter(argparse.HelpFormatter):

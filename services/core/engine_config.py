@@ -20,6 +20,7 @@ class EngineConfig:
     prefix_cache_bytes: int = 1 << 30  # 0 turns prefix caching off
     kv_cache: str = "fp16"  # the launch default; a request may ask for another kind
     kv_settings: object | None = None  # services.core.kv.KVCacheSettings for turboquant
+    max_model_len: int | None = None  # the context a request may fill; None: the model's own
     idle_probe_s: float = 2.0
 
     def __post_init__(self):
@@ -28,6 +29,8 @@ class EngineConfig:
                 raise ValueError(f"{name.replace('_', '-')} must be at least 1")
         if self.max_queue < 0 or self.prefix_cache_bytes < 0:
             raise ValueError("max-queue and the prefix cache budget must not be negative")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max-model-len must be at least 1")
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ValueError(f"kv-cache must be one of {', '.join(KV_CACHE_KINDS)}, not {self.kv_cache!r}")
 

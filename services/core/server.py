@@ -36,6 +36,20 @@ def _text_config(config: dict) -> dict:
     return config.get("text_config") or config
 
 
+def context_length_of(text_config: dict, max_model_len: int | None) -> int:
+    """The context requests may fill: the model's (`max_position_embeddings`), or less where
+    `--max-model-len` says so. Longer than the model's is refused: its positions were never trained."""
+    model_len = int(text_config.get("max_position_embeddings") or 4096)
+    if max_model_len is None:
+        return model_len
+    if max_model_len > model_len:
+        raise ValueError(
+            f"--max-model-len {max_model_len} is longer than the model's context "
+            f"({model_len} tokens, max_position_embeddings in config.json)"
+        )
+    return max_model_len
+
+
 def build_engine(
     split_dir: Path,
     workers: list[str],
@@ -57,7 +71,7 @@ def build_engine(
     tokenizer = load_core_tokenizer(split_dir, manifest)
     text_config = _text_config(manifest.config)
     model_id = manifest.model_id(split_dir)
-    context_length = int(text_config.get("max_position_embeddings") or 4096)
+    context_length = context_length_of(text_config, engine_config.max_model_len)
     preparer = RequestPreparer(tokenizer, model_id, context_length, int(text_config["vocab_size"]))
 
     local_layers = set(local_experts.owned(manifest)) if local_experts else set()

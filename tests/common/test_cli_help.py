@@ -44,7 +44,7 @@ def test_up_passes_serving_flags_to_core(monkeypatch):
     monkeypatch.setattr(services.up, "run_up", fake_run_up)
     argv = ["up", "--max-num-seqs", "4", "--max-num-batched-tokens", "128", "--prefix-cache-gb", "0"]
     with pytest.raises(SystemExit) as exit_:
-        cli.main([*argv, "--max-queue", "9", "--kv-cache", "turboquant"])
+        cli.main([*argv, "--max-queue", "9", "--kv-cache", "turboquant", "--max-model-len", "128"])
     assert exit_.value.code == 0
     core_args = seen["core_args"]
     pairs = {
@@ -52,7 +52,7 @@ def test_up_passes_serving_flags_to_core(monkeypatch):
     }
     assert pairs["--max-num-seqs"] == "4" and pairs["--max-num-batched-tokens"] == "128"
     assert pairs["--prefix-cache-gb"] == "0.0" and pairs["--max-queue"] == "9"
-    assert pairs["--kv-cache"] == "turboquant"
+    assert pairs["--kv-cache"] == "turboquant" and pairs["--max-model-len"] == "128"
     # and core's own parser takes them as they are
     parsed = cli.build_parser().parse_args(["core", "--split", "s", "--worker", "local", *core_args])
     assert (parsed.max_num_seqs, parsed.max_queue, parsed.prefix_cache_gb) == (4, 9, 0.0)
