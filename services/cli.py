@@ -58,6 +58,7 @@ def _core(args) -> None:
         expert_overlap={"auto": None, "on": True, "off": False}[args.expert_overlap],
         dense_kernel=args.dense_kernel,
         distributed=args.distributed,
+        served_model_names=args.served_model_name or (),
         engine_config=EngineConfig(
             max_num_seqs=args.max_num_seqs,
             max_queue=args.max_queue,
@@ -96,6 +97,7 @@ def _up(args) -> None:
             log_level=args.log_level,
             local_experts=args.local_experts,
             distributed=args.distributed,
+            model_name=(args.served_model_name or [None])[0],
         )
     )
 
@@ -107,6 +109,7 @@ SERVING_FLAGS = (
     "max_step_seconds",
     "prefix_cache_gb",
     "max_model_len",
+    "served_model_name",
 )
 
 
@@ -135,6 +138,13 @@ def _add_serving_flags(p: argparse.ArgumentParser) -> None:
         help="byte budget of the prefix cache (0 = off)",
     )
     p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model's name in requests and replies, then aliases (default: the checkpoint's folder name)",
+    )
+    p.add_argument(
         "--max-model-len",
         type=positive_int,
         default=None,
@@ -144,8 +154,13 @@ def _add_serving_flags(p: argparse.ArgumentParser) -> None:
 
 def _serving_cli_args(args) -> list[str]:
     """`up`'s serving flags as core's command line (those left unset stay unset)."""
-    flags = [(f"--{name.replace('_', '-')}", getattr(args, name)) for name in SERVING_FLAGS]
-    return [item for flag, value in flags if value is not None for item in (flag, str(value))]
+    out = []
+    for name in SERVING_FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            values = value if isinstance(value, list) else [value]
+            out += [f"--{name.replace('_', '-')}", *map(str, values)]
+    return out
 
 
 class _DefaultsHelpFormatter(argparse.HelpFormatter):

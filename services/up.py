@@ -205,11 +205,13 @@ def run_up(
     log_level: str = "info",
     local_experts: bool = False,
     distributed: str | None = None,
+    model_name: str | None = None,
 ) -> int:
     """`frame_spin_us`: how long core's and the workers' frame reads poll (None: poll when the
     machine has a core for each of them, services.common.frames.spin_for); `local_experts`: no
     worker processes, core computes every expert itself (services/core/expert_link/local.py);
-    `distributed`: core and the workers form an in-graph data plane on this backend."""
+    `distributed`: core and the workers form an in-graph data plane on this backend; `model_name`:
+    the name core serves the model under (core_args carry it), for the ready line."""
     from services.common.frames import spin_for
     from services.common.manifest import Manifest
 
@@ -318,7 +320,7 @@ def run_up(
             pending = [(name, check) for name, check in pending if not check()]
             time.sleep(0.2)
         if not stopping:
-            model = f"{manifest.model_id(split_dir)} ({manifest.model_type})"
+            model = f"{model_name or manifest.model_id(split_dir)} ({manifest.model_type})"
             print(f"moe-mesh is serving {model} at {url}/v1  (Ctrl-C stops it)", flush=True)
         while not stopping:
             if (dead := cluster.dead()) is not None:

@@ -63,9 +63,18 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 
 
 class RequestPreparer:
-    def __init__(self, tokenizer: TokenizerWrapper, model_id: str, context_length: int, vocab_size: int):
+    def __init__(
+        self,
+        tokenizer: TokenizerWrapper,
+        model_id: str,
+        context_length: int,
+        vocab_size: int,
+        aliases: tuple[str, ...] = (),
+    ):
+        """`model_id`: the name the model is served under; `aliases`: other names requests may use."""
         self.tokenizer = tokenizer
         self.model_id = model_id
+        self.model_names = (model_id, *aliases)
         self.context_length = context_length
         self.vocab_size = vocab_size
         self.output_preparer = OutputPreparer(tokenizer, vocab_size)
@@ -248,10 +257,11 @@ class RequestPreparer:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"chat template: {error}") from None
 
     def check_model(self, model: str) -> None:
-        """A request naming a model must name the served one (empty: whatever is served)."""
-        if model and model != self.model_id:
+        """A request naming a model must name the served one or an alias (empty: whatever is served)."""
+        if model and model not in self.model_names:
+            serving = ", ".join(repr(name) for name in self.model_names)
             raise RequestError(
-                grpc.StatusCode.NOT_FOUND, f"model {model!r} is not served here (serving {self.model_id!r})"
+                grpc.StatusCode.NOT_FOUND, f"model {model!r} is not served here (serving {serving})"
             )
 
     def prepare(self, request: core_pb2.GenerateRequest, deadline: float | None) -> PreparedRequest:

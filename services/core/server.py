@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from services.common.grpc_util import install_uvloop, start_metrics_server, start_server
@@ -62,17 +63,21 @@ def build_engine(
     dense_kernel: str = "auto",
     local_experts: LocalExpertsSpec | None = None,
     distributed: str | None = None,
+    served_model_names: Sequence[str] = (),
 ) -> tuple[Engine, RequestPreparer, core_pb2.ModelInfo]:
     """`workers`: addresses of expert worker processes; `local_experts`: the layers whose experts
     core computes itself (expert_link/local.py). Together they must cover every MoE layer.
     `distributed`: carry the workers' layer calls in-graph on this mx.distributed backend
-    (expert_link/distributed.py)."""
+    (expert_link/distributed.py). `served_model_names`: the name requests and replies use, then
+    aliases (default: the checkpoint's folder name)."""
     manifest = Manifest.load(split_dir)
     tokenizer = load_core_tokenizer(split_dir, manifest)
     text_config = _text_config(manifest.config)
-    model_id = manifest.model_id(split_dir)
+    model_id, *aliases = served_model_names or [manifest.model_id(split_dir)]
     context_length = context_length_of(text_config, engine_config.max_model_len)
-    preparer = RequestPreparer(tokenizer, model_id, context_length, int(text_config["vocab_size"]))
+    preparer = RequestPreparer(
+        tokenizer, model_id, context_length, int(text_config["vocab_size"]), tuple(aliases)
+    )
 
     local_layers = set(local_experts.owned(manifest)) if local_experts else set()
     remote_layers = {layer.layer for layer in manifest.layers} - local_layers
@@ -164,6 +169,7 @@ async def serve_core(
     dense_kernel: str = "auto",
     local_experts: LocalExpertsSpec | None = None,
     distributed: str | None = None,
+    served_model_names: Sequence[str] = (),
 ) -> None:
     """`tls`: mTLS for the Core server and the links to workers; `metrics`: host:port of the
     Prometheus endpoint (None = none); `expert_frames`: use same-host workers' frame sockets;
@@ -183,6 +189,7 @@ async def serve_core(
         dense_kernel,
         local_experts,
         distributed,
+        served_model_names,
     )
     running = await start_server(
         lambda server: core_pb2_grpc.add_CoreServicer_to_server(CoreServicer(engine, preparer, info), server),

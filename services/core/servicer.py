@@ -89,7 +89,8 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
                 self.engine.cancel(sequence)
 
     async def ListModels(self, request, context):
-        return core_pb2.ListModelsResponse(models=[self.model_info])
+        names = self.preparer.model_names
+        return core_pb2.ListModelsResponse(models=[_named(self.model_info, name) for name in names])
 
     async def CountTokens(self, request: core_pb2.CountTokensRequest, context):
         try:
@@ -146,3 +147,11 @@ def fill_layer_call_stats(
         p50, p99 = np.percentile(values, [50, 99])
         setattr(out, f"{name}_p50_us", float(p50))
         setattr(out, f"{name}_p99_us", float(p99))
+
+
+def _named(info: core_pb2.ModelInfo, name: str) -> core_pb2.ModelInfo:
+    """The served model's info under one of its names."""
+    named = core_pb2.ModelInfo()
+    named.CopyFrom(info)
+    named.id = name
+    return named

@@ -36,7 +36,8 @@ def alive(pid: int) -> bool:
 def up(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
     workdir = short_dir("mm-up-")  # given to `up`, which then keeps it (logs)
-    proc, url = start_up(cache, workdir, "--experts", "2")
+    names = ["--served-model-name", "smollm2-135m-moe8", "demo"]  # the folder's name, then an alias
+    proc, url = start_up(cache, workdir, "--experts", "2", *names)
     yield proc, url, workdir, cache
     if proc.poll() is None:
         proc.kill()
@@ -78,6 +79,19 @@ def test_demo_answers_paris_streamed(up):
     )
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert "Paris" in text
+
+
+def test_served_model_names_are_listed_and_answer(up):
+    """`--served-model-name NAME ALIAS`: both listed, either answers under the name it was asked by,
+    any other is a 404 naming the model, as vLLM does."""
+    _, url, _, _ = up
+    client = openai.OpenAI(base_url=url, api_key="unused")
+    assert [model.id for model in client.models.list().data] == ["smollm2-135m-moe8", "demo"]
+    reply = client.chat.completions.create(model="demo", messages=QUESTION, temperature=0, max_tokens=16)
+    assert "Paris" in reply.choices[0].message.content and reply.model == "demo"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=2)
+    assert missing.value.code == "model_not_found"
 
 
 def test_anthropic_prefill_is_continued(up):
