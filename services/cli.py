@@ -24,9 +24,10 @@ def cli_command(*args: str) -> list[str]:
 
 
 def _split(args) -> None:
+    from services.common.model_source import resolve_model
     from services.core.split import split_checkpoint
 
-    manifest = split_checkpoint(Path(args.model), Path(args.out), progress=not args.quiet)
+    manifest = split_checkpoint(resolve_model(args.model), Path(args.out), progress=not args.quiet)
     print(
         f"{args.out}: {len(manifest.layers)} MoE layers x {manifest.num_experts} experts, fingerprint {manifest.fingerprint}"
     )
@@ -236,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "split", help="split an mlx-lm MoE checkpoint into core weights and expert layer files"
     )
-    p.add_argument("model", help="checkpoint folder (config.json + *.safetensors)")
+    p.add_argument("model", help="checkpoint folder (config.json + *.safetensors) or Hugging Face repo id")
     p.add_argument("out", help="output folder")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_split)
@@ -317,7 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="The demo model and the splits of checkpoints given with --model are built once into "
         "$MOE_MESH_CACHE (default ~/.cache/moe-mesh); set it where HOME is not writable.",
     )
-    p.add_argument("--model", default=None, help="checkpoint or split folder (default: the demo model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint or split folder, or Hugging Face repo id (default: the demo model)",
+    )
     p.add_argument("--experts", type=positive_int, default=2, help="number of expert workers")
     p.add_argument(
         "--local-experts",

@@ -93,7 +93,9 @@ def memory_plan(
     seqs: int = 1,
     kv_element_bytes: float = 2.0,
 ) -> dict:
-    model = Path(model).expanduser()
+    from services.common.model_source import resolve_model
+
+    model = resolve_model(str(model))
     facts = _from_split(model) if (model / "manifest.json").exists() else _from_checkpoint(model)
     layers, config = facts["layers"], facts["config"]
     experts_per_layer = layers[0]["experts"]

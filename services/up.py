@@ -43,7 +43,9 @@ def cache_root() -> Path:
 
 
 def resolve_split(model: str | None) -> Path:
-    """A split folder for `model` (a split, a checkpoint, or None = the demo model), splitting once."""
+    """A split folder for `model` (a split, a checkpoint folder or Hugging Face repo id, or None = the
+    demo model), splitting once."""
+    from services.common.model_source import resolve_model
     from services.core.split import split_checkpoint
 
     if model is None:
@@ -51,7 +53,7 @@ def resolve_split(model: str | None) -> Path:
 
         source = ensure_demo_model()
     else:
-        source = Path(model).expanduser().resolve()
+        source = resolve_model(model)
         if (source / "manifest.json").exists():
             return source
     # the cached split is the checkpoint's as long as its config and weight files are unchanged

@@ -90,8 +90,11 @@ class Manifest:
         path.write_text(json.dumps(asdict(self), indent=1))
 
     def model_id(self, split_dir: Path) -> str:
-        """The name clients use for this model: the source checkpoint's folder name."""
-        return Path(self.source).name or Path(split_dir).name
+        """The name clients use for this model: the source checkpoint's repo id where it came from
+        the Hugging Face cache, else its folder name."""
+        from services.common.model_source import model_name
+
+        return model_name(Path(self.source)) if self.source else Path(split_dir).name
 
     @classmethod
     def load(cls, split_dir: Path) -> Manifest:
