@@ -27,10 +27,12 @@ SERVICE_NAME = expert_pb2.DESCRIPTOR.services_by_name["ExpertWorker"].full_name
 
 
 def owned_experts(manifest: Manifest, layers: str | None, experts: str | None) -> dict[int, list[int]]:
-    """(layer -> experts) this worker serves, from range strings ("all" by default)."""
+    """(layer -> experts) this worker serves, from range strings ("all" by default: every MoE
+    layer, wherever dense layers sit between them). Ranges that name a dense layer are refused."""
     layer_ids = set(manifest.layer_indices)
     chosen_layers = parse_ranges(layers, max(layer_ids) + 1, "--layers")
-    unknown = [layer for layer in chosen_layers if layer not in layer_ids] if layers else []
+    named = layers is not None and layers.strip() not in ("", "all")
+    unknown = [layer for layer in chosen_layers if layer not in layer_ids] if named else []
     if unknown:
         raise ValueError(
             f"--layers: {format_ranges(unknown)} are not MoE layers (MoE layers: {format_ranges(sorted(layer_ids))})"
