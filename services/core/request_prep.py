@@ -125,6 +125,16 @@ class RequestPreparer:
         inputs = ", ".join(field.name for field in request.DESCRIPTOR.oneofs_by_name["input"].fields)
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"input: one of {inputs} is required")
 
+    def detokenize(self, ids) -> str:
+        """Text of token ids, as the tokenizer decodes them; ids outside the vocabulary are refused."""
+        bad = next((i for i in ids if i >= self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"ids: {bad} is outside the vocabulary (size {self.vocab_size})",
+            )
+        return self.tokenizer.decode(list(ids))
+
     def _snapshot_points(
         self, chat: tuple[list[dict], list | None, dict], prompt: list[int]
     ) -> tuple[int, ...]:

@@ -95,8 +95,16 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
     async def CountTokens(self, request: core_pb2.CountTokensRequest, context):
         try:
             self.preparer.check_model(request.model)
-            return core_pb2.CountTokensResponse(
-                count=len(await self._off_loop(self.preparer.prompt_tokens, request))
+            ids = await self._off_loop(self.preparer.prompt_tokens, request)
+            return core_pb2.CountTokensResponse(count=len(ids), ids=ids if request.return_ids else ())
+        except RequestError as error:
+            await context.abort(error.code, str(error))
+
+    async def Detokenize(self, request: core_pb2.DetokenizeRequest, context):
+        try:
+            self.preparer.check_model(request.model)
+            return core_pb2.DetokenizeResponse(
+                text=await self._off_loop(self.preparer.detokenize, request.ids)
             )
         except RequestError as error:
             await context.abort(error.code, str(error))

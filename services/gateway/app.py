@@ -2,7 +2,8 @@
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (routes_openai); `POST /v1/messages`,
 `POST /v1/messages/count_tokens` (routes_anthropic); `GET /v1/models`, `GET /v1/models/{id}`,
-`/version`, `/health`, `/ready`, `/metrics` (routes_service); `GET /openapi.json`. Middleware, outermost first: request id (every response
+`/version`, `/health`, `/ready`, `/metrics` (routes_service); `POST /tokenize`, `/detokenize`
+(routes_tokenize); `GET /openapi.json`. Middleware, outermost first: request id (every response
 carries X-Request-Id, every log line the request id), optional API keys, body size cap.
 The gateway holds no state besides the gRPC channel, the metrics and the served model's name: any
 number of them can front one core.
@@ -18,7 +19,7 @@ from fastapi import FastAPI
 from services.common.logging import get_logger
 from services.common.tls import TlsFiles
 from services.common.version import moe_mesh_version
-from services.gateway import routes_anthropic, routes_openai, routes_service
+from services.gateway import routes_anthropic, routes_openai, routes_service, routes_tokenize
 from services.gateway.auth import ApiKeyMiddleware
 from services.gateway.core_client import CoreClient, CoreClientConfig
 from services.gateway.errors import install_error_handlers
@@ -68,6 +69,6 @@ def create_app(
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
     app.add_middleware(ApiKeyMiddleware, keys=keys)
     app.add_middleware(RequestIdMiddleware)  # added last = outermost: sees every response
-    for module in (routes_openai, routes_anthropic, routes_service):
+    for module in (routes_openai, routes_anthropic, routes_service, routes_tokenize):
         app.include_router(module.router)
     return app

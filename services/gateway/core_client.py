@@ -76,6 +76,22 @@ class CoreClient:
         )
         return response.count
 
+    async def tokenize(self, request: core_pb2.CountTokensRequest, request_id: str) -> list[int]:
+        """The token ids core would generate from (the chat template applied to a chat)."""
+        request.return_ids = True
+        response = await self._core.CountTokens(
+            request, metadata=self._metadata(request_id), timeout=self.config.unary_timeout_s
+        )
+        return list(response.ids)
+
+    async def detokenize(self, ids: list[int], request_id: str, model: str = "") -> str:
+        response = await self._core.Detokenize(
+            core_pb2.DetokenizeRequest(ids=ids, model=model),
+            metadata=self._metadata(request_id),
+            timeout=self.config.unary_timeout_s,
+        )
+        return response.text
+
     async def stats(self, request_id: str = "") -> core_pb2.CoreStats:
         """Core's counters and gauges (running/waiting requests) for `/metrics`."""
         return await self._core.GetStats(

@@ -83,6 +83,23 @@ def response_format(request: ChatCompletionRequest) -> core_pb2.ResponseFormat |
 
 
 def build_chat_request(request: ChatCompletionRequest, request_id: str) -> core_pb2.GenerateRequest:
+    generate = core_pb2.GenerateRequest(
+        request_id=request_id,
+        model=request.model,
+        chat=chat_input(request),
+        sampling=sampling_params(request),
+        stopping=stopping_criteria(request),
+        logprobs=request.logprobs,
+        top_logprobs=request.top_logprobs or 0,
+        kv_cache=request.kv_cache or "",
+    )
+    if (structured := response_format(request)) is not None:
+        generate.response_format.CopyFrom(structured)
+    return generate
+
+
+def chat_input(request: ChatCompletionRequest) -> core_pb2.ChatInput:
+    """The conversation part of a chat request: messages, tools, template arguments."""
     chat = core_pb2.ChatInput(
         messages=[chat_message(message) for message in request.messages],
         add_generation_prompt=True,
@@ -102,19 +119,7 @@ def build_chat_request(request: ChatCompletionRequest, request_id: str) -> core_
         )
     if request.chat_template_kwargs:
         chat.template_kwargs_json = json.dumps(request.chat_template_kwargs)
-    generate = core_pb2.GenerateRequest(
-        request_id=request_id,
-        model=request.model,
-        chat=chat,
-        sampling=sampling_params(request),
-        stopping=stopping_criteria(request),
-        logprobs=request.logprobs,
-        top_logprobs=request.top_logprobs or 0,
-        kv_cache=request.kv_cache or "",
-    )
-    if (structured := response_format(request)) is not None:
-        generate.response_format.CopyFrom(structured)
-    return generate
+    return chat
 
 
 def chat_message(message: ChatMessage) -> core_pb2.ChatMessage:

@@ -214,6 +214,7 @@ async def test_bytes_that_do_not_parse_are_invalid_argument_and_harm_nothing(sta
         for method, call in (
             ("Generate", channel.unary_stream("/moemesh.v1.Core/Generate")),
             ("CountTokens", channel.unary_unary("/moemesh.v1.Core/CountTokens")),
+            ("Detokenize", channel.unary_unary("/moemesh.v1.Core/Detokenize")),
             ("GetStats", channel.unary_unary("/moemesh.v1.Core/GetStats")),
         ):
             with pytest.raises(grpc.aio.AioRpcError) as failure:

@@ -172,9 +172,12 @@ class CoreDouble(core_pb2_grpc.CoreServicer):
             self.running -= 1
 
     async def CountTokens(self, request: core_pb2.CountTokensRequest, context):
-        return core_pb2.CountTokensResponse(
-            count=sum(len(message.content.split()) for message in request.chat.messages)
-        )
+        words = sum(len(message.content.split()) for message in request.chat.messages)
+        words += len(request.prompt.split())
+        return core_pb2.CountTokensResponse(count=words, ids=range(words) if request.return_ids else ())
+
+    async def Detokenize(self, request: core_pb2.DetokenizeRequest, context):
+        return core_pb2.DetokenizeResponse(text=" ".join(f"w{i}" for i in request.ids))
 
     async def GetStats(self, request, context):
         return core_pb2.CoreStats(running_requests=self.running, waiting_requests=0)

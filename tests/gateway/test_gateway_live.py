@@ -395,3 +395,20 @@ def test_qwen3_logit_bias_and_reasoning_separation(qwen3: LiveStack) -> None:
             reasoning += getattr(chunk.choices[0].delta, "reasoning_content", None) or ""
             content += chunk.choices[0].delta.content or ""
     assert (reasoning, content) == ("<think>" * 3, "")
+
+
+def test_qwen3_tokenize_and_detokenize_as_vllm(qwen3: LiveStack) -> None:
+    """vLLM's /tokenize and /detokenize: the ids core generates from, a chat through its template
+    (as many as the chat's usage.prompt_tokens), and ids back to the same text."""
+    text = "The capital of France is Paris."
+    tokenized = httpx.post(qwen3.url + "/tokenize", json={"model": qwen3.model, "prompt": text}).json()
+    assert tokenized["count"] == len(tokenized["tokens"]) > 0 and tokenized["max_model_len"] > 0
+    back = httpx.post(qwen3.url + "/detokenize", json={"model": qwen3.model, "tokens": tokenized["tokens"]})
+    assert back.json() == {"prompt": text}
+    chat = httpx.post(qwen3.url + "/tokenize", json={"model": qwen3.model, "messages": QUESTION}).json()
+    reply = qwen3.openai().chat.completions.create(model=qwen3.model, messages=QUESTION, max_tokens=1)
+    assert chat["count"] == reply.usage.prompt_tokens
+    missing = httpx.post(qwen3.url + "/tokenize", json={"model": "not-this-one", "prompt": text})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    outside = httpx.post(qwen3.url + "/detokenize", json={"tokens": [10**9]})
+    assert outside.status_code == 400 and "vocabulary" in outside.json()["error"]["message"]

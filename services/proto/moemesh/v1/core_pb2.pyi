@@ -283,20 +283,38 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class CountTokensRequest(_message.Message):
-    __slots__ = ("chat", "prompt", "model")
+    __slots__ = ("chat", "prompt", "model", "return_ids")
     CHAT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    RETURN_IDS_FIELD_NUMBER: _ClassVar[int]
     chat: ChatInput
     prompt: str
     model: str
-    def __init__(self, chat: _Optional[_Union[ChatInput, _Mapping]] = ..., prompt: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    return_ids: bool
+    def __init__(self, chat: _Optional[_Union[ChatInput, _Mapping]] = ..., prompt: _Optional[str] = ..., model: _Optional[str] = ..., return_ids: _Optional[bool] = ...) -> None: ...
 
 class CountTokensResponse(_message.Message):
-    __slots__ = ("count",)
+    __slots__ = ("count", "ids")
     COUNT_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
     count: int
-    def __init__(self, count: _Optional[int] = ...) -> None: ...
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, count: _Optional[int] = ..., ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("ids", "model")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    model: str
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ("reset_layer_calls",)

@@ -52,6 +52,11 @@ class CoreStub:
                 request_serializer=moemesh_dot_v1_dot_core__pb2.CountTokensRequest.SerializeToString,
                 response_deserializer=moemesh_dot_v1_dot_core__pb2.CountTokensResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/moemesh.v1.Core/Detokenize',
+                request_serializer=moemesh_dot_v1_dot_core__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=moemesh_dot_v1_dot_core__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/moemesh.v1.Core/GetStats',
                 request_serializer=moemesh_dot_v1_dot_core__pb2.GetStatsRequest.SerializeToString,
@@ -82,6 +87,12 @@ class CoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -105,6 +116,11 @@ def add_CoreServicer_to_server(servicer, server):
                     servicer.CountTokens,
                     request_deserializer=moemesh_dot_v1_dot_core__pb2.CountTokensRequest.FromString,
                     response_serializer=moemesh_dot_v1_dot_core__pb2.CountTokensResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=moemesh_dot_v1_dot_core__pb2.DetokenizeRequest.FromString,
+                    response_serializer=moemesh_dot_v1_dot_core__pb2.DetokenizeResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -195,6 +211,33 @@ class Core:
             '/moemesh.v1.Core/CountTokens',
             moemesh_dot_v1_dot_core__pb2.CountTokensRequest.SerializeToString,
             moemesh_dot_v1_dot_core__pb2.CountTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moemesh.v1.Core/Detokenize',
+            moemesh_dot_v1_dot_core__pb2.DetokenizeRequest.SerializeToString,
+            moemesh_dot_v1_dot_core__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
