@@ -94,6 +94,7 @@ def memory_plan(
     kv_element_bytes: float = 2.0,
 ) -> dict:
     from services.common.model_source import resolve_model
+    from services.core.split_disk import split_bytes
 
     model = resolve_model(str(model))
     facts = _from_split(model) if (model / "manifest.json").exists() else _from_checkpoint(model)
@@ -148,6 +149,8 @@ def memory_plan(
             "estimate": kv_note,
         },
         "expected_ssd_bytes_per_token": int(ssd_bytes_per_token),
+        # a checkpoint must be split first: the disk that takes (0 for a split)
+        "split_disk_bytes": 0 if (model / "manifest.json").exists() else split_bytes(model),
         "assumption": "uniform routing; an LRU cache of s of n experts hits s/n of the time",
     }
 
@@ -172,6 +175,8 @@ def format_plan(plan: dict) -> str:
     lines.append(
         f"expected SSD reads: {plan['expected_ssd_bytes_per_token'] / 1e6:.1f} MB per token ({plan['assumption']})"
     )
+    if plan["split_disk_bytes"]:
+        lines.append(f"splitting it first writes {gb(plan['split_disk_bytes'])} to disk")
     return "\n".join(lines)
 
 

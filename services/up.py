@@ -72,7 +72,10 @@ def resolve_split(model: str | None) -> Path:
             print(f"waiting for another moe-mesh to finish splitting {source}", file=sys.stderr)
             fcntl.flock(lock, fcntl.LOCK_EX)
         if not (split_dir / "manifest.json").exists():
-            print(f"splitting {source} into {split_dir} (once)", file=sys.stderr)
+            from services.core.split_disk import GB, split_bytes
+
+            needs = split_bytes(source) / GB
+            print(f"splitting {source} into {split_dir} (once, {needs:.2f} GB)", file=sys.stderr)
             split_checkpoint(source, split_dir)
     return split_dir
 

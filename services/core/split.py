@@ -35,6 +35,7 @@ from services.common.model_build import (
 from services.common.progress import Progress
 from services.common.staging import remove_abandoned, staging_name
 from services.common.tensor_codec import dtype_name
+from services.core.split_disk import GB, check_free_space, link_or_copy
 
 log = get_logger(__name__)
 
@@ -82,6 +83,8 @@ def split_checkpoint(model_path: Path, out_dir: Path, progress: bool = True) -> 
     model_path, out_dir = Path(model_path).resolve(), Path(out_dir).resolve()
     read_checkpoint_config(model_path)
     _check_replaceable(out_dir)
+    needed = check_free_space(model_path, out_dir)
+    log.info("split_start", model=str(model_path), out=str(out_dir), needs_gb=round(needed / GB, 2))
 
     model, config = load_model(model_path, lazy=True)
     experts = list(expert_modules(model))
@@ -161,7 +164,7 @@ def _write_split(
     (staging / "core" / "config.json").write_text(json.dumps(config, indent=1, default=str))
     for item in model_path.iterdir():
         if item.is_file() and item.suffix in _CORE_FILE_SUFFIXES and item.name not in _SKIP_FILES:
-            shutil.copy(item, staging / "core" / item.name)
+            link_or_copy(item, staging / "core" / item.name)
     bar.advance(1)
 
     first = experts[0][1]

@@ -76,6 +76,9 @@ def test_unknown_and_missing_checkpoints_are_refused(tmp_path):
     result = run_cli("split", str(tmp_path / "weird"), str(tmp_path / "out"))
     assert result.returncode != 0 and "'no_such_arch' is not an mlx-lm architecture" in result.stderr
     result = run_cli("split", str(tmp_path / "nothing"), str(tmp_path / "out"))
+    assert result.returncode != 0 and "nothing: no such folder" in result.stderr
+    (tmp_path / "empty").mkdir()
+    result = run_cli("split", str(tmp_path / "empty"), str(tmp_path / "out"))
     assert result.returncode != 0 and "no config.json" in result.stderr
     for name, text, words in (
         ("broken", "{", "is not valid JSON"),
