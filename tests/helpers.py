@@ -196,12 +196,15 @@ def linked_dispatcher(
         workers.stop()
 
 
-def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`moe-mesh ARGS` to completion, output captured."""
+def run_cli(
+    *args: str, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`moe-mesh ARGS` to completion, output captured (`env`: the whole environment; None: this one)."""
     return subprocess.run(
         [sys.executable, "-m", "services.cli", *args],
         check=False,
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=env,
     )

@@ -1,21 +1,13 @@
-"""moe-mesh says its version: `moe-mesh --version` on the command line, `GET /version` over HTTP
-(vLLM's shape), both the installed distribution's."""
+"""moe-mesh says its version: `moe-mesh --version` on the command line (`GET /version`, vLLM's
+shape, in tests/gateway/test_gateway_http.py), the installed distribution's."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from importlib import metadata
 
-from tests.helpers import REPO
+from tests.helpers import run_cli
 
 
 def test_cli_prints_the_installed_version():
-    out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "--version"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        check=True,
-    )
-    assert out.stdout.strip() == f"moe-mesh {metadata.version('moe-mesh')}"
+    out = run_cli("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"moe-mesh {metadata.version('moe-mesh')}"

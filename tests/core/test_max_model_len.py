@@ -3,14 +3,11 @@ refuses a longer one at start-up with one line that names both lengths."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import grpc
 import pytest
 
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
-from tests.helpers import REPO, short_dir, spawn, stop, wait_serving
+from tests.helpers import run_cli, short_dir, spawn, stop, wait_serving
 
 
 async def test_core_serves_the_shorter_context(tiny_models):
@@ -44,14 +41,7 @@ def test_a_context_longer_than_the_models_is_refused(tiny_models):
     split = tiny_models.split("qwen3_moe", None)
     workdir = short_dir()
     argv = ["core", "--split", str(split), "--listen", f"unix:{workdir / 'c.sock'}", "--worker", "local"]
-    out = subprocess.run(
-        [sys.executable, "-m", "services.cli", *argv, "--max-model-len", "1000000"],
-        check=False,
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-    )
+    out = run_cli(*argv, "--max-model-len", "1000000", timeout=120)
     assert out.returncode != 0
     last = out.stderr.strip().splitlines()[-1]
     assert "--max-model-len 1000000 is longer than the model's context (4096 tokens" in last

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import openai
 import pytest
 
 from tests.e2e.test_up import start_up
-from tests.helpers import REPO, short_dir
+from tests.helpers import run_cli, short_dir
 
 REPO_ID = "tiny-org/tiny-moe"
 
@@ -52,15 +50,7 @@ def test_up_serves_a_cached_repo_id_offline(hf_home, monkeypatch, tmp_path):
 
 
 def test_a_repo_neither_cached_nor_reachable_is_one_line(hf_home, tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "split", "nobody/not-a-model", str(tmp_path / "out")],
-        check=False,
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=offline_env(hf_home),
-        timeout=120,
-    )
+    out = run_cli("split", "nobody/not-a-model", str(tmp_path / "out"), timeout=120, env=offline_env(hf_home))
     assert out.returncode != 0
     line = out.stderr.strip().splitlines()[-1]
     assert "nobody/not-a-model" in line and str(hf_home / "hub") in line
