@@ -19,10 +19,10 @@ _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 def resolve_model(model: str) -> Path:
     """The local checkpoint folder for `model` (a folder, or a Hugging Face repo id)."""
     path = Path(model).expanduser()
-    if path.exists() or not _REPO_ID.fullmatch(model):
-        if not path.exists():
-            raise FileNotFoundError(f"{model}: no such folder (and not a Hugging Face repo id)")
+    if path.exists():
         return path.resolve()
+    if not _REPO_ID.fullmatch(model):
+        raise FileNotFoundError(f"{model}: no such folder (and not a Hugging Face repo id)")
     from huggingface_hub import snapshot_download
     from huggingface_hub.constants import HF_HUB_CACHE
     from huggingface_hub.errors import LocalEntryNotFoundError

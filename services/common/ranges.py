@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 
+def means_all(text: str | None) -> bool:
+    """None, "" and "all" name every index."""
+    return text is None or text.strip() in ("", "all")
+
+
 def parse_ranges(text: str | None, limit: int, what: str) -> list[int]:
-    """Indices in [0, limit) named by `text`; None, "" or "all" means all of them."""
-    if text is None or text.strip() in ("", "all"):
+    """Indices in [0, limit) named by `text` (every one where `means_all`)."""
+    if means_all(text):
         return list(range(limit))
     chosen: set[int] = set()
     for raw in text.split(","):

@@ -114,26 +114,24 @@ class RequestPreparer:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
             return list(self.tokenizer.encode(request.prompt))
         if kind == "token_ids":
-            ids = list(request.token_ids.ids)
-            bad = [i for i in ids if i >= self.vocab_size]
-            if bad:
-                raise RequestError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"token_ids: {bad[0]} is outside the vocabulary (size {self.vocab_size})",
-                )
-            return ids
+            return self._in_vocabulary(request.token_ids.ids, "token_ids")
         inputs = ", ".join(field.name for field in request.DESCRIPTOR.oneofs_by_name["input"].fields)
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"input: one of {inputs} is required")
 
     def detokenize(self, ids) -> str:
         """Text of token ids, as the tokenizer decodes them; ids outside the vocabulary are refused."""
+        return self.tokenizer.decode(self._in_vocabulary(ids, "ids"))
+
+    def _in_vocabulary(self, ids, field: str) -> list[int]:
+        """`ids` as a list; INVALID_ARGUMENT naming `field` and the first id past the vocabulary."""
+        ids = list(ids)
         bad = next((i for i in ids if i >= self.vocab_size), None)
         if bad is not None:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"ids: {bad} is outside the vocabulary (size {self.vocab_size})",
+                f"{field}: {bad} is outside the vocabulary (size {self.vocab_size})",
             )
-        return self.tokenizer.decode(list(ids))
+        return ids
 
     def _snapshot_points(
         self, chat: tuple[list[dict], list | None, dict], prompt: list[int]
@@ -317,13 +315,7 @@ class RequestPreparer:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"stop: at most {MAX_STOP_STRINGS} stop strings"
             )
-        bad = [t for t in stopping.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"stop_token_ids: {bad[0]} is outside the vocabulary (size {self.vocab_size})",
-            )
-        stop_ids = [[int(t)] for t in stopping.stop_token_ids]
+        stop_ids = [[int(t)] for t in self._in_vocabulary(stopping.stop_token_ids, "stop_token_ids")]
         if not stopping.ignore_eos:
             stop_ids += [[int(t)] for t in sorted(self.tokenizer.eos_token_ids)]
         if request.top_logprobs > MAX_TOP_LOGPROBS:

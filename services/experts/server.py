@@ -11,7 +11,7 @@ from services.common.frames import frames_path_for
 from services.common.grpc_util import install_uvloop, start_metrics_server, start_server, unix_socket_path
 from services.common.logging import get_logger
 from services.common.manifest import Manifest
-from services.common.ranges import format_ranges, parse_ranges
+from services.common.ranges import format_ranges, means_all, parse_ranges
 from services.common.tls import TlsFiles
 from services.common.unix_sockets import path_fits
 from services.experts.compute import DEFAULT_MAX_CALL_BYTES, ExpertCompute
@@ -31,8 +31,7 @@ def owned_experts(manifest: Manifest, layers: str | None, experts: str | None) -
     layer, wherever dense layers sit between them). Ranges that name a dense layer are refused."""
     layer_ids = set(manifest.layer_indices)
     chosen_layers = parse_ranges(layers, max(layer_ids) + 1, "--layers")
-    named = layers is not None and layers.strip() not in ("", "all")
-    unknown = [layer for layer in chosen_layers if layer not in layer_ids] if named else []
+    unknown = [] if means_all(layers) else [layer for layer in chosen_layers if layer not in layer_ids]
     if unknown:
         raise ValueError(
             f"--layers: {format_ranges(unknown)} are not MoE layers (MoE layers: {format_ranges(sorted(layer_ids))})"

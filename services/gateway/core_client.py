@@ -77,8 +77,8 @@ class CoreClient:
         return response.count
 
     async def tokenize(self, request: core_pb2.CountTokensRequest, request_id: str) -> list[int]:
-        """The token ids core would generate from (the chat template applied to a chat)."""
-        request.return_ids = True
+        """The token ids core would generate from (the chat template applied to a chat); the
+        request asks for them (`return_ids`)."""
         response = await self._core.CountTokens(
             request, metadata=self._metadata(request_id), timeout=self.config.unary_timeout_s
         )

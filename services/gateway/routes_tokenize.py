@@ -31,10 +31,11 @@ class DetokenizeRequest(ApiModel):
 @router.post("/tokenize")
 async def tokenize(body: TokenizePromptRequest | ChatCompletionRequest, request: Request) -> dict:
     core: CoreClient = request.app.state.core
+    count = core_pb2.CountTokensRequest(model=body.model or "", return_ids=True)
     if isinstance(body, TokenizePromptRequest):
-        count = core_pb2.CountTokensRequest(prompt=body.prompt, model=body.model or "")
+        count.prompt = body.prompt
     else:
-        count = core_pb2.CountTokensRequest(chat=chat_input(body), model=body.model or "")
+        count.chat.CopyFrom(chat_input(body))
     try:
         ids = await core.tokenize(count, request.state.request_id)
         models = await core.list_models(request.state.request_id)
