@@ -47,8 +47,8 @@ def _deploy(args) -> None:
     if args.kind == "launchd":
         log_dir = Path(args.log_dir).expanduser() if args.log_dir else Path.home() / "Library/Logs/moe-mesh"
         rendered = render_launchd(config, args.role, log_dir)
-        if sys.platform == "darwin":
-            log_dir.mkdir(parents=True, exist_ok=True)  # launchd does not create the log folder
+        if args.out:  # installed on this host: launchd does not create the log folder
+            log_dir.mkdir(parents=True, exist_ok=True)
     else:
         rendered = render_systemd(config, args.role, user=args.user)
     if args.out:

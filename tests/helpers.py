@@ -208,3 +208,17 @@ def run_cli(
         timeout=timeout,
         env=env,
     )
+
+
+def place_in_hf_cache(hf_home: Path, repo_id: str, checkpoint: Path) -> Path:
+    """Copy `checkpoint` into a Hugging Face cache under `hf_home` as `repo_id` (main -> one
+    commit), the layout `huggingface_hub` reads offline; returns the snapshot folder."""
+    import shutil
+
+    repo = Path(hf_home) / "hub" / f"models--{repo_id.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(checkpoint, snapshot)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot

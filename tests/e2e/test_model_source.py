@@ -5,14 +5,13 @@ reachable is one line naming the cache and the repo."""
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import openai
 import pytest
 
 from tests.e2e.test_up import start_up
-from tests.helpers import run_cli, short_dir
+from tests.helpers import place_in_hf_cache, run_cli, short_dir
 
 REPO_ID = "tiny-org/tiny-moe"
 
@@ -21,11 +20,7 @@ REPO_ID = "tiny-org/tiny-moe"
 def hf_home(tiny_models, tmp_path_factory) -> Path:
     """A Hugging Face cache holding the tiny qwen3_moe checkpoint as `REPO_ID`, main -> one commit."""
     home = tmp_path_factory.mktemp("hf-home")
-    repo = home / "hub" / f"models--{REPO_ID.replace('/', '--')}"
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    shutil.copytree(tiny_models.checkpoint("qwen3_moe", None), repo / "snapshots" / commit)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
+    place_in_hf_cache(home, REPO_ID, tiny_models.checkpoint("qwen3_moe", None))
     return home
 
 
