@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import plistlib
+import re
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,19 @@ def test_two_macs_guide(guide_run):
     assert (guide_run.homes["mac-b"] / "moe-mesh/qwen3-30b-a3b/manifest.json").exists()
     assert (guide_run.homes["mac-b"] / "moe-mesh/certs/ca.pem").exists()
     assert not list(guide_run.state.glob("*.pid")), "the guide's bootout left a service running"
+
+
+def test_larger_than_ram_guide(guide_run):
+    # the stand-in's experts take 2.4 MB: a fifth of that in RAM streams the rest, as 8 GB of 16 does
+    guide_run.substitutions |= {
+        "--memory-gb 8": "--memory-gb 0.0005",
+        "--expert-memory-gb 8": "--expert-memory-gb 0.0005",
+    }
+    guide_run.run((DOCS / "guide-larger-than-ram.md").read_text())
+    reply = _chat_reply(guide_run.outputs)
+    assert reply["model"] == REPO_ID and reply["usage"]["completion_tokens"] > 0
+    plan = next(out for out in guide_run.outputs if "expected SSD reads" in out)
+    resident = re.search(r"resident [\d.]+ GB \((\d+)%\)", plan)
+    assert resident and 0 < int(resident.group(1)) < 50, plan
+    iobench = next(out for out in guide_run.outputs if "queue depth" in out)
+    assert [line.split()[0] for line in iobench.splitlines()[2:]] == ["1", "8", "32"]
