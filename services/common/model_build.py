@@ -26,6 +26,22 @@ class UnsupportedModelError(ValueError):
     """The checkpoint is not an mlx-lm architecture, or not a Mixture-of-Experts."""
 
 
+def check_batchable(model: nn.Module, model_type: str) -> None:
+    """Core's engine batches sequences with mlx-lm's BatchGenerator, which merges each layer's
+    cache across sequences; raise UnsupportedModelError naming the family when a cache of this
+    model cannot merge (as mlx-lm's own server then falls back to one request at a time)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    unbatchable = sorted(
+        {type(cache).__name__ for cache in make_prompt_cache(model) if not hasattr(cache, "merge")}
+    )
+    if unbatchable:
+        raise UnsupportedModelError(
+            f"{model_type} cannot be served: its KV cache ({', '.join(unbatchable)}) cannot be batched "
+            "by mlx-lm's BatchGenerator, which core's engine runs on"
+        )
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """Shape and dtype of a weight we have not read (enough to pick quantization)."""

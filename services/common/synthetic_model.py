@@ -120,7 +120,7 @@ TINY_CONFIGS.update(
         "granitemoe": {
             **_COMMON,
             "model_type": "granitemoe",
-            "intermediate_size": 32,
+            "intermediate_size": 64,  # 4-bit groups of 64 along it
             "num_local_experts": 8,
             "num_experts_per_tok": 2,
             "logits_scaling": 1.0,
@@ -219,12 +219,15 @@ def build_random_checkpoint(
     mx.random.seed(seed)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
-    # Scale weights so activations stay in a sane range through random layers.
-    model.update(
-        nn.utils.tree_map(
-            lambda p: (p * 2.0).astype(dtype) if p.ndim > 1 else p.astype(vector_dtype), model.parameters()
-        )
-    )
+
+    # Scale weights so activations stay in a sane range through random layers. Parameters a module
+    # makes in a dtype of its own (packed integer weights, their float16 scales) stay as made.
+    def randomized(p: mx.array) -> mx.array:
+        if p.dtype != mx.float32:
+            return p
+        return (p * 2.0).astype(dtype) if p.ndim > 1 else p.astype(vector_dtype)
+
+    model.update(nn.utils.tree_map(randomized, model.parameters()))
     if bits is not None:
         model, config = quantize_model(model, config, group_size, bits)
     # Evaluate leaf by leaf: the float weights of a quantized model are never all in RAM at once.

@@ -16,7 +16,7 @@ from mlx_lm.utils import load_tokenizer
 
 from metal.linear_cpu import use_cpu_kernels
 from services.common.manifest import Manifest
-from services.common.model_build import build_skeleton, quantize_like_mlx_lm, replace_modules
+from services.common.model_build import build_skeleton, check_batchable, quantize_like_mlx_lm, replace_modules
 from services.core.expert_link.dispatcher import ExpertDispatcher
 from services.core.expert_link.in_flight import settle_pending
 from services.core.expert_link.proxy import RemoteExperts
@@ -36,6 +36,7 @@ def load_core_model(
     the strict load still proves core.safetensors holds exactly core's part."""
     local_modules = local_modules or {}
     model = build_skeleton(manifest.config)
+    check_batchable(model, manifest.model_type)  # a split made before this check existed
     replace_modules(
         model, {layer.module: RemoteExperts(layer.layer, dispatcher) for layer in manifest.layers}
     )

@@ -37,6 +37,14 @@ def _text_config(config: dict) -> dict:
     return config.get("text_config") or config
 
 
+def vocab_size_of(text_config: dict) -> int:
+    """The model's vocabulary size, under the names mlx-lm's architectures give it."""
+    for key in ("vocab_size", "num_vocab", "n_vocab", "padded_vocab_size"):
+        if key in text_config:
+            return int(text_config[key])
+    raise ValueError("the model's config names no vocabulary size (vocab_size)")
+
+
 def context_length_of(text_config: dict, max_model_len: int | None) -> int:
     """The context requests may fill: the model's (`max_position_embeddings`), or less where
     `--max-model-len` says so. Longer than the model's is refused: its positions were never trained."""
@@ -76,7 +84,7 @@ def build_engine(
     model_id, *aliases = served_model_names or [manifest.model_id(split_dir)]
     context_length = context_length_of(text_config, engine_config.max_model_len)
     preparer = RequestPreparer(
-        tokenizer, model_id, context_length, int(text_config["vocab_size"]), tuple(aliases)
+        tokenizer, model_id, context_length, vocab_size_of(text_config), tuple(aliases)
     )
 
     local_layers = set(local_experts.owned(manifest)) if local_experts else set()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
@@ -28,6 +29,7 @@ from services.common.logging import get_logger
 from services.common.manifest import Manifest, ManifestError, MoeLayer, record_layout
 from services.common.model_build import (
     UnsupportedModelError,
+    check_batchable,
     expert_modules,
     expert_width,
     read_checkpoint_config,
@@ -93,6 +95,9 @@ def split_checkpoint(model_path: Path, out_dir: Path, progress: bool = True) -> 
             f"{model_path.name} ({config['model_type']}) is a dense model: it has no routed experts to split"
         )
 
+    _check_per_expert(config, experts)
+    check_batchable(model, config["model_type"])
+
     # a split into the same OUT that was killed outright left its staging folder: remove it
     remove_abandoned(out_dir.parent, f".{out_dir.name}.partial-")
     staging = out_dir.with_name(staging_name(f".{out_dir.name}.partial-"))
@@ -106,6 +111,22 @@ def split_checkpoint(model_path: Path, out_dir: Path, progress: bool = True) -> 
     staging.rename(out_dir)
     log.info("split_done", out=str(out_dir), layers=len(manifest.layers), experts=manifest.num_experts)
     return manifest
+
+
+def _check_per_expert(config: dict, experts: list) -> None:
+    """Every parameter of an expert module must hold one row per expert: that is what a worker
+    owning some experts of a layer loads. A tensor the layer's experts share cannot be split."""
+    for path, module in experts:
+        params = dict(tree_flatten(module.parameters()))
+        leading = Counter(array.shape[0] if array.ndim else None for array in params.values())
+        num_experts = leading.most_common(1)[0][0]
+        for name, array in params.items():
+            if not array.ndim or array.shape[0] != num_experts:
+                raise UnsupportedModelError(
+                    f"{config['model_type']} cannot be split: its expert module {path} holds {name}, "
+                    f"{list(array.shape)}, one tensor shared by the layer's {num_experts} experts "
+                    "rather than one per expert"
+                )
 
 
 SPLIT_ENTRIES = {"manifest.json", "core", "experts"}  # what a split folder holds
