@@ -5,6 +5,7 @@
 
 Prints one JSON object with p50/p99 microseconds of:
   in_graph_compute         the layer's expert module on device-resident inputs (what monolithic pays)
+  worker_compute_steps     the worker's compute built up one step at a time (compute_steps)
   host_round_trip          hidden to host bytes and [k, H] back into an MLX array (no network)
   worker_run               ExpertCompute.run on a wire message: decode, validate, compute, encode
   worker_parts_back_to_back  that call's own timers (decode + checks, compute, reply encoding),
@@ -70,6 +71,31 @@ def interleaved(variants: dict, calls: int, block: int = 25, warmup: int = 20) -
     return samples
 
 
+def compute_steps(compute: ExpertCompute, layer: int, hidden: mx.array, ids: mx.array, calls: int) -> dict:
+    """A worker's compute, one step added at a time (p50/p99 us each): the module on device inputs,
+    compiled, then with inputs made from host bytes, then with the output read back to the host,
+    then ExpertCompute.compute_rows itself (store lookup and wire form included)."""
+    module = compute.module(layer)
+    compiled = mx.compile(module)
+    host_hidden, host_ids = tensor_codec.numpy_view(hidden), np.asarray(ids)
+
+    def host_inputs():
+        return module(*tensor_codec.to_mlx_with_ids(host_hidden, host_ids))
+
+    def host_both_ways():
+        out = tensor_codec.wire_form(host_inputs())
+        mx.eval(out)
+        return np.asarray(out)
+
+    return {
+        "device_inputs": timed(lambda: mx.eval(module(hidden, ids)), calls),
+        "device_inputs_compiled": timed(lambda: mx.eval(compiled(hidden, ids)), calls),
+        "host_inputs": timed(lambda: mx.eval(host_inputs()), calls),
+        "host_inputs_host_output": timed(host_both_ways, calls),
+        "compute_rows": timed(lambda: compute.compute_rows(layer, host_hidden, host_ids), calls),
+    }
+
+
 def main() -> None:
     from services.common.logging import configure_logging
 
@@ -104,6 +130,7 @@ def main() -> None:
     }
 
     report["in_graph_compute"] = timed(lambda: mx.eval(module(hidden, ids)), args.calls)
+    report["worker_compute_steps"] = compute_steps(compute, layer.layer, hidden, ids, args.calls)
 
     def host_round_trip():
         host = tensor_codec.numpy_view(hidden)  # what the dispatcher sends
