@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import LRUPromptCache
 
 # More entries than any sane budget holds; the byte budget is the real limit.
@@ -65,4 +67,7 @@ class PrefixCache:
         """Keep `cache`, which holds the KV of exactly `tokens`, for later requests."""
         if not self.enabled or not tokens or not cache:
             return
+        # An extracted cache is a lazy slice of its batch's KV buffers: evaluated now, the entry
+        # holds only its own bytes (what the budget counts), not the whole batch's buffers.
+        mx.eval([a for _, a in tree_flatten([layer.state for layer in cache]) if isinstance(a, mx.array)])
         self._lru.insert_cache(kind, list(tokens), cache)
