@@ -60,6 +60,7 @@ def _core(args) -> None:
         dense_kernel=args.dense_kernel,
         distributed=args.distributed,
         served_model_names=args.served_model_name or (),
+        mlx_cache_bytes=int(args.mlx_cache_gb * (1 << 30)),
         engine_config=EngineConfig(
             max_num_seqs=args.max_num_seqs,
             max_queue=args.max_queue,
@@ -103,12 +104,15 @@ def _up(args) -> None:
     )
 
 
+DEFAULT_MLX_CACHE_GB = 1.0
+
 SERVING_FLAGS = (
     "max_num_seqs",
     "max_queue",
     "max_num_batched_tokens",
     "max_step_seconds",
     "prefix_cache_gb",
+    "mlx_cache_gb",
     "max_model_len",
     "served_model_name",
 )
@@ -137,6 +141,12 @@ def _add_serving_flags(p: argparse.ArgumentParser) -> None:
         type=non_negative_float,
         default=1.0,
         help="byte budget of the prefix cache (0 = off)",
+    )
+    p.add_argument(
+        "--mlx-cache-gb",
+        type=non_negative_float,
+        default=DEFAULT_MLX_CACHE_GB,
+        help="GB of freed buffers MLX keeps for reuse: core's memory is its weights, KV and prefix cache, and this",
     )
     p.add_argument(
         "--served-model-name",

@@ -92,6 +92,7 @@ class CoreConfig:
     max_num_batched_tokens: int = 512
     max_step_seconds: float = 1.0
     prefix_cache_gb: float = 1.0
+    mlx_cache_gb: float = 1.0
     kv_cache: str = "fp16"
 
 
@@ -186,6 +187,7 @@ def parse_cluster(data: dict, path: Path) -> ClusterConfig:
         ),
         max_step_seconds=reader.non_negative(core_table, "max_step_seconds", "core.max_step_seconds", 1.0),
         prefix_cache_gb=reader.non_negative(core_table, "prefix_cache_gb", "core.prefix_cache_gb", 1.0),
+        mlx_cache_gb=reader.non_negative(core_table, "mlx_cache_gb", "core.mlx_cache_gb", 1.0),
         kv_cache=reader.string(core_table, "kv_cache", "core.kv_cache", "fp16"),
     )
     gateway_table = reader.table(data, "gateway", required=False)

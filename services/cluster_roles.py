@@ -114,6 +114,7 @@ def core_kwargs(args: argparse.Namespace) -> dict:
         _fill(args, "max_num_batched_tokens", config.core.max_num_batched_tokens)
         _fill(args, "max_step_seconds", config.core.max_step_seconds)
         _fill(args, "prefix_cache_gb", config.core.prefix_cache_gb)
+        _fill(args, "mlx_cache_gb", config.core.mlx_cache_gb)
         _fill(args, "kv_cache", config.core.kv_cache)
         workers = workers or config.worker_addresses
         _join_data_plane(args, config)

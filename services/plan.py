@@ -92,6 +92,8 @@ def memory_plan(
     context: int = 4096,
     seqs: int = 1,
     kv_element_bytes: float = 2.0,
+    prefix_cache_gb: float = 1.0,
+    mlx_cache_gb: float = 1.0,
 ) -> dict:
     from services.common.model_source import resolve_model
     from services.core.split_disk import split_bytes
@@ -130,6 +132,11 @@ def memory_plan(
         )
     kv_per_token, kv_note = kv_bytes_per_token(config, kv_element_bytes)
     expert_total = sum(layer["experts"] * layer["expert_bytes"] for layer in layers)
+    kv_budget = int(kv_per_token * context * seqs)
+    # core's memory: what it loads, plus three budgets it keeps to (--prefix-cache-gb, --mlx-cache-gb)
+    core_bound = (
+        facts["core_bytes"] + kv_budget + int(prefix_cache_gb * (1 << 30)) + int(mlx_cache_gb * (1 << 30))
+    )
     return {
         "model": str(model),
         "source": facts["source"],
@@ -145,10 +152,15 @@ def memory_plan(
             "bytes_per_token": int(kv_per_token),
             "context": context,
             "seqs": seqs,
-            "budget_bytes": int(kv_per_token * context * seqs),
+            "budget_bytes": kv_budget,
             "estimate": kv_note,
         },
         "expected_ssd_bytes_per_token": int(ssd_bytes_per_token),
+        "core_memory": {
+            "prefix_cache_bytes": int(prefix_cache_gb * (1 << 30)),
+            "mlx_cache_bytes": int(mlx_cache_gb * (1 << 30)),
+            "bound_bytes": core_bound,
+        },
         # a checkpoint must be split first: the disk that takes (0 for a split)
         "split_disk_bytes": 0 if (model / "manifest.json").exists() else split_bytes(model),
         "assumption": "uniform routing; an LRU cache of s of n experts hits s/n of the time",
@@ -164,6 +176,8 @@ def format_plan(plan: dict) -> str:
         f"{plan['experts_per_layer']} experts, top-{plan['top_k']}",
         f"KV cache: {plan['kv']['bytes_per_token'] / 1e3:.1f} KB/token x {plan['kv']['context']} tokens x "
         f"{plan['kv']['seqs']} seqs = {gb(plan['kv']['budget_bytes'])} ({plan['kv']['estimate']})",
+        f"core at most {gb(plan['core_memory']['bound_bytes'])}: weights + KV cache + prefix cache "
+        f"{gb(plan['core_memory']['prefix_cache_bytes'])} + MLX buffer cache {gb(plan['core_memory']['mlx_cache_bytes'])}",
         f"per worker, budget {gb(plan['memory_budget_bytes_per_worker'])}:",
     ]
     for w in plan["workers"]:

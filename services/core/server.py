@@ -228,6 +228,12 @@ async def serve_core(
     await running.serve_until_signal(on_stop, grace_s=10.0, drain_delay_s=1.0)
 
 
-def run_core(**kwargs) -> None:
+def run_core(mlx_cache_bytes: int | None = None, **kwargs) -> None:
+    """`mlx_cache_bytes`: MLX's cache of freed buffers is held under this, so core's memory is
+    its weights, the KV and prefix-cache budgets and this (what `moe-mesh plan` states)."""
+    if mlx_cache_bytes is not None:
+        import mlx.core as mx
+
+        mx.set_cache_limit(mlx_cache_bytes)
     install_uvloop()
     asyncio.run(serve_core(**kwargs))

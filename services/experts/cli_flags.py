@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from metal.experts_cpu import KERNELS
-from services.common.cli_types import non_negative_int, positive_float, positive_int
+from services.common.cli_types import non_negative_float, non_negative_int, positive_float, positive_int
 from services.experts.cache_policy import POLICIES
 from services.experts.io import DEFAULT_IO_THREADS, DEFAULT_MIN_SEGMENT_BYTES, IO_MODES
 from services.experts.store_setup import DEFAULT_IO_MODE, DEFAULT_POLICY
@@ -109,6 +109,12 @@ def add_storage_commands(sub) -> None:
     p.add_argument("--context", type=positive_int, default=4096, help="tokens of context per sequence")
     p.add_argument("--seqs", type=positive_int, default=1, help="concurrent sequences")
     p.add_argument("--kv-bytes", type=positive_float, default=2.0, help="bytes per KV element (2 = fp16)")
+    p.add_argument(
+        "--prefix-cache-gb", type=non_negative_float, default=1.0, help="core's prefix-cache budget"
+    )
+    p.add_argument(
+        "--mlx-cache-gb", type=non_negative_float, default=1.0, help="core's MLX buffer-cache limit"
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_plan)
 
@@ -136,5 +142,7 @@ def _plan(args) -> None:
         context=args.context,
         seqs=args.seqs,
         kv_element_bytes=args.kv_bytes,
+        prefix_cache_gb=args.prefix_cache_gb,
+        mlx_cache_gb=args.mlx_cache_gb,
     )
     print(json.dumps(plan, indent=1) if args.json else format_plan(plan))
