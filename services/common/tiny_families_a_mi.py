@@ -6,6 +6,37 @@ from __future__ import annotations
 
 from typing import Any
 
+# Ling's linear-attention families: a full-attention layer every 2nd, a dense first layer, sigmoid
+# grouped routing with an expert bias, a shared expert.
+BAILING_LINEAR: dict[str, Any] = {
+    "layer_group_size": 2,
+    "group_norm_size": 4,
+    "first_k_dense_replace": 1,
+    "num_shared_experts": 1,
+    "partial_rotary_factor": 0.5,
+    "score_function": "sigmoid",
+    "moe_router_enable_expert_bias": True,
+    "n_group": 2,
+    "topk_group": 1,
+    "use_qk_norm": True,
+}
+
+# LongCat-Flash: 2 layers (each 2 MLA attention + 2 dense MLPs + a shortcut MoE), 8 routed +
+# 4 zero (identity) experts, MLA LoRA scaling.
+LONGCAT_FLASH: dict[str, Any] = {
+    "attention_method": "MLA",
+    "zero_expert_type": "identity",
+    "ffn_hidden_size": 64,
+    "moe_topk": 2,
+    "expert_ffn_hidden_size": 32,
+    "zero_expert_num": 4,
+    "num_layers": 2,
+    "mla_scale_q_lora": True,
+    "mla_scale_kv_lora": True,
+    "attention_bias": False,
+    "routed_scaling_factor": 6.0,
+}
+
 CONFIGS: dict[str, dict[str, Any]] = {
     # Klear: shared expert mixed by a learned coefficient; first layer dense via mlp_only_layers.
     "Klear": {
@@ -27,33 +58,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
     # bailing_hybrid: linear-attention (GLA) layers with MLA every layer_group_size-th layer,
     # dense first layer, sigmoid grouped routing with expert bias, shared expert.
-    "bailing_hybrid": {
-        "layer_group_size": 2,
-        "group_norm_size": 4,
-        "first_k_dense_replace": 1,
-        "num_shared_experts": 1,
-        "partial_rotary_factor": 0.5,
-        "score_function": "sigmoid",
-        "moe_router_enable_expert_bias": True,
-        "n_group": 2,
-        "topk_group": 1,
-        "use_qk_norm": True,
-    },
+    "bailing_hybrid": BAILING_LINEAR,
     # bailing_moe_linear: linear-attention layers + full attention every 2nd layer, dense first layer,
     # sigmoid grouped routing with expert bias, shared expert.
-    "bailing_moe_linear": {
-        "layer_group_size": 2,
-        "group_norm_size": 4,
-        "first_k_dense_replace": 1,
-        "num_shared_experts": 1,
-        "partial_rotary_factor": 0.5,
-        "score_function": "sigmoid",
-        "moe_router_enable_expert_bias": True,
-        "n_group": 2,
-        "topk_group": 1,
-        "use_qk_norm": True,
-        "head_dim": 16,
-    },
+    "bailing_moe_linear": {**BAILING_LINEAR, "head_dim": 16},
     # deepseek_v2: MLA with yarn rope, dense first layer, group-limited greedy routing, shared expert.
     "deepseek_v2": {
         "first_k_dense_replace": 1,
@@ -280,34 +288,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
     # Not an MoE family: the base of llama4's text_config (its required fields SIZES lacks).
     "llama4_text": {"intermediate_size_mlp": 64, "no_rope_layers": [1, 1, 1, 0], "use_qk_norm": True},
-    # LongCat-Flash: 2 layers (each 2 MLA attention + 2 dense MLPs + a shortcut MoE), 8 routed +
-    # 4 zero (identity) experts, MLA LoRA scaling.
-    "longcat_flash": {
-        "attention_method": "MLA",
-        "zero_expert_type": "identity",
-        "ffn_hidden_size": 64,
-        "moe_topk": 2,
-        "expert_ffn_hidden_size": 32,
-        "zero_expert_num": 4,
-        "num_layers": 2,
-        "mla_scale_q_lora": True,
-        "mla_scale_kv_lora": True,
-        "attention_bias": False,
-        "routed_scaling_factor": 6.0,
-    },
+    "longcat_flash": LONGCAT_FLASH,
     # LongCat-Flash n-gram: as longcat_flash plus n-gram embeddings, kept small (ratio 1,
     # 3-grams, 2 splits -> 4 embedders of width 16).
     "longcat_flash_ngram": {
-        "ffn_hidden_size": 64,
-        "moe_topk": 2,
-        "expert_ffn_hidden_size": 32,
-        "zero_expert_num": 4,
-        "num_layers": 2,
-        "mla_scale_q_lora": True,
-        "mla_scale_kv_lora": True,
-        "attention_bias": False,
-        "routed_scaling_factor": 6.0,
-        "zero_expert_type": "identity",
+        **LONGCAT_FLASH,
         "ngram_vocab_size_ratio": 1,
         "emb_neighbor_num": 3,
         "emb_split_num": 2,

@@ -6,6 +6,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from services.common.synthetic_model import TINY_CONFIGS
+
+# Qwen3.5's MoE text model, as synthetic_model's qwen3_5_moe has it, built on qwen3_moe's fields.
+QWEN3_5_TEXT: dict[str, Any] = {
+    **TINY_CONFIGS["qwen3_5_moe"]["text_config"],
+    "family": "qwen3_moe",
+    "rope_parameters": {
+        "type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [1, 1, 0],
+    },
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+
 CONFIGS: dict[str, dict[str, Any]] = {
     "minimax": {
         "intermediate_size": 32,
@@ -125,42 +141,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # qwen3_5 is dense unless its text config has num_experts > 0 (then every layer is a
     # SparseMoeBlock with a gated shared expert). Gated-DeltaNet linear layers alternate with
     # full attention (full_attention_interval 2). Inner config starts from qwen3_moe's.
-    "qwen3_5": {
-        "text_config": {
-            "family": "qwen3_moe",
-            "model_type": "qwen3_5_text",
-            "intermediate_size": 128,
-            "moe_intermediate_size": 32,
-            "shared_expert_intermediate_size": 32,
-            "num_experts": 8,
-            "num_experts_per_tok": 2,
-            "head_dim": 16,
-            "linear_num_value_heads": 4,
-            "linear_num_key_heads": 2,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
-            "linear_conv_kernel_dim": 4,
-            "full_attention_interval": 2,
-            "rope_parameters": {
-                "type": "default",
-                "rope_theta": 10000.0,
-                "partial_rotary_factor": 0.25,
-                "mrope_section": [1, 1, 0],
-            },
-            "bos_token_id": 151643,
-            "eos_token_id": 151645,
-        },
-    },
+    "qwen3_5": {"text_config": {**QWEN3_5_TEXT, "model_type": "qwen3_5_text"}},
     # Gated-DeltaNet linear layers alternate with gated full attention (interval 2); layer 0
     # keeps a dense MLP (mlp_only_layers), the others are MoE with a gated shared expert.
     "qwen3_next": {
+        **{
+            k: v for k, v in QWEN3_5_TEXT.items() if k.startswith("linear_") or k == "full_attention_interval"
+        },
         "intermediate_size": 64,
-        "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4,
-        "full_attention_interval": 2,
         "mlp_only_layers": [0],
         "partial_rotary_factor": 0.25,
         "bos_token_id": 151643,
@@ -213,28 +201,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # 512) is packed with block 512 (rotated) in layers 0 and 2, without rotation (block 0) in 1.
     "prism_hadamard_qwen35": {
         "text_config": {
-            "family": "qwen3_moe",
+            **QWEN3_5_TEXT,
             "model_type": "qwen3_5_moe_text",
-            "intermediate_size": 128,
-            "moe_intermediate_size": 32,
             "shared_expert_intermediate_size": 512,
-            "num_experts": 8,
-            "num_experts_per_tok": 2,
-            "head_dim": 16,
-            "linear_num_value_heads": 4,
-            "linear_num_key_heads": 2,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
-            "linear_conv_kernel_dim": 4,
-            "full_attention_interval": 2,
-            "rope_parameters": {
-                "type": "default",
-                "rope_theta": 10000.0,
-                "partial_rotary_factor": 0.25,
-                "mrope_section": [1, 1, 0],
-            },
-            "bos_token_id": 151643,
-            "eos_token_id": 151645,
         },
         "schema_version": 2,
         "tensor_namespace": "mlx-vlm-qwen3_5",
