@@ -19,7 +19,7 @@ from mlx_lm.sample_utils import make_sampler
 from services.common.moe_families import mlx_lm_moe_families, tiny_config
 from services.common.synthetic_model import build_random_checkpoint
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
-from tests.e2e.test_up import start_up
+from tests.e2e.test_up import launch_up, wait_serving
 from tests.helpers import run_cli, short_dir
 
 PROMPT = list(range(1000, 1012))
@@ -83,10 +83,11 @@ def test_family_that_cannot_work_is_refused_at_split(family, tmp_path):
 @pytest.mark.parametrize("family", [f for f in mlx_lm_moe_families() if f not in REFUSED])
 def test_family_serves_under_up_like_mlx_lm(family, tmp_path):
     checkpoint = tiny_checkpoint(family, tmp_path)
-    want = mlx_lm_greedy(checkpoint)
     workdir = short_dir("mm-fam-")
-    proc, url = start_up(tmp_path / "cache", workdir, "--model", str(checkpoint), "--experts", "3")
+    proc, url = launch_up(tmp_path / "cache", workdir, "--model", str(checkpoint), "--experts", "3")
     try:
+        want = mlx_lm_greedy(checkpoint)  # while the services start
+        wait_serving(proc)
         assert core_greedy(f"unix:{workdir / 'core.sock'}") == want
         reply = httpx.post(
             f"{url}/completions",

@@ -45,6 +45,13 @@ def up(tmp_path_factory):
 
 def start_up(cache: Path, workdir: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     """`moe-mesh up FLAGS` on a free port, once it says it serves: (its process, the API's URL)."""
+    proc, url = launch_up(cache, workdir, *flags)
+    wait_serving(proc)
+    return proc, url
+
+
+def launch_up(cache: Path, workdir: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`moe-mesh up FLAGS` on a free port, started: (its process, the API's URL)."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--port", str(port), *flags, "--workdir", str(workdir)],
@@ -53,11 +60,14 @@ def start_up(cache: Path, workdir: Path, *flags: str) -> tuple[subprocess.Popen,
         text=True,
         env={**os.environ, "MOE_MESH_CACHE": str(cache)},
     )
+    return proc, f"http://127.0.0.1:{port}/v1"
+
+
+def wait_serving(proc: subprocess.Popen) -> None:
     line = proc.stdout.readline()  # blocks until ready (or exit)
     if "serving" not in line:
         proc.kill()
         raise AssertionError(f"moe-mesh up did not start: {line}{proc.stderr.read()[-3000:]}")
-    return proc, f"http://127.0.0.1:{port}/v1"
 
 
 def test_demo_answers_paris_not_streamed(up):
