@@ -169,6 +169,7 @@ def memory_plan(
 
 def format_plan(plan: dict) -> str:
     gb = lambda n: f"{n / 1e9:.2f} GB"  # noqa: E731
+    gib = lambda n: f"{n / (1 << 30):g} GiB"  # noqa: E731  (the cache flags count in GiB, as core does)
     lines = [
         f"{plan['model']} ({plan['model_type']}, from {plan['source']})",
         f"core (attention, embeddings, routers, shared experts): {gb(plan['core_bytes'])}",
@@ -177,7 +178,7 @@ def format_plan(plan: dict) -> str:
         f"KV cache: {plan['kv']['bytes_per_token'] / 1e3:.1f} KB/token x {plan['kv']['context']} tokens x "
         f"{plan['kv']['seqs']} seqs = {gb(plan['kv']['budget_bytes'])} ({plan['kv']['estimate']})",
         f"core at most {gb(plan['core_memory']['bound_bytes'])}: weights + KV cache + prefix cache "
-        f"{gb(plan['core_memory']['prefix_cache_bytes'])} + MLX buffer cache {gb(plan['core_memory']['mlx_cache_bytes'])}",
+        f"{gib(plan['core_memory']['prefix_cache_bytes'])} + MLX buffer cache {gib(plan['core_memory']['mlx_cache_bytes'])}",
         f"per worker, budget {gb(plan['memory_budget_bytes_per_worker'])}:",
     ]
     for w in plan["workers"]:

@@ -40,6 +40,13 @@ def test_plan_splits_experts_between_ram_and_disk(tiny_models, capsys):
     # 4 layers x 2 (K and V) x 2 KV heads x 16 dims x 2 bytes, for 2 sequences of 1000 tokens.
     assert plan["kv"]["bytes_per_token"] == 4 * 2 * 2 * 16 * 2
     assert plan["kv"]["budget_bytes"] == plan["kv"]["bytes_per_token"] * 2000
+    # core: what it loads, the KV for that context, then its two cache budgets (GiB, as core reads them)
+    bounded = memory_plan(
+        split, memory_gb=budget_gb, context=1000, seqs=2, prefix_cache_gb=0.5, mlx_cache_gb=0.25
+    )
+    assert bounded["core_memory"]["bound_bytes"] == plan["core_bytes"] + plan["kv"]["budget_bytes"] + (
+        3 << 28
+    )
 
     run_cli("plan", "--model", str(split), "--memory-gb", str(budget_gb), "--workers", "2")
     text = capsys.readouterr().out
