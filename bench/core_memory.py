@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.decode import log
 from bench.workdir import bench_workdir
 from tests.e2e.test_memory_bound import chat_client, rss_mb
-from tests.e2e.test_up import children_of, start_up
+from tests.e2e.test_up import service_pids, start_up
 
 
 async def sample_under_load(url: str, core: int, clients: int, seconds: float) -> list[dict]:
@@ -57,9 +57,7 @@ def main() -> None:
         *args.up_flags,
     )
     try:
-        core = next(
-            p for p in children_of(proc.pid) if "core" in open(f"/proc/{p}/cmdline").read().split("\0")[:8]
-        )
+        core = service_pids(proc.pid, "core")[0]
         idle = round(rss_mb(core))
         log(f"core idle at {idle} MB; {args.clients} clients for {args.seconds:.0f} s")
         samples = asyncio.run(sample_under_load(url, core, args.clients, args.seconds))

@@ -104,8 +104,6 @@ def _up(args) -> None:
     )
 
 
-DEFAULT_MLX_CACHE_GB = 1.0
-
 SERVING_FLAGS = (
     "max_num_seqs",
     "max_queue",
@@ -120,6 +118,8 @@ SERVING_FLAGS = (
 
 def _add_serving_flags(p: argparse.ArgumentParser) -> None:
     """Core's batching and cache flags, on `core` and passed through by `up`."""
+    from services.cluster import CoreConfig
+
     p.add_argument("--max-num-seqs", type=positive_int, default=16, help="sequences decoding at once")
     p.add_argument(
         "--max-queue", type=non_negative_int, default=256, help="requests waiting beyond those (then 429)"
@@ -145,7 +145,7 @@ def _add_serving_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mlx-cache-gb",
         type=non_negative_float,
-        default=DEFAULT_MLX_CACHE_GB,
+        default=CoreConfig.mlx_cache_gb,
         help="GB of freed buffers MLX keeps for reuse: core's memory is its weights, KV and prefix cache, and this",
     )
     p.add_argument(

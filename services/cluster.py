@@ -187,7 +187,9 @@ def parse_cluster(data: dict, path: Path) -> ClusterConfig:
         ),
         max_step_seconds=reader.non_negative(core_table, "max_step_seconds", "core.max_step_seconds", 1.0),
         prefix_cache_gb=reader.non_negative(core_table, "prefix_cache_gb", "core.prefix_cache_gb", 1.0),
-        mlx_cache_gb=reader.non_negative(core_table, "mlx_cache_gb", "core.mlx_cache_gb", 1.0),
+        mlx_cache_gb=reader.non_negative(
+            core_table, "mlx_cache_gb", "core.mlx_cache_gb", CoreConfig.mlx_cache_gb
+        ),
         kv_cache=reader.string(core_table, "kv_cache", "core.kv_cache", "fp16"),
     )
     gateway_table = reader.table(data, "gateway", required=False)

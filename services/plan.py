@@ -15,6 +15,8 @@ from pathlib import Path
 
 from services.common.manifest import Manifest, experts_per_token
 
+GIB = 1 << 30
+
 
 def _text_config(config: dict) -> dict:
     return {**config, **(config.get("text_config") or {})}
@@ -133,10 +135,8 @@ def memory_plan(
     kv_per_token, kv_note = kv_bytes_per_token(config, kv_element_bytes)
     expert_total = sum(layer["experts"] * layer["expert_bytes"] for layer in layers)
     kv_budget = int(kv_per_token * context * seqs)
-    # core's memory: what it loads, plus three budgets it keeps to (--prefix-cache-gb, --mlx-cache-gb)
-    core_bound = (
-        facts["core_bytes"] + kv_budget + int(prefix_cache_gb * (1 << 30)) + int(mlx_cache_gb * (1 << 30))
-    )
+    # core's memory: what it loads, the KV, and its two cache budgets (GiB, as core reads its flags)
+    prefix_bytes, mlx_cache_bytes = int(prefix_cache_gb * GIB), int(mlx_cache_gb * GIB)
     return {
         "model": str(model),
         "source": facts["source"],
@@ -157,9 +157,9 @@ def memory_plan(
         },
         "expected_ssd_bytes_per_token": int(ssd_bytes_per_token),
         "core_memory": {
-            "prefix_cache_bytes": int(prefix_cache_gb * (1 << 30)),
-            "mlx_cache_bytes": int(mlx_cache_gb * (1 << 30)),
-            "bound_bytes": core_bound,
+            "prefix_cache_bytes": prefix_bytes,
+            "mlx_cache_bytes": mlx_cache_bytes,
+            "bound_bytes": facts["core_bytes"] + kv_budget + prefix_bytes + mlx_cache_bytes,
         },
         # a checkpoint must be split first: the disk that takes (0 for a split)
         "split_disk_bytes": 0 if (model / "manifest.json").exists() else split_bytes(model),
@@ -169,7 +169,7 @@ def memory_plan(
 
 def format_plan(plan: dict) -> str:
     gb = lambda n: f"{n / 1e9:.2f} GB"  # noqa: E731
-    gib = lambda n: f"{n / (1 << 30):g} GiB"  # noqa: E731  (the cache flags count in GiB, as core does)
+    gib = lambda n: f"{n / GIB:g} GiB"  # noqa: E731
     lines = [
         f"{plan['model']} ({plan['model_type']}, from {plan['source']})",
         f"core (attention, embeddings, routers, shared experts): {gb(plan['core_bytes'])}",

@@ -62,11 +62,7 @@ def _as_bytes_matrix(array: mx.array) -> np.ndarray:
 
 def _write_layer(path: Path, params: dict[str, mx.array], num_experts: int, digest) -> tuple[int, list]:
     specs = []
-    for name, array in params.items():
-        if array.shape[0] != num_experts:
-            raise UnsupportedModelError(
-                f"{name}: leading dim {array.shape[0]} is not the {num_experts} experts"
-            )
+    for name, array in params.items():  # one row per expert: _check_per_expert made sure
         per_expert = array.nbytes // num_experts
         specs.append((name, dtype_name(array.dtype), list(array.shape[1:]), per_expert))
     tensors, record_size = record_layout(specs)

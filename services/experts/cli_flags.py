@@ -109,11 +109,19 @@ def add_storage_commands(sub) -> None:
     p.add_argument("--context", type=positive_int, default=4096, help="tokens of context per sequence")
     p.add_argument("--seqs", type=positive_int, default=1, help="concurrent sequences")
     p.add_argument("--kv-bytes", type=positive_float, default=2.0, help="bytes per KV element (2 = fp16)")
+    from services.cluster import CoreConfig
+
     p.add_argument(
-        "--prefix-cache-gb", type=non_negative_float, default=1.0, help="core's prefix-cache budget"
+        "--prefix-cache-gb",
+        type=non_negative_float,
+        default=CoreConfig.prefix_cache_gb,
+        help="core's prefix-cache budget",
     )
     p.add_argument(
-        "--mlx-cache-gb", type=non_negative_float, default=1.0, help="core's MLX buffer-cache limit"
+        "--mlx-cache-gb",
+        type=non_negative_float,
+        default=CoreConfig.mlx_cache_gb,
+        help="core's MLX buffer-cache limit",
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_plan)

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.test_up import children_of, start_up
+from tests.e2e.test_up import service_pids, start_up
 from tests.helpers import short_dir
 
 BUDGET_GB = 0.05  # --prefix-cache-gb and --mlx-cache-gb each
@@ -53,9 +53,7 @@ def test_core_memory_stays_within_its_budgets_under_load(tmp_path):
         tmp_path / "cache", short_dir("mm-mem-"), "--experts", "1", "--served-model-name", "demo", *budgets
     )
     try:
-        core = next(
-            p for p in children_of(proc.pid) if "core" in open(f"/proc/{p}/cmdline").read().split("\0")[:8]
-        )
+        core = service_pids(proc.pid, "core")[0]
         idle = rss_mb(core)
 
         async def load():

@@ -23,6 +23,13 @@ def children_of(pid: int) -> list[int]:
     return [int(x) for x in out.split()]
 
 
+def service_pids(up_pid: int, role: str) -> list[int]:
+    """The processes of one role (`expert`, `core`, `gateway`) that `moe-mesh up` started."""
+    return [
+        pid for pid in children_of(up_pid) if role in Path(f"/proc/{pid}/cmdline").read_text().split("\0")[:8]
+    ]
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -157,7 +164,7 @@ def test_completions_echo_scores_the_prompt_as_mlx_lm_does(up):
 
 def test_a_worker_that_dies_is_started_again_and_the_stack_serves_on(up):
     proc, url, _, _ = up
-    workers = [pid for pid in children_of(proc.pid) if b"expert" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    workers = service_pids(proc.pid, "expert")
     os.kill(workers[0], signal.SIGKILL)
     client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
     deadline = time.monotonic() + 120

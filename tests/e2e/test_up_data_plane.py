@@ -11,7 +11,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.e2e.test_up import QUESTION, children_of, start_up
+from tests.e2e.test_up import QUESTION, service_pids, start_up
 from tests.helpers import short_dir
 
 
@@ -42,7 +42,7 @@ def test_the_answer_comes_over_the_group(up_plane):
 
 def test_a_worker_lost_from_the_group_is_started_again_and_serves_over_grpc(up_plane):
     proc, url, workdir = up_plane
-    workers = [pid for pid in children_of(proc.pid) if b"expert" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    workers = service_pids(proc.pid, "expert")
     os.kill(workers[0], signal.SIGKILL)
     deadline = time.monotonic() + 120
     while True:  # 503 while core sees the worker missing, then served again over gRPC
