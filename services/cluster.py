@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,9 +159,20 @@ class ClusterConfig:
 def load_cluster(path: str | Path) -> ClusterConfig:
     path = Path(path).expanduser().resolve()
     try:
-        data = tomllib.loads(path.read_text())
+        text = path.read_bytes()
     except FileNotFoundError:
         raise ClusterConfigError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ClusterConfigError(f"{path}: is a folder, not a cluster.toml") from None
+    return cluster_from_toml(text, path)
+
+
+def cluster_from_toml(text: bytes, path: Path) -> ClusterConfig:
+    """The cluster `text` describes (read from `path`); ClusterConfigError naming what is wrong."""
+    try:
+        data = tomllib.loads(text.decode())
+    except UnicodeDecodeError as error:
+        raise ClusterConfigError(f"{path}: not UTF-8 text: {error}") from None
     except tomllib.TOMLDecodeError as error:
         raise ClusterConfigError(f"{path}: not valid TOML: {error}") from None
     return parse_cluster(data, path)
@@ -240,7 +252,7 @@ def parse_cluster(data: dict, path: Path) -> ClusterConfig:
             except ValueError as error:
                 raise ClusterConfigError(f"{path}: {where}{key}: {error}") from None
         memory = raw.get("memory_gb")
-        if memory is not None and (not isinstance(memory, int | float) or memory <= 0):
+        if memory is not None and (not _finite(memory) or memory <= 0):
             raise ClusterConfigError(f"{path}: {where}memory_gb must be a positive number")
         workers.append(
             WorkerConfig(
@@ -304,6 +316,11 @@ def check_address(address: str) -> str:
     return address
 
 
+def _finite(value) -> bool:
+    """A TOML number that is not a bool, inf or nan."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 class _Reader:
     """Typed reads from a TOML table, each error naming the file and the key."""
 
@@ -336,7 +353,7 @@ class _Reader:
 
     def number(self, table: dict, key: str, name: str, default: float) -> float:
         value = table.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        if not _finite(value) or value <= 0:
             self.fail(f"{name} must be a positive number")
         return value
 
@@ -348,7 +365,7 @@ class _Reader:
 
     def non_negative(self, table: dict, key: str, name: str, default: float) -> float:
         value = table.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        if not _finite(value) or value < 0:
             self.fail(f"{name} must be a number >= 0")
         return value
 
@@ -358,8 +375,8 @@ class _Reader:
             if required:
                 self.fail(f"{name} is required")
             return None
-        if not isinstance(value, str):
-            self.fail(f"{name} must be a string")
+        if not isinstance(value, str) or "\0" in value or not value.isprintable():
+            self.fail(f"{name} must be a string naming a path")
         resolved = Path(value).expanduser()
         return resolved if resolved.is_absolute() else (self.file.parent / resolved).resolve()
 

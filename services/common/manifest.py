@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 import mlx.core as mx
@@ -100,19 +100,96 @@ class Manifest:
     def load(cls, split_dir: Path) -> Manifest:
         path = Path(split_dir) / "manifest.json"
         try:
-            raw = json.loads(path.read_text())
+            text = path.read_bytes()
         except FileNotFoundError:
             raise ManifestError(
                 f"{split_dir} is not a moe-mesh split (no manifest.json); run `moe-mesh split`"
             ) from None
-        except json.JSONDecodeError as error:
+        return cls.from_json(text, path)
+
+    @classmethod
+    def from_json(cls, text: bytes | str, path: Path | str) -> Manifest:
+        """The manifest in `text` (read from `path`, which messages name); ManifestError for
+        anything that is not a manifest this version reads, naming the field at fault."""
+        try:
+            raw = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise ManifestError(f"{path} is not valid JSON: {error}") from None
+        if not isinstance(raw, dict):
+            raise ManifestError(f"{path}: expected a JSON object, got {type(raw).__name__}")
         if raw.get("format") != FORMAT:
             raise ManifestError(f"{path}: format {raw.get('format')!r}, expected {FORMAT!r}")
-        layers = [
-            MoeLayer(**{**l, "tensors": [ExpertTensor(**t) for t in l["tensors"]]}) for l in raw.pop("layers")
-        ]
-        return cls(layers=layers, **raw)
+        return _ManifestReader(str(path)).manifest(raw)
+
+
+class _ManifestReader:
+    """Checks each field's type and range as it builds the dataclasses."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def fail(self, where: str, message: str):
+        raise ManifestError(f"{self.path}: {where}: {message}")
+
+    def fields(self, raw: dict, kind: type, where: str) -> None:
+        names = {f.name for f in fields(kind)}
+        unknown = sorted(set(raw) - names)
+        if unknown:
+            self.fail(where, f"unknown field(s) {', '.join(map(str, unknown))}")
+        required = {f.name for f in fields(kind) if f.default is MISSING and f.default_factory is MISSING}
+        missing = sorted(required - set(raw))
+        if missing:
+            self.fail(where, f"missing field(s) {', '.join(missing)}")
+        for f in fields(kind):
+            if f.name in raw:
+                self.typed(raw[f.name], _FIELD_TYPES[f.type], f"{where}{f.name}")
+
+    def typed(self, value, kind, where: str) -> None:
+        if kind is int:
+            ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62
+        elif kind is list:
+            ok = isinstance(value, list)
+        else:
+            ok = isinstance(value, kind)
+        if not ok:
+            self.fail(
+                where,
+                f"expected {'a non-negative integer' if kind is int else kind.__name__}, got {value!r:.60}",
+            )
+
+    def manifest(self, raw: dict) -> Manifest:
+        self.fields(raw, Manifest, "")
+        layers = []
+        for i, layer in enumerate(raw["layers"]):
+            where = f"layers[{i}]."
+            if not isinstance(layer, dict):
+                self.fail(where, "expected an object")
+            self.fields(layer, MoeLayer, where)
+            tensors = []
+            for j, tensor in enumerate(layer["tensors"]):
+                tensor_where = f"{where}tensors[{j}]."
+                if not isinstance(tensor, dict):
+                    self.fail(tensor_where, "expected an object")
+                self.fields(tensor, ExpertTensor, tensor_where)
+                tensors.append(self.tensor(tensor, layer, tensor_where))
+            layers.append(MoeLayer(**{**layer, "tensors": tensors}))
+        if raw["hidden_size"] < 1 or raw["num_experts"] < 1:
+            self.fail("hidden_size/num_experts", "must be at least 1")
+        if raw.get("dtype", "float32") not in MLX_DTYPE_BY_NAME:
+            self.fail("dtype", f"unknown dtype {raw['dtype']!r}")
+        return Manifest(**{**raw, "layers": layers})
+
+    def tensor(self, raw: dict, layer: dict, where: str) -> ExpertTensor:
+        if raw["dtype"] not in MLX_DTYPE_BY_NAME:
+            self.fail(where + "dtype", f"unknown dtype {raw['dtype']!r}")
+        for d in raw["shape"]:
+            self.typed(d, int, where + "shape")
+        if raw["offset"] + raw["nbytes"] > layer["record_size"]:
+            self.fail(
+                where,
+                f"bytes {raw['offset']}..{raw['offset'] + raw['nbytes']} overrun the record of {layer['record_size']}",
+            )
+        return ExpertTensor(**raw)
 
 
 def experts_per_token(config: dict) -> int:
@@ -132,3 +209,14 @@ def record_layout(tensors: list[tuple[str, str, list[int], int]]) -> tuple[list[
         placed.append(ExpertTensor(name, dtype, list(shape), offset, nbytes))
         offset += nbytes
     return placed, max(RECORD_ALIGNMENT, math.ceil(offset / RECORD_ALIGNMENT) * RECORD_ALIGNMENT)
+
+
+# the JSON type each dataclass field's annotation stands for (annotations are strings here)
+_FIELD_TYPES = {
+    "str": str,
+    "int": int,
+    "dict": dict,
+    "list[int]": list,
+    "list[ExpertTensor]": list,
+    "list[MoeLayer]": list,
+}

@@ -181,5 +181,13 @@ def hidden_dtype_of(host: np.ndarray) -> mx.Dtype:
     return dtype
 
 
+_WIRE_NAMES = dict(zip(tensor_pb2.DType.values(), tensor_pb2.DType.keys(), strict=True))
+
+
+def wire_dtype_label(wire_dtype: int) -> str:
+    """The DType's name, or the number a newer (or hostile) peer sent that this version has no name for."""
+    return _WIRE_NAMES.get(wire_dtype, f"dtype {wire_dtype}")
+
+
 def wire_dtype_of(array_dtype: mx.Dtype) -> int:
     return _FROM_MLX[array_dtype]

@@ -35,6 +35,7 @@ from services.common.model_build import (
     read_checkpoint_config,
 )
 from services.common.progress import Progress
+from services.common.safetensors_header import check_safetensors
 from services.common.staging import remove_abandoned, staging_name
 from services.common.tensor_codec import dtype_name
 from services.core.split_disk import GB, check_free_space, link_or_copy
@@ -80,6 +81,8 @@ def split_checkpoint(model_path: Path, out_dir: Path, progress: bool = True) -> 
     """Split `model_path` into `out_dir`; return the manifest. Raises UnsupportedModelError."""
     model_path, out_dir = Path(model_path).resolve(), Path(out_dir).resolve()
     read_checkpoint_config(model_path)
+    for weights in sorted(model_path.glob("*.safetensors")):  # a download cut short fails here, named
+        check_safetensors(weights)
     _check_replaceable(out_dir)
     needed = check_free_space(model_path, out_dir)
     log.info("split_start", model=str(model_path), out=str(out_dir), needs_gb=round(needed / GB, 2))

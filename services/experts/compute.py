@@ -113,7 +113,7 @@ class ExpertCompute:
             if call.hidden.dtype not in HIDDEN_WIRE_DTYPES:
                 raise CallRejected(
                     "hidden.dtype",
-                    f"{tensor_pb2.DType.Name(call.hidden.dtype)} given; hidden states are FLOAT32, FLOAT16 or BFLOAT16",
+                    f"{tensor_codec.wire_dtype_label(call.hidden.dtype)} given; hidden states are FLOAT32, FLOAT16 or BFLOAT16",
                 )
             hidden = tensor_codec.decode_numpy(call.hidden, "hidden", self.max_call_bytes, ndim=2)
         except TensorDecodeError as error:

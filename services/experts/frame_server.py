@@ -36,6 +36,23 @@ MAX_CONNECTIONS = 64
 BODY_TIMEOUT_S = 30.0  # from a frame's header to its last byte
 
 
+def read_call(
+    connection: socket.socket, max_frame_bytes: int, spin_s: float = 0.0
+) -> expert_pb2.ExpertCall | None:
+    """The next call on `connection`, or None where the peer closed it between calls. Raises
+    FrameError (not a frame, over the cap, cut short), DecodeError (not an ExpertCall) or
+    TimeoutError (a body that stalls); the buffer grows only as bytes arrive."""
+    header = receive_exact(connection, HEADER.size, spin_s=spin_s, eof_ok=True)
+    if header is None:
+        return None
+    size = frame_length(header, max_frame_bytes)
+    # core writes a frame at once: a body that does not follow its header is a stalled or
+    # hostile peer, whose connection (and buffer) must not be kept for ever
+    body = receive_exact(connection, size, deadline=time.monotonic() + BODY_TIMEOUT_S, grow=True)
+    connection.settimeout(None)  # the next header may be a long idle wait away
+    return expert_pb2.ExpertCall.FromString(body)
+
+
 class FrameServer:
     """Serves frames on the Unix socket `path` until `close()`; `answer(call) -> result` must
     not raise for a bad call (ExpertWorkerServicer.answer answers those in-band). spin_s: how
@@ -80,16 +97,7 @@ class FrameServer:
 
     def _serve(self, connection: socket.socket) -> None:
         try:
-            while True:
-                header = receive_exact(connection, HEADER.size, spin_s=self.spin_s, eof_ok=True)
-                if header is None:
-                    return  # core closed the connection between calls
-                size = frame_length(header, self._max_frame_bytes)
-                # core writes a frame at once: a body that does not follow its header is a stalled
-                # or hostile peer, whose connection (and buffer) must not be kept for ever
-                body = receive_exact(connection, size, deadline=time.monotonic() + BODY_TIMEOUT_S, grow=True)
-                connection.settimeout(None)  # the next header may be a long idle wait away
-                call = expert_pb2.ExpertCall.FromString(body)
+            while (call := read_call(connection, self._max_frame_bytes, self.spin_s)) is not None:
                 connection.sendall(frame(self._answer(call).SerializeToString()))
         except (FrameError, DecodeError, TimeoutError) as error:
             log.warning("frame_rejected", error=str(error) or type(error).__name__)
