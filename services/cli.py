@@ -318,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--core", default="127.0.0.1:50051", help="core address")
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP API listens on")
     p.add_argument("--port", type=port_number, default=8000, help="port the HTTP API listens on")
-    add_cluster_flags(p, metrics=False)
+    add_cluster_flags(p, metrics=False, serves_grpc=False)
     _add_api_key_flags(p)
     p.set_defaults(func=_gateway, parser=p)
 

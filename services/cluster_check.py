@@ -7,7 +7,7 @@ the rest from disk: a warning); and, for each worker that is
 already up, Describe says it serves the model with that fingerprint and the experts
 the file gives it. Workers that are down are checked against the manifest only, and
 the report says so. Errors make the check fail; warnings (no TLS on a non-loopback
-address, single owners) do not.
+address, which the services then refuse without --insecure; single owners) do not.
 """
 
 from __future__ import annotations
@@ -148,7 +148,8 @@ def _security(config: ClusterConfig, report: CheckReport) -> None:
         exposed.append(config.core.listen)
     if exposed:
         report.warnings.append(
-            f"{', '.join(exposed)} reachable from other hosts without TLS: add [tls] (moe-mesh certs)"
+            f"{', '.join(exposed)} reachable from other hosts without TLS: those services refuse to "
+            "start unless given --insecure; add [tls] (moe-mesh certs)"
         )
 
 

@@ -90,6 +90,7 @@ def expert_kwargs(args: argparse.Namespace) -> dict:
         experts=args.experts,
         worker_id=args.worker_id,
         tls=_tls(args, config, args.name or "expert"),
+        insecure=args.insecure,
         metrics=_metrics(args, worker.metrics if worker else None),
     )
 
@@ -129,6 +130,7 @@ def core_kwargs(args: argparse.Namespace) -> dict:
         local_experts=local,
         expert_timeout_s=args.expert_timeout,
         tls=_tls(args, config, "core"),
+        insecure=args.insecure,
         metrics=_metrics(args, config.core.metrics if config else None),
     )
 
@@ -148,11 +150,20 @@ def gateway_kwargs(args: argparse.Namespace) -> dict:
     )
 
 
-def add_cluster_flags(parser: argparse.ArgumentParser, metrics: bool = True) -> None:
+def add_cluster_flags(
+    parser: argparse.ArgumentParser, metrics: bool = True, serves_grpc: bool = True
+) -> None:
     parser.add_argument("--config", default=None, help="cluster.toml (flags given here override it)")
     parser.add_argument(
         "--tls-dir", default=None, help="folder from `moe-mesh certs`: mTLS with this service's certificate"
     )
+    if serves_grpc:
+        parser.add_argument(
+            "--insecure",
+            action="store_true",
+            help="listen beyond loopback without TLS (refused otherwise): anyone who reaches the port "
+            "can drive the service, so only on a network you trust",
+        )
     if metrics:
         parser.add_argument(
             "--metrics-port", type=port_number, default=None, help="serve Prometheus metrics on this port"

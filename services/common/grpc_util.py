@@ -3,9 +3,9 @@
 Addresses are `unix:/path/to.sock` (same host; ~2x faster round trips than
 loopback TCP) or `host:port`. Every server and channel sets explicit message size
 caps instead of gRPC's defaults or "unlimited". With `TlsFiles` given, servers
-require mTLS and channels present a client certificate; binding a non-loopback
-address without TLS works but logs a warning, since anyone on the network could
-then drive the service.
+require mTLS and channels present a client certificate. A server refuses to bind a
+non-loopback address without TLS, since anyone on the network could then drive it,
+unless told `insecure` (`--insecure`), and then it says so in its log.
 """
 
 from __future__ import annotations
@@ -86,8 +86,30 @@ def aio_channel(
     return grpc.aio.secure_channel(address, channel_credentials(tls), options=options)
 
 
-def bind(server: grpc.aio.Server, address: str, tls: TlsFiles | None = None) -> str:
+class InsecureBindRefused(ValueError):
+    """A non-loopback address without TLS, and no --insecure."""
+
+
+def refuse_insecure_bind(address: str, tls: TlsFiles | None, insecure: bool) -> bool:
+    """Raise InsecureBindRefused where `address` is reachable from other hosts, TLS is off and
+    `insecure` was not given; True where it was (the bind is then open to the network)."""
+    if tls is not None or is_loopback_address(address):
+        return False
+    if not insecure:
+        raise InsecureBindRefused(
+            f"refusing to listen on {address} without TLS: anyone on the network could drive this "
+            "service. Add [tls] to cluster.toml (moe-mesh certs) or --tls-dir, listen on loopback or "
+            "a unix: socket, or pass --insecure on a network you trust"
+        )
+    return True
+
+
+def bind(server: grpc.aio.Server, address: str, tls: TlsFiles | None = None, insecure: bool = False) -> str:
     address = normalize_address(address)
+    if refuse_insecure_bind(address, tls, insecure):
+        log.warning(
+            "insecure_bind", address=address, hint="reachable from other hosts without TLS (--insecure)"
+        )
     path = unix_socket_path(address)
     if path is not None:
         claim_socket_path(path)
@@ -95,12 +117,6 @@ def bind(server: grpc.aio.Server, address: str, tls: TlsFiles | None = None) -> 
         if tls is not None:
             port = server.add_secure_port(address, server_credentials(tls))
         else:
-            if not is_loopback_address(address):
-                log.warning(
-                    "insecure_bind",
-                    address=address,
-                    hint="reachable from other hosts without TLS; add [tls] to cluster.toml (moe-mesh certs)",
-                )
             port = server.add_insecure_port(address)
     except RuntimeError as error:  # grpcio raises for a port in use or an address it cannot parse
         raise OSError(
@@ -175,16 +191,17 @@ async def start_server(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     serving: bool = True,
     tls: TlsFiles | None = None,
+    insecure: bool = False,
 ) -> RunningServer:
     """A started grpc.aio server with our servicer, health (starting at `serving`) and reflection;
-    mTLS-only when `tls` is given."""
+    mTLS-only when `tls` is given; beyond loopback without TLS only when `insecure`."""
     # bytes that do not parse get INVALID_ARGUMENT, not grpcio's UNKNOWN
     server = grpc.aio.server(
         options=server_options(max_message_bytes), interceptors=[RejectMalformedRequests()]
     )
     add_servicer(server)
     health_servicer = add_health_and_reflection(server, [service_name])
-    address = bind(server, listen, tls)
+    address = bind(server, listen, tls, insecure)
     await server.start()
     running = RunningServer(server, address, health_servicer, service_name)
     await running.set_serving(serving)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.common.grpc_util import install_uvloop, start_metrics_server, start_server
+from services.common.grpc_util import install_uvloop, refuse_insecure_bind, start_metrics_server, start_server
 from services.common.logging import get_logger
 from services.common.manifest import Manifest
 from services.common.ranges import format_ranges
@@ -170,6 +170,7 @@ async def serve_core(
     engine_config: EngineConfig | None = None,
     expert_timeout_s: float = 60.0,
     tls: TlsFiles | None = None,
+    insecure: bool = False,
     metrics: str | None = None,
     expert_frames: bool = True,
     frame_spin_s: float = 0.0,
@@ -185,6 +186,7 @@ async def serve_core(
     build the next layer while a layer's experts compute (ExpertDispatcher.call); `dense_kernel`:
     "auto" computes quantized projections with metal/linear_cpu.py where MLX runs on the CPU;
     `distributed`: the in-graph data plane's backend (None: off)."""
+    refuse_insecure_bind(listen, tls, insecure)  # before loading anything
     engine, preparer, info = build_engine(
         split_dir,
         workers,
@@ -206,6 +208,7 @@ async def serve_core(
         max_message_bytes=64 * 1024 * 1024,
         serving=False,  # until the model is loaded and every expert is reachable
         tls=tls,
+        insecure=insecure,
     )
     start_metrics_server(metrics)
     loop = asyncio.get_running_loop()

@@ -8,7 +8,13 @@ import socket
 from pathlib import Path
 
 from services.common.frames import frames_path_for
-from services.common.grpc_util import install_uvloop, start_metrics_server, start_server, unix_socket_path
+from services.common.grpc_util import (
+    install_uvloop,
+    refuse_insecure_bind,
+    start_metrics_server,
+    start_server,
+    unix_socket_path,
+)
 from services.common.logging import get_logger
 from services.common.manifest import Manifest
 from services.common.ranges import format_ranges, means_all, parse_ranges
@@ -48,6 +54,7 @@ async def serve_expert_worker(
     worker_id: str | None = None,
     max_call_bytes: int = DEFAULT_MAX_CALL_BYTES,
     tls: TlsFiles | None = None,
+    insecure: bool = False,
     metrics: str | None = None,
     memory_gb: float | None = None,
     io_mode: str = DEFAULT_IO_MODE,
@@ -62,6 +69,7 @@ async def serve_expert_worker(
     """`tls`: serve mTLS only (clients need a certificate from the cluster CA); `metrics`:
     host:port of the Prometheus endpoint (None = none); `distributed`: join core's in-graph data
     plane on this backend (services/experts/data_plane_worker.py)."""
+    refuse_insecure_bind(listen, tls, insecure)  # before loading anything
     manifest = Manifest.load(split_dir)
     owned = owned_experts(manifest, layers, experts)
     worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}"
@@ -90,6 +98,7 @@ async def serve_expert_worker(
         listen,
         max_message_bytes=max_call_bytes + (1 << 20),
         tls=tls,
+        insecure=insecure,
     )
     # Same host: calls may also come as frames on a Unix socket beside the gRPC one.
     grpc_socket = unix_socket_path(running.address)

@@ -98,7 +98,7 @@ async def test_gateway_reaches_core_over_mtls_on_a_unix_socket(pki, short_tmp):
         await running.server.stop(0)
 
 
-async def test_binding_beyond_loopback_without_tls_warns(pki, monkeypatch):
+async def test_binding_beyond_loopback_without_tls_is_refused_unless_insecure(pki, monkeypatch):
     from services.common import grpc_util
 
     warnings = []
@@ -109,7 +109,9 @@ async def test_binding_beyond_loopback_without_tls_warns(pki, monkeypatch):
     )
     cluster, _ = pki
     port = free_port()
-    running = await start_server(lambda server: None, "test.Service", f"0.0.0.0:{port}")
+    with pytest.raises(grpc_util.InsecureBindRefused, match="--insecure"):
+        await start_server(lambda server: None, "test.Service", f"0.0.0.0:{port}")
+    running = await start_server(lambda server: None, "test.Service", f"0.0.0.0:{port}", insecure=True)
     await running.server.stop(0)
     loopback = await start_server(lambda server: None, "test.Service", f"127.0.0.1:{free_port()}")
     await loopback.server.stop(0)
@@ -118,6 +120,27 @@ async def test_binding_beyond_loopback_without_tls_warns(pki, monkeypatch):
     )
     await secure.server.stop(0)
     assert [(event, kw["address"]) for event, kw in warnings] == [("insecure_bind", f"0.0.0.0:{port}")]
+
+
+@pytest.mark.parametrize("role", ["expert", "core"])
+def test_a_service_asked_to_listen_on_the_network_without_tls_exits_naming_the_fix(role, tmp_path):
+    """The real command, before it loads anything: one line naming --insecure and [tls]."""
+    import subprocess
+    import sys
+
+    args = ["--split", str(tmp_path), "--listen", f"0.0.0.0:{free_port()}"]
+    if role == "core":
+        args += ["--worker", "127.0.0.1:1"]
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", role, *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "without TLS" in done.stderr and "--insecure" in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
 
 
 async def test_missing_tls_files_are_named(tmp_path):
