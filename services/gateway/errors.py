@@ -218,9 +218,18 @@ async def _validation_error_handler(request: Request, exc: Exception) -> JSONRes
     return error_from_validation(exc, content_type).response(path=request.url.path)
 
 
+class CodedHTTPException(StarletteHTTPException):
+    """An HTTPException that keeps its OpenAI error `code` (FastAPI re-raises HTTPExceptions from
+    body parsing; anything else raised there becomes a generic 400)."""
+
+    def __init__(self, error: OpenAIError) -> None:
+        super().__init__(error.status, error.message)
+        self.code = error.code
+
+
 async def _http_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    return OpenAIError(exc.status_code, str(exc.detail)).response(
+    return OpenAIError(exc.status_code, str(exc.detail), code=getattr(exc, "code", None)).response(
         headers=dict(exc.headers or {}), path=request.url.path
     )
 

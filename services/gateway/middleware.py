@@ -17,11 +17,10 @@ import uuid
 
 import structlog
 from starlette.datastructures import Headers, MutableHeaders
-from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.logging import get_logger
-from services.gateway.errors import OpenAIError, internal_error
+from services.gateway.errors import CodedHTTPException, OpenAIError, internal_error
 
 REQUEST_ID_HEADER = "X-Request-Id"
 # The id travels into gRPC metadata and log lines: keep it to characters that are safe in both.
@@ -95,10 +94,8 @@ class BodySizeLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
-                    # HTTPException, because FastAPI re-raises it from body parsing (anything else
-                    # it turns into a generic 400); errors.py renders it as the envelope.
-                    raise HTTPException(413, too_large.message)
+                if received > self.max_body_bytes:  # the same 413 as a declared length gets
+                    raise CodedHTTPException(too_large)
             return message
 
         await self.app(scope, counting_receive, send)

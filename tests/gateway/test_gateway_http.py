@@ -157,15 +157,17 @@ def test_body_size_cap(core_server) -> None:
     gateway = GatewayThread(core_server.target, max_body_bytes=1000).start()
     try:
         big = {**VALID_BODY, "messages": [{"role": "user", "content": "x" * 2000}]}
-        assert_envelope(httpx.post(gateway.url + CHAT, json=big), 413)
+        declared = assert_envelope(httpx.post(gateway.url + CHAT, json=big), 413)
 
         def chunked():  # no Content-Length: the cap is enforced while reading
             yield json.dumps(big).encode()
 
-        assert_envelope(
+        streamed = assert_envelope(
             httpx.post(gateway.url + CHAT, content=chunked(), headers={"Content-Type": "application/json"}),
             413,
         )
+        assert declared == streamed  # one refusal, whichever way the size was found out
+        assert declared["code"] == "body_too_large"
     finally:
         gateway.stop()
 
