@@ -17,7 +17,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
-from xml.sax.saxutils import escape
+
+# escapes text written into plists; parses nothing
+from xml.sax.saxutils import escape  # nosec B406
 
 from services.cli import cli_command
 from services.cluster import ClusterConfig

@@ -18,7 +18,7 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
+import subprocess  # nosec B404
 import sys
 import tempfile
 import time
@@ -110,7 +110,8 @@ class Cluster:
         log_path = self.workdir / f"{name}.log"
         command = cli_command("--log-level", self.log_level, *args)
         with open(log_path, "ab") as log_file:
-            proc = subprocess.Popen(
+            # our own CLI (sys.executable -m services.cli) with our flags, no shell
+            proc = subprocess.Popen(  # nosec B603
                 command,
                 env={**os.environ, **env} if env else None,
                 stdout=log_file,
@@ -191,7 +192,8 @@ def _grpc_serving(address: str) -> bool:
 def _gateway_ready(url: str) -> bool:
     """The gateway answers and reaches a SERVING core over its own channel."""
     try:
-        with urllib.request.urlopen(url, timeout=1.0) as reply:
+        # url is http://127.0.0.1:PORT/health, made by up itself
+        with urllib.request.urlopen(url, timeout=1.0) as reply:  # nosec B310
             return reply.status == 200 and json.load(reply).get("core") == "SERVING"
     except (OSError, ValueError):
         return False
@@ -378,7 +380,8 @@ def free_port() -> int:
 def gpu_count() -> int:
     """NVIDIA GPUs this host has (0 where nvidia-smi is absent)."""
     try:
-        listing = subprocess.run(
+        # found on PATH as the NVIDIA driver installs it; fixed arguments, no shell
+        listing = subprocess.run(  # nosec B603 B607
             ["nvidia-smi", "-L"], check=False, capture_output=True, text=True, timeout=10
         )
     except (OSError, subprocess.TimeoutExpired):

@@ -311,7 +311,8 @@ def ensure_demo_model(cache_dir: Path | None = None, progress: bool = True) -> P
     tmp = Path(tempfile.mkdtemp(prefix=staging_name(f".{CACHE_SUBDIR}.tmp-") + "-", dir=root))
     try:
         build_demo_model(tmp, progress=progress)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache may be shared
+        # mkdtemp makes it 0700; the cache may be shared, and it holds public weights
+        os.chmod(tmp, 0o755)  # nosec B103
         try:
             os.rename(tmp, final)
         except OSError:

@@ -8,6 +8,10 @@ from typing import Any
 
 from services.common.synthetic_model import TINY_CONFIGS
 
+# Qwen's special token ids (vocabulary ids: bandit reads "token" keys as passwords)
+QWEN_TOKEN_IDS = {"bos_token_id": 151643, "eos_token_id": 151645}  # nosec B105
+
+
 # Qwen3.5's MoE text model, as synthetic_model's qwen3_5_moe has it, built on qwen3_moe's fields.
 QWEN3_5_TEXT: dict[str, Any] = {
     **TINY_CONFIGS["qwen3_5_moe"]["text_config"],
@@ -18,8 +22,7 @@ QWEN3_5_TEXT: dict[str, Any] = {
         "partial_rotary_factor": 0.25,
         "mrope_section": [1, 1, 0],
     },
-    "bos_token_id": 151643,
-    "eos_token_id": 151645,
+    **QWEN_TOKEN_IDS,
 }
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -38,8 +41,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "text_config": {
             "family": "minimax",
             "model_type": "minimax_m3_vl_text",
-            "bos_token_id": 151643,
-            "eos_token_id": 151645,
+            **QWEN_TOKEN_IDS,
             "intermediate_size": 32,
             "dense_intermediate_size": 64,
             "shared_intermediate_size": 32,
@@ -83,9 +85,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
             "llama_4_scaling_beta": 0.1,
             "partial_rotary_factor": 8 / 24,
         },
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
-        "pad_token_id": 151643,
+        **QWEN_TOKEN_IDS,
+        "pad_token_id": QWEN_TOKEN_IDS["bos_token_id"],
     },
     # The vision-language wrapper around the MoE text model (mistral4).
     "mistral3": {
@@ -113,8 +114,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
             "routed_scaling_factor": 1.0,
             "num_shared_experts": 0,
             "mlp_layer_types": ["sparse"] * 4,
-            "bos_token_id": 151643,
-            "eos_token_id": 151645,
+            **QWEN_TOKEN_IDS,
         },
         "audio_config": {"out_hidden_size": 64},
     },
@@ -134,9 +134,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "mlp_bias": False,
         "use_bias": False,
         "use_conv_bias": True,
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
-        "pad_token_id": 151643,
+        **QWEN_TOKEN_IDS,
+        "pad_token_id": QWEN_TOKEN_IDS["bos_token_id"],
     },
     # qwen3_5 is dense unless its text config has num_experts > 0 (then every layer is a
     # SparseMoeBlock with a gated shared expert). Gated-DeltaNet linear layers alternate with
@@ -151,8 +150,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "intermediate_size": 64,
         "mlp_only_layers": [0],
         "partial_rotary_factor": 0.25,
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
+        **QWEN_TOKEN_IDS,
     },
     # Vision-language wrapper around qwen3_moe; layer 0 keeps a dense MLP (mlp_only_layers).
     "qwen3_vl_moe": {
@@ -160,8 +158,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
             "family": "qwen3_moe",
             "model_type": "qwen3_vl_moe_text",
             "mlp_only_layers": [0],
-            "bos_token_id": 151643,
-            "eos_token_id": 151645,
+            **QWEN_TOKEN_IDS,
         },
     },
     # Step-3.5-Flash shape: layer 0 dense, 1-3 MoE with a shared expert and sigmoid routing with
@@ -192,8 +189,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "norm_expert_weight": True,
         "swiglu_limits": [0.0, 0.0, 7.0, 7.0],
         "swiglu_limits_shared": [0.0, 0.0, 0.0, 16.0],
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
+        **QWEN_TOKEN_IDS,
     },
     # qwen3_5 (MoE text config, as above) whose listed Linear modules are 2-bit Hadamard-packed.
     # A packed module needs an input width divisible by 128 and a Hadamard block of 0 or

@@ -81,5 +81,6 @@ class CompletionRequest(GenerationOptions):
         return self.prompt if isinstance(self.prompt, str) else None
 
     def prompt_token_ids(self) -> list[int]:
-        assert not isinstance(self.prompt, str)
+        if isinstance(self.prompt, str):
+            raise TypeError("the prompt is text, not token ids")
         return [int(token) for token in self.prompt]  # type: ignore[arg-type]

@@ -202,8 +202,7 @@ def error_from_validation(exc: RequestValidationError, content_type: str | None 
     return OpenAIError(400, f"{param}: {message}" if param else message, param=param, code="invalid_value")
 
 
-async def _openai_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, OpenAIError)
+async def _openai_error_handler(request: Request, exc: OpenAIError) -> JSONResponse:
     return exc.response(path=request.url.path)
 
 
@@ -212,8 +211,7 @@ def _is_json(content_type: str) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-async def _validation_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RequestValidationError)
+async def _validation_error_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
     content_type = request.headers.get("content-type")
     return error_from_validation(exc, content_type).response(path=request.url.path)
 
@@ -227,15 +225,13 @@ class CodedHTTPException(StarletteHTTPException):
         self.code = error.code
 
 
-async def _http_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, StarletteHTTPException)
+async def _http_error_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     return OpenAIError(exc.status_code, str(exc.detail), code=getattr(exc, "code", None)).response(
         headers=dict(exc.headers or {}), path=request.url.path
     )
 
 
-async def _grpc_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, grpc.RpcError)
+async def _grpc_error_handler(request: Request, exc: grpc.RpcError) -> JSONResponse:
     return error_from_grpc(exc).response(path=request.url.path)
 
 
