@@ -174,7 +174,8 @@ def main() -> None:
         json.dumps(
             {
                 "bench": "fuzz",
-                "machine": platform.machine(),
+                "machine": f"{platform.system()} {platform.machine()}",
+                "command": "python bench/fuzz.py " + " ".join(sys.argv[1:]),
                 "inputs_cap": args.inputs,
                 "seconds_cap": args.seconds,
                 "targets": results,
