@@ -78,7 +78,10 @@ def _gateway(args) -> None:
     from services.gateway.auth import load_api_keys
     from services.gateway.server import run_gateway
 
-    run_gateway(**gateway_kwargs(args), api_keys=load_api_keys(args.api_key or (), args.api_key_file))
+    keys = load_api_keys(args.api_key or (), args.api_key_file)
+    if args.protect_metrics and not keys:
+        raise ValueError("--protect-metrics needs API keys (--api-key, --api-key-file or MOE_MESH_API_KEY)")
+    run_gateway(**gateway_kwargs(args), api_keys=keys, protect_metrics=args.protect_metrics)
 
 
 def _up(args) -> None:
@@ -204,12 +207,18 @@ def _add_api_key_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="require this key on /v1/* (repeatable; also MOE_MESH_API_KEY, comma-separated)",
     )
-    p.add_argument("--api-key-file", default=None, help="file with one accepted API key per line")
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        help="file with one accepted API key per line, or its hash as sha256:<hex> (sha256sum)",
+    )
+    p.add_argument("--protect-metrics", action="store_true", help="require an API key on /metrics too")
 
 
 def _gateway_key_args(args) -> list[str]:
     """`up` passes its key flags through to the gateway (MOE_MESH_API_KEY is inherited)."""
     out = [flag for key in args.api_key or () for flag in ("--api-key", key)]
+    out += ["--protect-metrics"] if args.protect_metrics else []
     return out + (["--api-key-file", args.api_key_file] if args.api_key_file else [])
 
 

@@ -38,6 +38,7 @@ def create_app(
     max_body_bytes: int = 32 * 1024 * 1024,
     api_keys: Iterable[str] = (),
     core_tls: TlsFiles | None = None,
+    protect_metrics: bool = False,
 ) -> FastAPI:
     """Build the app; the core channel opens at startup (inside uvicorn's loop) and closes at shutdown."""
     config = CoreClientConfig(
@@ -67,7 +68,7 @@ def create_app(
     app.state.metrics = GatewayMetrics()
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
-    app.add_middleware(ApiKeyMiddleware, keys=keys)
+    app.add_middleware(ApiKeyMiddleware, keys=keys, protect_metrics=protect_metrics)
     app.add_middleware(RequestIdMiddleware)  # added last = outermost: sees every response
     for module in (routes_openai, routes_anthropic, routes_service, routes_tokenize):
         app.include_router(module.router)

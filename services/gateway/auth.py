@@ -2,19 +2,23 @@
 
 Contract: with no keys configured (the default) every request passes. With keys, a `/v1/*` request
 must present one as `Authorization: Bearer <key>` (OpenAI clients) or `x-api-key: <key>` (Anthropic
-clients), else 401 in the API's error shape. Keys are compared with `hmac.compare_digest` against
-every configured key, without stopping at the first match, so response time does not reveal how
-much of a key was right. `/health`, `/ready`, `/metrics` and `/openapi.json` stay open: probes and
-scrapers run inside the trust boundary, as with vLLM's `--api-key`.
+clients), else 401 in the API's error shape. The presented key's SHA-256 is compared with
+`hmac.compare_digest` against every configured key's, without stopping at the first match, so
+response time does not reveal how much of a key was right. `/health`, `/ready` and `/openapi.json`
+stay open: probes run inside the trust boundary, as with vLLM's `--api-key`; `/metrics` too, unless
+`--protect-metrics` puts it behind the keys.
 
 Keys come from `--api-key` flags, an `--api-key-file` (one key per line, `#` comments), and the
-`MOE_MESH_API_KEY` environment variable (comma-separated), all merged.
+`MOE_MESH_API_KEY` environment variable (comma-separated), all merged. An entry `sha256:<64 hex>` is
+a key's hash (`printf %s "$KEY" | sha256sum`), so a key file need not hold the keys themselves.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -25,6 +29,9 @@ from services.gateway.errors import OpenAIError
 
 API_KEY_ENV = "MOE_MESH_API_KEY"
 PROTECTED_PREFIX = "/v1/"
+METRICS_PATHS = ("/metrics",)  # behind the keys with --protect-metrics
+HASH_PREFIX = "sha256:"
+_HASH = re.compile(r"sha256:[0-9a-fA-F]{64}")
 
 
 def load_api_keys(
@@ -47,6 +54,9 @@ def load_api_keys(
     environment = os.environ if environ is None else environ
     collected += [key.strip() for key in environment.get(API_KEY_ENV, "").split(",")]
     found = tuple(dict.fromkeys(key for key in collected if key))
+    for key in found:
+        if key.startswith(HASH_PREFIX) and not _HASH.fullmatch(key):
+            raise ValueError(f"API key entry {key[:20]}...: a hash is sha256: and 64 hex digits")
     from_environment = bool(environment.get(API_KEY_ENV, "").strip())  # set but empty: not asked
     if (keys or key_file is not None or from_environment) and not found:
         sources = [f"--api-key-file {key_file}" if key_file is not None else "", "--api-key" if keys else ""]
@@ -63,25 +73,37 @@ def presented_key(headers: Headers) -> str:
     return headers.get("x-api-key", "").strip()
 
 
-def key_matches(presented: str, keys: tuple[str, ...]) -> bool:
+def key_digest(entry: str) -> bytes:
+    """The SHA-256 an accepted key entry stands for: its own, or the one it gives (sha256:…)."""
+    if _HASH.fullmatch(entry):
+        return bytes.fromhex(entry.removeprefix(HASH_PREFIX))
+    return hashlib.sha256(entry.encode()).digest()
+
+
+def key_matches(presented: str, digests: tuple[bytes, ...]) -> bool:
+    candidate = hashlib.sha256(presented.encode()).digest()
     matched = False
-    for key in keys:  # no early exit: every key is compared every time
-        matched |= hmac.compare_digest(presented.encode(), key.encode())
+    for digest in digests:  # no early exit: every key is compared every time
+        matched |= hmac.compare_digest(candidate, digest)
     return matched
 
 
 class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...], protect_metrics: bool = False) -> None:
         self.app = app
-        self.keys = keys
+        self.digests = tuple(key_digest(key) for key in keys)
+        self.extra_paths = METRICS_PATHS if protect_metrics else ()
+
+    def protects(self, path: str) -> bool:
+        return bool(self.digests) and (path.startswith(PROTECTED_PREFIX) or path in self.extra_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or not self.keys or not path.startswith(PROTECTED_PREFIX):
+        if scope["type"] != "http" or not self.protects(path):
             await self.app(scope, receive, send)
             return
         presented = presented_key(Headers(scope=scope))
-        if presented and key_matches(presented, self.keys):
+        if presented and key_matches(presented, self.digests):
             await self.app(scope, receive, send)
             return
         message = "invalid API key" if presented else "missing API key (send Authorization: Bearer <key>)"

@@ -54,12 +54,19 @@ def run_gateway(
     graceful_shutdown_s: float = 30.0,
     core_tls: TlsFiles | None = None,
     api_keys: tuple[str, ...] = (),
+    protect_metrics: bool = False,
 ) -> None:
     """Serve the OpenAI-compatible HTTP API on host:port until SIGTERM/SIGINT."""
     configure_logging("gateway", log_level)
     level = logging.getLevelName(log_level.upper())
     _route_uvicorn_logs_to_structlog(level)
-    app = create_app(core_target, model_name_hint=model_name_hint, core_tls=core_tls, api_keys=api_keys)
+    app = create_app(
+        core_target,
+        model_name_hint=model_name_hint,
+        core_tls=core_tls,
+        api_keys=api_keys,
+        protect_metrics=protect_metrics,
+    )
     config = uvicorn.Config(
         app,
         host=host,

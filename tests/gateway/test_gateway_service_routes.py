@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import anthropic
 import httpx
 import openai
 import pytest
 
-from services.gateway.auth import API_KEY_ENV, key_matches, load_api_keys
+from services.gateway.auth import API_KEY_ENV, key_digest, key_matches, load_api_keys
 
 from .conftest import GatewayThread
 from .core_double import MODEL_ID, CoreDouble
@@ -168,4 +170,33 @@ def test_key_sources_merge(tmp_path) -> None:
     with pytest.raises(ValueError, match="--api-key"):
         load_api_keys([" "], environ={})
     assert load_api_keys(environ={API_KEY_ENV: ""}) == ()  # set but empty: as if unset
-    assert key_matches("sk-env-2", keys) and not key_matches("sk-env", keys) and not key_matches("", keys)
+    digests = tuple(key_digest(key) for key in keys)
+    assert key_matches("sk-env-2", digests) and not key_matches("sk-env", digests)
+    assert not key_matches("", digests)
+
+
+def test_a_key_file_may_hold_hashes_instead_of_keys(tmp_path) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text("sha256:" + hashlib.sha256(b"sk-hashed").hexdigest().upper() + "\n")
+    keys = load_api_keys(key_file=key_file, environ={})
+    digests = tuple(key_digest(key) for key in keys)
+    assert key_matches("sk-hashed", digests) and not key_matches("sk-hashe", digests)
+    assert not key_matches(keys[0], digests)  # the hash itself is not a key
+    key_file.write_text("sha256:abc\n")
+    with pytest.raises(ValueError, match="64 hex"):
+        load_api_keys(key_file=key_file, environ={})
+
+
+def test_protected_metrics_need_a_key_and_a_hashed_key_serves(core_server, core: CoreDouble) -> None:
+    hashed = "sha256:" + hashlib.sha256(b"sk-ops").hexdigest()
+    gateway = GatewayThread(core_server.target, api_keys=(hashed,), protect_metrics=True).start()
+    try:
+        assert httpx.get(gateway.url + "/metrics").status_code == 401
+        assert (
+            httpx.get(gateway.url + "/metrics", headers={"Authorization": "Bearer sk-ops"}).status_code == 200
+        )
+        assert httpx.get(gateway.url + "/health").status_code == 200  # liveness stays open
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="sk-ops", max_retries=0)
+        assert client.chat.completions.create(model=MODEL_ID, messages=MESSAGES).choices[0].finish_reason
+    finally:
+        gateway.stop()
