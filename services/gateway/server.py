@@ -2,7 +2,7 @@
 
 uvloop where installed (the gateway is pure I/O: JSON, SSE and gRPC), structlog JSON lines for our
 own logs and uvicorn's, access log only at debug level (one line per request is noise next to the
-gateway's own per-completion line). SIGTERM/SIGINT are uvicorn's: it stops accepting, lets
+gateway's own per-completion line), and the connection limits of http_limits.py. SIGTERM/SIGINT are uvicorn's: it stops accepting, lets
 in-flight requests finish for up to `graceful_shutdown_s`, then runs the app's shutdown, which
 closes the core channel (cancelling any stream still open), and finally re-raises the signal, so the
 process ends "killed by SIGTERM" as supervisors expect.
@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import resource
 
 import uvicorn
 
 from services.common.logging import configure_logging, get_logger
 from services.common.tls import TlsFiles
 from services.gateway.app import create_app
+from services.gateway.http_limits import GuardedHttpToolsProtocol
 
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
 
@@ -44,6 +46,31 @@ def event_loop_name() -> str:
     return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
 
 
+def uvicorn_config(app, **options) -> uvicorn.Config:
+    """uvicorn's settings for the gateway (also what the tests serve it with): uvloop where
+    installed, httptools with the connection limits of http_limits.py, no server header."""
+    return uvicorn.Config(
+        app,
+        loop=event_loop_name(),
+        http=GuardedHttpToolsProtocol,
+        log_config=None,  # keep the handlers installed by configure_logging
+        server_header=False,
+        **options,
+    )
+
+
+def raise_open_file_limit() -> None:
+    """Every client connection holds a descriptor: raise the soft limit (often 256 on macOS, 1024
+    on Linux) to the hard one, as vLLM's server does."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+    if soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):  # macOS caps it below an unlimited hard limit
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(target, 10240), hard))
+
+
 def run_gateway(
     host: str,
     port: int,
@@ -67,15 +94,13 @@ def run_gateway(
         api_keys=api_keys,
         protect_metrics=protect_metrics,
     )
-    config = uvicorn.Config(
+    raise_open_file_limit()
+    config = uvicorn_config(
         app,
         host=host,
         port=port,
-        loop=event_loop_name(),
-        log_config=None,  # keep the handlers installed above
         log_level=level,
         access_log=log_level.lower() == "debug",
         timeout_graceful_shutdown=int(graceful_shutdown_s),
-        server_header=False,
     )
     uvicorn.Server(config).run()

@@ -15,7 +15,7 @@ import pytest
 import uvicorn
 
 from services.gateway.app import create_app
-from services.gateway.server import event_loop_name
+from services.gateway.server import uvicorn_config
 
 from .core_double import CoreDouble, CoreDoubleServer
 
@@ -28,9 +28,8 @@ class GatewayThread:
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind(("127.0.0.1", 0))  # bound here, so the port cannot be taken meanwhile
         self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
-        config = uvicorn.Config(
+        config = uvicorn_config(
             create_app(core_target, **app_options),  # type: ignore[arg-type]
-            loop=event_loop_name(),
             log_level="warning",
             lifespan="on",
         )
