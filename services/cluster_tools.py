@@ -26,12 +26,16 @@ def _certs(args) -> None:
         if not (args.out and args.name):
             raise ValueError("pass --config cluster.toml, or --out DIR --name NAME [--host H ...]")
         out, wanted = Path(args.out), {args.name: []}
+    if args.rotate and not ((out / "ca.pem").exists() and (out / "ca-key.pem").exists()):
+        raise ValueError(f"--rotate issues new certificates under the cluster's CA, and {out} holds none")
     for name, own_hosts in wanted.items():
         # wildcard listen addresses name no host a certificate could be for (binds nothing)
         hosts = [h for h in [*own_hosts, *(args.host or [])] if h and h not in ("0.0.0.0", "::")]  # nosec B104
         files = issue_certificate(out, name, hosts)
         print(f"{name}: {files.cert} ({', '.join(dict.fromkeys(hosts)) or 'localhost only'})")
     print(f"CA: {out / 'ca.pem'} (keep {out / 'ca-key.pem'} off the serving hosts)")
+    if args.rotate:
+        print("copy each service its new pair, then `kill -HUP` it: new connections get the new certificate")
 
 
 def _host(address: str) -> str:
@@ -79,6 +83,11 @@ def add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="folder (default: [tls] dir of --config)")
     p.add_argument("--name", default=None, help="without --config: the one service to certify")
     p.add_argument("--host", action="append", help="extra host name or IP for the certificates")
+    p.add_argument(
+        "--rotate",
+        action="store_true",
+        help="new certificates under the existing CA (refused without one); services load them on SIGHUP",
+    )
     p.set_defaults(func=_certs)
 
     p = sub.add_parser("deploy", help="render a launchd plist or systemd unit for a role on this host")

@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.logging import get_logger
 from services.common.malformed_requests import RejectMalformedRequests
-from services.common.tls import TlsFiles, channel_credentials, server_credentials
+from services.common.tls import TlsError, TlsFiles, channel_credentials, reloadable_server_credentials
 from services.common.unix_sockets import claim_socket_path
 
 log = get_logger(__name__)
@@ -104,6 +104,25 @@ def refuse_insecure_bind(address: str, tls: TlsFiles | None, insecure: bool) -> 
     return True
 
 
+def reload_on_sighup(tls: TlsFiles, reload: Callable[[], None]) -> None:
+    """SIGHUP re-reads the server certificate (`moe-mesh certs --rotate`, then `kill -HUP`): new
+    handshakes get it, open connections and their streams carry on. Where this thread cannot take
+    signals (a server started off the main thread, as tests do), reload stays a function only."""
+
+    def on_sighup() -> None:
+        try:
+            reload()
+        except TlsError as error:
+            log.error("tls_reload_failed", cert=str(tls.cert), error=str(error))
+        else:
+            log.info("tls_reloaded", cert=str(tls.cert))
+
+    try:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, on_sighup)
+    except (RuntimeError, ValueError, NotImplementedError):
+        log.debug("tls_reload_on_sighup_off", reason="not the main thread's event loop")
+
+
 def bind(server: grpc.aio.Server, address: str, tls: TlsFiles | None = None, insecure: bool = False) -> str:
     address = normalize_address(address)
     if refuse_insecure_bind(address, tls, insecure):
@@ -115,7 +134,9 @@ def bind(server: grpc.aio.Server, address: str, tls: TlsFiles | None = None, ins
         claim_socket_path(path)
     try:
         if tls is not None:
-            port = server.add_secure_port(address, server_credentials(tls))
+            credentials, reload = reloadable_server_credentials(tls)
+            port = server.add_secure_port(address, credentials)
+            reload_on_sighup(tls, reload)
         else:
             port = server.add_insecure_port(address)
     except RuntimeError as error:  # grpcio raises for a port in use or an address it cannot parse

@@ -60,6 +60,47 @@ def server_credentials(files: TlsFiles) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
 
 
+def reloadable_server_credentials(files: TlsFiles):
+    """(credentials, reload): server mTLS whose certificate `reload()` re-reads from the files;
+    handshakes from then on use it, connections already open keep theirs (no stream drops).
+    reload() raises TlsError, keeping the current certificate, when the files are unreadable or
+    the key does not match the certificate (caught mid-rotation)."""
+    pending: list = []
+
+    def configuration():
+        ca, cert, key = files.read()
+        _check_pair(files, cert, key)
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+    def fetch():  # gRPC calls this before each new handshake; None keeps the current one
+        return pending.pop() if pending else None
+
+    def reload() -> None:
+        config = configuration()
+        pending[:] = [config]
+
+    credentials = grpc.dynamic_ssl_server_credentials(
+        configuration(), fetch, require_client_authentication=True
+    )
+    return credentials, reload
+
+
+def _check_pair(files: TlsFiles, cert_pem: bytes, key_pem: bytes) -> None:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+        key = serialization.load_pem_private_key(key_pem, password=None)
+    except ValueError as error:
+        raise TlsError(f"{files.cert} or {files.key} is not a PEM certificate / key: {error}") from None
+    public = serialization.PublicFormat.SubjectPublicKeyInfo
+    if cert.public_key().public_bytes(serialization.Encoding.DER, public) != key.public_key().public_bytes(
+        serialization.Encoding.DER, public
+    ):
+        raise TlsError(f"{files.key} is not the key of {files.cert}")
+
+
 def channel_credentials(files: TlsFiles) -> grpc.ChannelCredentials:
     """Client side of mTLS: verify the server against our CA and present our certificate."""
     ca, cert, key = files.read()
@@ -119,7 +160,7 @@ def ensure_ca(directory: Path, common_name: str = "moe-mesh cluster CA"):
         .sign(key, hashes.SHA256())
     )
     _write_private(key_path, _key_pem(key))
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    _replace(cert_path, cert.public_bytes(serialization.Encoding.PEM))
     return cert, key
 
 
@@ -159,8 +200,9 @@ def issue_certificate(directory: Path, name: str, hosts: list[str]) -> TlsFiles:
         .sign(ca_key, hashes.SHA256())
     )
     files = TlsFiles.in_dir(directory, name)
+    # each file replaced whole: a service reloading meanwhile reads the old pair or the new one
     _write_private(files.key, _key_pem(key))
-    files.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    _replace(files.cert, cert.public_bytes(serialization.Encoding.PEM))
     return files
 
 
@@ -174,7 +216,14 @@ def _key_pem(key) -> bytes:
 
 def _write_private(path: Path, data: bytes) -> None:
     """Private keys are created 0600, never world-readable even for an instant."""
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    _replace(path, data, mode=0o600)
+
+
+def _replace(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Write `data` beside `path`, then rename it over `path` in one step."""
+    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    staging.unlink(missing_ok=True)
+    fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     with os.fdopen(fd, "wb") as out:
         out.write(data)
+    os.replace(staging, path)

@@ -1,6 +1,7 @@
 """mTLS on peer links with `moe-mesh certs` output: the right certificate gets in; no certificate,
 a certificate from another CA, or plaintext are refused at the handshake; a server with a
-certificate from another CA is refused by the client; binding beyond loopback without TLS warns."""
+certificate from another CA is refused by the client; binding beyond loopback without TLS is refused
+unless --insecure; rotated certificates load on SIGHUP without dropping streams."""
 
 from __future__ import annotations
 
@@ -160,3 +161,57 @@ def test_certs_refuses_to_replace_a_ca_whose_key_is_elsewhere(tmp_path):
     with pytest.raises(SystemExit, match="ca-key.pem does not"):
         main(["certs", "--out", str(tmp_path), "--name", "mac-c"])
     assert (tmp_path / "ca.pem").read_bytes() == ca and not (tmp_path / "mac-c.pem").exists()
+
+
+def _served_certificate_serial(port: int, cluster) -> int:
+    """The serial of the certificate a new TLS handshake with the server is shown."""
+    import socket
+    import ssl
+
+    from cryptography import x509
+
+    context = ssl.create_default_context(cafile=str(cluster / "ca.pem"))
+    context.load_cert_chain(cluster / "gateway.pem", cluster / "gateway-key.pem")
+    context.set_alpn_protocols(["h2"])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+        with context.wrap_socket(raw, server_hostname="localhost") as tls:
+            return x509.load_der_x509_certificate(tls.getpeercert(binary_form=True)).serial_number
+
+
+async def test_rotated_certificates_load_on_sighup_and_open_streams_carry_on(tmp_path):
+    """`certs --rotate` issues new leaves under the same CA; SIGHUP makes the server show its new
+    one to new connections, while a stream opened before goes on receiving."""
+    import asyncio
+    import os
+    import signal
+
+    cluster = tmp_path / "pki"
+    main(["certs", "--out", str(cluster), "--name", "core"])
+    main(["certs", "--out", str(cluster), "--name", "gateway"])
+    port = free_port()
+    running = await start_server(
+        lambda server: None, "test.Service", f"127.0.0.1:{port}", tls=TlsFiles.in_dir(cluster, "core")
+    )
+    try:
+        before = await asyncio.to_thread(_served_certificate_serial, port, cluster)
+        async with aio_channel(f"127.0.0.1:{port}", TlsFiles.in_dir(cluster, "gateway")) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            ca = (cluster / "ca.pem").read_bytes()
+            main(["certs", "--out", str(cluster), "--name", "core", "--rotate"])
+            assert (cluster / "ca.pem").read_bytes() == ca  # the CA stays: every peer still trusts
+            os.kill(os.getpid(), signal.SIGHUP)
+            await asyncio.sleep(0.2)
+            after = await asyncio.to_thread(_served_certificate_serial, port, cluster)
+            assert after != before
+            await running.set_serving(False)  # the stream opened before the reload still delivers
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            watch.cancel()
+    finally:
+        await running.server.stop(0)
+
+
+def test_rotate_refuses_a_folder_without_the_cluster_ca(tmp_path):
+    with pytest.raises(SystemExit):
+        main(["certs", "--out", str(tmp_path), "--name", "core", "--rotate"])
+    assert not (tmp_path / "ca.pem").exists()
