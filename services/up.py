@@ -28,7 +28,6 @@ from pathlib import Path
 
 from services.cli import cli_command
 from services.cluster import LOCAL_ADDRESS, local_cluster_toml
-from services.common.data_plane_flag import DATA_PLANE_STUCK
 from services.common.frames import frames_path_for
 from services.common.logging import get_logger
 
@@ -332,11 +331,12 @@ def run_up(
         while not stopping:
             if (dead := cluster.dead()) is not None:
                 name, code, log_path = dead
-                # A worker that dies is started again, as launchd/systemd would: core fails the
-                # requests of that step, reports NOT_SERVING, and serves again once it is back.
-                # So is a core whose data plane left a step blocked (expert_link/distributed.py).
-                restartable = name.startswith("expert-") or (name == "core" and code == DATA_PLANE_STUCK)
-                if not restartable or not cluster.restart(name):
+                # A worker or core that dies is started again, as launchd/systemd would. A worker:
+                # core fails the requests of that step, reports NOT_SERVING, and serves again once
+                # it is back. Core (killed, or its data plane left a step blocked: exit code
+                # services/common/data_plane_flag.DATA_PLANE_STUCK): the gateway answers 503
+                # meanwhile and reconnects by itself.
+                if name == "gateway" or not cluster.restart(name):
                     return _report_death(*dead)
                 print(f"moe-mesh up: {name} exited with code {code}; started it again", file=sys.stderr)
             time.sleep(0.5)

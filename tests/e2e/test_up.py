@@ -181,6 +181,32 @@ def test_a_worker_that_dies_is_started_again_and_the_stack_serves_on(up):
     assert proc.poll() is None and workers[0] not in children_of(proc.pid)
 
 
+def test_a_core_that_dies_is_started_again_and_the_gateway_serves_on(up):
+    """kill -9 core: clients get clean errors (503, or the stream cut), up starts core again, and
+    the same gateway serves again without a restart of its own."""
+    proc, url, _, _ = up
+    core = service_pids(proc.pid, "core")[0]
+    gateway = service_pids(proc.pid, "gateway")
+    os.kill(core, signal.SIGKILL)
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+    deadline, statuses = time.monotonic() + 180, set()
+    while True:
+        try:
+            reply = client.chat.completions.create(
+                model="smollm2-135m-moe8", messages=QUESTION, temperature=0, max_tokens=16
+            )
+            break
+        except openai.APIStatusError as error:
+            statuses.add(error.status_code)
+        except openai.APIConnectionError:
+            statuses.add("connection")
+        assert time.monotonic() < deadline and proc.poll() is None, statuses
+        time.sleep(0.5)
+    assert "Paris" in reply.choices[0].message.content
+    assert statuses <= {503}, statuses  # the gateway stayed up and said why
+    assert service_pids(proc.pid, "gateway") == gateway and core not in children_of(proc.pid)
+
+
 def test_a_second_up_in_the_same_workdir_is_refused_and_the_first_serves_on(up):
     proc, url, workdir, _ = up
     second = run_cli("up", "--port", str(free_port()), "--workdir", str(workdir), timeout=120)
