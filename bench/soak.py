@@ -1,6 +1,6 @@
 """Soak: mixed API traffic against `moe-mesh up` for a while, then idle, loopback only.
 
-    python bench/soak.py [--clients 64] [--seconds 600] [--warmup 60] [--idle 20] [--experts 3]
+    python bench/soak.py [--clients 64] [--seconds 600] [--warmup 120] [--idle 20] [--chaos-every S]
 
 Starts `moe-mesh up --experts N` on the demo model. N clients loop over chat, completions and
 messages, streamed and not, tool calls, JSON-schema output, long prompts, cancels and mid-stream
@@ -8,8 +8,9 @@ disconnects (bench/soak_traffic.py). Every 5 s it samples each process's RSS and
 descriptors and core's running, waiting and KV bytes. Prints one JSON object and exits 1 when a
 target is missed: an error other than a 429 or a cancel the client made; RSS growth after the
 warm-up over 5 % in any process; KV bytes, running or waiting requests, or open file descriptors
-not back to their idle values once the load stops. Core's prefix and MLX caches get small budgets
-(--cache-gb) so that they fill within the warm-up: growth past it is then a leak.
+not back to their idle values once the load stops. RSS growth compares idle after the load with idle after a
+warm-up load: both with core's prefix and MLX caches filled (small budgets, --cache-gb) and
+nothing running, so growth between them is a leak; peaks under load are reported beside.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode import log
+from bench.soak_chaos import inject, judge
 from bench.soak_traffic import EXPECTED, Outcome, run_clients
 from bench.workdir import bench_workdir
 
@@ -58,30 +60,76 @@ async def core_stats(core_address: str) -> dict:
     }
 
 
-async def sample(processes: dict[str, int], core_address: str, started: float) -> dict:
-    row = {"t_s": round(time.monotonic() - started, 1)}
-    for name, pid in processes.items():
-        row[name] = {"rss_mb": round(rss_mb(pid), 1), "fds": open_fds(pid)}
-    row["core_stats"] = await core_stats(core_address)
+def up_processes(up_pid: int) -> dict[str, int]:
+    """{core, gateway, expert-N: pid} of what `moe-mesh up` runs now (restarts get new pids)."""
+    from tests.e2e.test_up import children_of
+
+    found = {}
+    for pid in children_of(up_pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+        except OSError:
+            continue  # just exited
+        role = next((r for r in ("core", "gateway", "expert") if r in argv[:8]), None)
+        if role == "expert":
+            role = Path(argv[argv.index("--listen") + 1].removeprefix("unix:")).stem  # expert-N
+        if role:
+            found[role] = pid
+    return found
+
+
+async def sample(processes, core_address: str, started: float) -> dict:
+    row: dict = {"t_s": round(time.monotonic() - started, 1)}
+    for name, pid in processes().items():
+        try:
+            row[name] = {"rss_mb": round(rss_mb(pid), 1), "fds": open_fds(pid), "pid": pid}
+        except (OSError, StopIteration):
+            continue  # exited between the listing and the read
+    try:
+        row["core_stats"] = await core_stats(core_address)
+    except Exception as error:  # noqa: BLE001 - core restarting under --chaos: the sample says so
+        row["core_stats"] = {"error": type(error).__name__}
     return row
 
 
-async def soak(url: str, model: str, processes: dict[str, int], core_address: str, args) -> dict:
-    """Idle sample, the load with samples every SAMPLE_S, then the idle wait and a last sample."""
+async def soak(url: str, model: str, processes, core_address: str, args) -> dict:
+    """An idle sample; the warm-up load, idle, a sample (the reference: caches filled, nothing
+    running); the load, sampled every SAMPLE_S (faults too with --chaos-every); idle, a last
+    sample. `processes()` gives {name: pid} of the services now."""
     started = time.monotonic()
     idle = await sample(processes, core_address, started)
+    if args.warmup:
+        log(f"warm-up: {args.clients} clients for {args.warmup:.0f} s")
+        await run_clients(url, model, args.clients, args.warmup, args.seed + 1)
+        await asyncio.sleep(args.idle)
+    warm = await sample(processes, core_address, started)
     load = asyncio.ensure_future(run_clients(url, model, args.clients, args.seconds, args.seed))
+    faults: list = []
+    chaos = None
+    if getattr(args, "chaos_every", 0):
+
+        def pids_of(role: str) -> list[int]:
+            return [pid for name, pid in processes().items() if name.startswith(role)]
+
+        chaos = asyncio.ensure_future(
+            inject(pids_of, time.monotonic() + args.seconds, args.chaos_every, faults)
+        )
     samples = []
     while not load.done():
         await asyncio.wait([load], timeout=SAMPLE_S)
         samples.append(await sample(processes, core_address, started))
-        log(
-            f"t={samples[-1]['t_s']:.0f}s core {samples[-1]['core']['rss_mb']:.0f} MB, {samples[-1]['core_stats']}"
-        )
+        log(f"t={samples[-1]['t_s']:.0f}s core {samples[-1].get('core')} {samples[-1]['core_stats']}")
     outcomes = load.result()
+    if chaos is not None:
+        await chaos
     await asyncio.sleep(args.idle)
     after = await sample(processes, core_address, started)
-    return summarize(outcomes, idle, samples, after, processes, args)
+    report = summarize(outcomes, idle, warm, samples, after, args)
+    if chaos is not None:
+        report["chaos"] = judge(outcomes, faults)
+        report["targets"]["no_unexpected_errors"] = report["chaos"]["errors_outside_fault_windows"] == 0
+        del report["targets"]["rss_growth_within_5pct"]  # restarted processes start over
+    return report
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -91,7 +139,9 @@ def percentile(values: list[float], q: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 1)
 
 
-def summarize(outcomes: list[Outcome], idle: dict, samples: list[dict], after: dict, processes, args) -> dict:
+def summarize(
+    outcomes: list[Outcome], idle: dict, warm: dict, samples: list[dict], after: dict, args
+) -> dict:
     by_kind: dict[str, Counter] = defaultdict(Counter)
     errors: dict[str, list[str]] = defaultdict(list)
     for o in outcomes:
@@ -99,22 +149,28 @@ def summarize(outcomes: list[Outcome], idle: dict, samples: list[dict], after: d
         if o.outcome not in EXPECTED and len(errors[f"{o.kind}:{o.outcome}"]) < 5:
             errors[f"{o.kind}:{o.outcome}"].append(o.detail)
     unexpected = sum(1 for o in outcomes if o.outcome not in EXPECTED)
-    warm = [s for s in samples if s["t_s"] >= args.warmup] or samples[-1:]
-    growth = {}
-    for name in processes:
-        base = warm[0][name]["rss_mb"]
-        growth[name] = round((max(s[name]["rss_mb"] for s in warm) - base) / base * 100, 2)
+    names = [name for name, value in idle.items() if isinstance(value, dict) and "rss_mb" in value]
+    # idle after the load against idle after the warm-up: both with caches filled, nothing running
+    growth = {
+        n: round((after[n]["rss_mb"] - warm[n]["rss_mb"]) / warm[n]["rss_mb"] * 100, 2)
+        if n in after and n in warm and after[n]["pid"] == warm[n]["pid"]
+        else None
+        for n in names
+    }
+    peak = {n: max((s[n]["rss_mb"] for s in samples if n in s), default=None) for n in names}
     ttfts = [o.ttft_s for o in outcomes if o.ttft_s is not None]
     gaps = [g for o in outcomes for g in o.gaps_s]
     back = after["core_stats"]
     idle_stats = idle["core_stats"]
     targets = {
         "no_unexpected_errors": unexpected == 0,
-        "rss_growth_after_warmup_within_5pct": all(g <= RSS_GROWTH_LIMIT * 100 for g in growth.values()),
+        "rss_growth_within_5pct": all(g is not None and g <= RSS_GROWTH_LIMIT * 100 for g in growth.values()),
         "kv_and_requests_back_to_idle": back["running"] == 0
         and back["waiting"] == 0
         and back["kv_cache_bytes"] == idle_stats["kv_cache_bytes"],
-        "file_descriptors_back_to_idle": all(after[n]["fds"] <= idle[n]["fds"] + FD_SLACK for n in processes),
+        "file_descriptors_back_to_idle": all(
+            after.get(n, {}).get("fds", 0) <= idle[n]["fds"] + FD_SLACK for n in names
+        ),
     }
     return {
         "requests": len(outcomes),
@@ -125,7 +181,9 @@ def summarize(outcomes: list[Outcome], idle: dict, samples: list[dict], after: d
         "count_429": sum(1 for o in outcomes if o.outcome == "429"),
         "ttft_ms": {"p50": percentile(ttfts, 0.5), "p99": percentile(ttfts, 0.99)},
         "inter_token_ms": {"p50": percentile(gaps, 0.5), "p99": percentile(gaps, 0.99)},
-        "rss_growth_after_warmup_pct": growth,
+        "rss_growth_pct": growth,
+        "rss_mb_peak_under_load": peak,
+        "after_warmup": warm,
         "idle": idle,
         "after_idle": after,
         "samples": samples,
@@ -137,12 +195,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=600)
-    parser.add_argument("--warmup", type=float, default=60, help="seconds of load before RSS growth counts")
+    parser.add_argument(
+        "--warmup", type=float, default=120, help="seconds of load first; RSS growth counts from its idle end"
+    )
     parser.add_argument(
         "--idle", type=float, default=20, help="seconds after the load before the last sample"
     )
     parser.add_argument("--experts", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--chaos-every",
+        type=float,
+        default=0,
+        help="seconds between faults (kill -9 a worker, SIGSTOP one, kill -9 core: bench/soak_chaos.py)",
+    )
     parser.add_argument(
         "--cache-gb",
         type=float,
@@ -152,7 +218,7 @@ def main() -> None:
     parser.add_argument("up_flags", nargs="*", help="more `moe-mesh up` flags (after --)")
     args = parser.parse_args()
 
-    from tests.e2e.test_up import service_pids, start_up
+    from tests.e2e.test_up import start_up
 
     workdir = bench_workdir("mm-soak-")
     up_dir = workdir / "up"
@@ -160,15 +226,10 @@ def main() -> None:
     flags = ["--experts", str(args.experts), "--served-model-name", "demo", *caches, *args.up_flags]
     proc, url = start_up(workdir / "cache", up_dir, *flags)
     try:
-        processes = {
-            "core": service_pids(proc.pid, "core")[0],
-            "gateway": service_pids(proc.pid, "gateway")[0],
-        }
-        for i, pid in enumerate(sorted(service_pids(proc.pid, "expert"))):
-            processes[f"expert-{i}"] = pid
         log(f"soak: {args.clients} clients for {args.seconds:.0f} s against {url}")
+        core = f"unix:{up_dir / 'core.sock'}"
         report = asyncio.run(
-            soak(url.removesuffix("/v1"), "demo", processes, f"unix:{up_dir / 'core.sock'}", args)
+            soak(url.removesuffix("/v1"), "demo", lambda: up_processes(proc.pid), core, args)
         )
     finally:
         proc.terminate()
@@ -182,6 +243,7 @@ def main() -> None:
         "seconds": args.seconds,
         "warmup_s": args.warmup,
         "idle_s": args.idle,
+        "chaos_every_s": args.chaos_every,
         "command": "python bench/soak.py " + " ".join(sys.argv[1:]),
         **report,
     }

@@ -53,6 +53,7 @@ class Outcome:
     kind: str
     outcome: str  # "ok", "429", "cancelled", or the error: an HTTP status or an exception's name
     seconds: float
+    started_at: float = 0.0  # time.monotonic()
     ttft_s: float | None = None
     gaps_s: list[float] = field(default_factory=list)
     detail: str = ""
@@ -96,6 +97,12 @@ def request_for(kind: str, rng: random.Random, model: str) -> tuple[str, dict, b
 
 
 async def one_request(client: httpx.AsyncClient, kind: str, rng: random.Random, model: str) -> Outcome:
+    outcome = await _one_request(client, kind, rng, model)
+    outcome.started_at = time.monotonic() - outcome.seconds
+    return outcome
+
+
+async def _one_request(client: httpx.AsyncClient, kind: str, rng: random.Random, model: str) -> Outcome:
     path, body, stream = request_for(kind, rng, model)
     started = time.perf_counter()
     try:
@@ -142,8 +149,8 @@ def _judge_body(kind: str, reply: httpx.Response) -> tuple[str, str]:
         if kind.startswith("messages"):
             return ("ok", "") if data["content"] is not None else ("bad_body", reply.text[:200])
         choice = data["choices"][0]
-        if kind == "tools" and not choice["message"].get("tool_calls"):
-            return "no_tool_call", reply.text[:200]
+        if kind == "tools" and not (choice["message"].get("tool_calls") or choice["message"]["content"]):
+            return "empty_answer", reply.text[:200]
         if kind == "json_schema" and choice["finish_reason"] == "stop":
             json.loads(choice["message"]["content"])
     except (ValueError, KeyError, IndexError, TypeError) as error:

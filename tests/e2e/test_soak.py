@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.soak import soak
-from tests.e2e.test_up import service_pids, start_up
+from bench.soak import soak, up_processes
+from tests.e2e.test_up import start_up
 from tests.helpers import short_dir
 
 pytestmark = pytest.mark.slow
@@ -23,15 +23,10 @@ def test_a_minute_of_mixed_traffic_leaves_nothing_behind(tmp_path):
         tmp_path / "cache", up_dir, "--experts", "3", "--served-model-name", "demo", *budgets
     )
     try:
-        processes = {
-            "core": service_pids(proc.pid, "core")[0],
-            "gateway": service_pids(proc.pid, "gateway")[0],
-        }
-        for i, pid in enumerate(sorted(service_pids(proc.pid, "expert"))):
-            processes[f"expert-{i}"] = pid
-        args = SimpleNamespace(clients=16, seconds=60, warmup=30, idle=5, seed=0)
+        args = SimpleNamespace(clients=16, seconds=60, warmup=0, idle=5, seed=0)
+        core = f"unix:{up_dir / 'core.sock'}"
         report = asyncio.run(
-            soak(url.removesuffix("/v1"), "demo", processes, f"unix:{up_dir / 'core.sock'}", args)
+            soak(url.removesuffix("/v1"), "demo", lambda: up_processes(proc.pid), core, args)
         )
     finally:
         proc.terminate()
