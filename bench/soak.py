@@ -71,8 +71,8 @@ def up_processes(up_pid: int) -> dict[str, int]:
         except OSError:
             continue  # just exited
         role = next((r for r in ("core", "gateway", "expert") if r in argv[:8]), None)
-        if role == "expert":
-            role = Path(argv[argv.index("--listen") + 1].removeprefix("unix:")).stem  # expert-N
+        if role == "expert":  # up starts each as `expert --config … --name expert-N`
+            role = argv[argv.index("--name") + 1] if "--name" in argv else f"expert-pid{pid}"
         if role:
             found[role] = pid
     return found

@@ -53,10 +53,10 @@ class Outcome:
     kind: str
     outcome: str  # "ok", "429", "cancelled", or the error: an HTTP status or an exception's name
     seconds: float
-    started_at: float = 0.0  # time.monotonic()
     ttft_s: float | None = None
     gaps_s: list[float] = field(default_factory=list)
     detail: str = ""
+    started_at: float = 0.0  # time.monotonic()
 
 
 def words(rng: random.Random, low: int, high: int) -> str:
@@ -81,12 +81,9 @@ def request_for(kind: str, rng: random.Random, model: str) -> tuple[str, dict, b
     if kind.startswith("messages"):
         stream = kind.endswith("stream")
         return "/v1/messages", {**chat, "stream": stream}, stream
-    if kind == "tools":
-        return (
-            "/v1/chat/completions",
-            {**chat, "tools": TOOLS, "tool_choice": "required", "max_tokens": 60},
-            False,
-        )
+    if kind == "tools":  # "auto": a model without a tool-call format answers in text
+        body = {**chat, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 60}
+        return "/v1/chat/completions", body, False
     if kind == "json_schema":
         schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
         return "/v1/chat/completions", {**chat, "response_format": schema, "max_tokens": 60}, False
@@ -149,8 +146,8 @@ def _judge_body(kind: str, reply: httpx.Response) -> tuple[str, str]:
         if kind.startswith("messages"):
             return ("ok", "") if data["content"] is not None else ("bad_body", reply.text[:200])
         choice = data["choices"][0]
-        if kind == "tools" and not (choice["message"].get("tool_calls") or choice["message"]["content"]):
-            return "empty_answer", reply.text[:200]
+        if kind == "tools" and not (choice["message"].get("tool_calls") or "content" in choice["message"]):
+            return "bad_message", reply.text[:200]
         if kind == "json_schema" and choice["finish_reason"] == "stop":
             json.loads(choice["message"]["content"])
     except (ValueError, KeyError, IndexError, TypeError) as error:
