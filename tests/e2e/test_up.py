@@ -109,6 +109,11 @@ def test_served_model_names_are_listed_and_answer(up):
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=2)
     assert missing.value.code == "model_not_found"
+    # model paths never come from API input: the served checkpoint's own folder is just a name
+    _, _, _, cache = up
+    for path in [*map(str, cache.glob("**/manifest.json")), str(cache), "../../etc/passwd"]:
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model=path, messages=QUESTION, max_tokens=2)
 
 
 def test_anthropic_prefill_is_continued(up):
