@@ -111,7 +111,9 @@ def test_served_model_names_are_listed_and_answer(up):
     assert missing.value.code == "model_not_found"
     # model paths never come from API input: the served checkpoint's own folder is just a name
     _, _, _, cache = up
-    for path in [*map(str, cache.glob("**/manifest.json")), str(cache), "../../etc/passwd"]:
+    splits = [str(manifest.parent) for manifest in cache.glob("**/manifest.json")]
+    assert splits
+    for path in [*splits, str(cache), "../../etc/passwd"]:
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model=path, messages=QUESTION, max_tokens=2)
 
