@@ -132,6 +132,23 @@ async def soak(url: str, model: str, processes, core_address: str, args) -> dict
     return report
 
 
+def soak_up(cache: Path, up_dir: Path, args) -> dict:
+    """`moe-mesh up --experts N` on the demo model (core's caches at --cache-gb), the soak against
+    it, then up stopped."""
+    from tests.e2e.test_up import start_up
+
+    caches = ["--prefix-cache-gb", str(args.cache_gb), "--mlx-cache-gb", str(args.cache_gb)]
+    flags = ["--experts", str(args.experts), "--served-model-name", "demo", *caches, *args.up_flags]
+    proc, url = start_up(cache, up_dir, *flags)
+    try:
+        log(f"soak: {args.clients} clients for {args.seconds:.0f} s against {url}")
+        core = f"unix:{up_dir / 'core.sock'}"
+        return asyncio.run(soak(url.removesuffix("/v1"), "demo", lambda: up_processes(proc.pid), core, args))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -218,22 +235,8 @@ def main() -> None:
     parser.add_argument("up_flags", nargs="*", help="more `moe-mesh up` flags (after --)")
     args = parser.parse_args()
 
-    from tests.e2e.test_up import start_up
-
     workdir = bench_workdir("mm-soak-")
-    up_dir = workdir / "up"
-    caches = ["--prefix-cache-gb", str(args.cache_gb), "--mlx-cache-gb", str(args.cache_gb)]
-    flags = ["--experts", str(args.experts), "--served-model-name", "demo", *caches, *args.up_flags]
-    proc, url = start_up(workdir / "cache", up_dir, *flags)
-    try:
-        log(f"soak: {args.clients} clients for {args.seconds:.0f} s against {url}")
-        core = f"unix:{up_dir / 'core.sock'}"
-        report = asyncio.run(
-            soak(url.removesuffix("/v1"), "demo", lambda: up_processes(proc.pid), core, args)
-        )
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    report = soak_up(workdir / "cache", workdir / "up", args)
     report = {
         "bench": "soak",
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores",

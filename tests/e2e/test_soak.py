@@ -4,34 +4,22 @@ and no KV cache, and no process holds more file descriptors than it did idle."""
 
 from __future__ import annotations
 
-import asyncio
 from types import SimpleNamespace
 
 import pytest
 
-from bench.soak import soak, up_processes
-from tests.e2e.test_up import start_up
+from bench.soak import soak_up
 from tests.helpers import short_dir
 
 pytestmark = pytest.mark.slow
 
 
 def test_a_minute_of_mixed_traffic_leaves_nothing_behind(tmp_path):
-    up_dir = short_dir("mm-soak-")
-    budgets = ["--prefix-cache-gb", "0.1", "--mlx-cache-gb", "0.1"]
-    proc, url = start_up(
-        tmp_path / "cache", up_dir, "--experts", "3", "--served-model-name", "demo", *budgets
+    args = SimpleNamespace(
+        clients=16, seconds=60, warmup=0, idle=5, seed=0, experts=3, cache_gb=0.1, up_flags=[]
     )
-    try:
-        args = SimpleNamespace(clients=16, seconds=60, warmup=0, idle=5, seed=0)
-        core = f"unix:{up_dir / 'core.sock'}"
-        report = asyncio.run(
-            soak(url.removesuffix("/v1"), "demo", lambda: up_processes(proc.pid), core, args)
-        )
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-    print({k: report[k] for k in ("requests", "outcomes_by_kind", "ttft_ms", "rss_growth_after_warmup_pct")})
+    report = soak_up(tmp_path / "cache", short_dir("mm-soak-"), args)
+    print({k: report[k] for k in ("requests", "outcomes_by_kind", "ttft_ms", "rss_mb_peak_under_load")})
     assert report["unexpected_errors"] == 0, report["error_examples"]
     kinds = report["outcomes_by_kind"]
     assert len(kinds) >= 8 and all(sum(counts.values()) for counts in kinds.values()), kinds
