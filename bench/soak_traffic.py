@@ -81,8 +81,13 @@ def request_for(kind: str, rng: random.Random, model: str) -> tuple[str, dict, b
     if kind.startswith("messages"):
         stream = kind.endswith("stream")
         return "/v1/messages", {**chat, "stream": stream}, stream
-    if kind == "tools":  # "auto": a model without a tool-call format answers in text
-        body = {**chat, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 60}
+    if kind == "tools":  # the demo model has no tool-call format: it takes tools with "none" only
+        body = {
+            **chat,
+            "tools": TOOLS,
+            "tool_choice": "none" if model == "demo" else "auto",
+            "max_tokens": 60,
+        }
         return "/v1/chat/completions", body, False
     if kind == "json_schema":
         schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}

@@ -25,6 +25,7 @@ import grpc
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generation_stream
 
+from services.common.heap import trim_heap
 from services.common.logging import get_logger
 from services.common.mlx_threads import releasing_mlx
 from services.core.batch_step import GeneratorStep
@@ -201,6 +202,10 @@ class Engine:
                 self._outbox.flush()
             if self.layer_call_timings is not None:
                 self.layer_call_timings.record_part("engine_step", (time.perf_counter() - started) * 1e6)
+            if (
+                not self._active
+            ):  # the last sequence left: its KV went back to the heap, and the heap to the system
+                trim_heap()
 
     def _handle(self, item) -> None:
         kind, sequence = item
