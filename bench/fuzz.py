@@ -71,7 +71,11 @@ def tiny_split(root: Path) -> Path:
 
 
 def all_targets(root: Path) -> list[Target]:
-    split = tiny_split(root)
+    return targets_for_split(tiny_split(root))
+
+
+def targets_for_split(split: Path) -> list[Target]:
+    """Every target; the worker's two over layers' experts 2-5 of `split`."""
     answer, hidden_size, experts = worker_answer(split)
     call_seeds = expert_call_seeds(hidden_size, experts)
     return [

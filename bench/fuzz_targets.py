@@ -13,7 +13,7 @@ import socket
 import struct
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -45,7 +45,6 @@ class Target:
     seeds: list[bytes]
     run: Callable[[bytes], str]  # "accepted" or "refused"; raises Finding
     mutate: Callable = mutate_bytes
-    refusals: tuple[type[BaseException], ...] = field(default=())
 
 
 def guarded(run: Callable[[bytes], str], refusals: tuple) -> Callable[[bytes], str]:

@@ -131,7 +131,10 @@ class _ManifestReader:
     def fail(self, where: str, message: str):
         raise ManifestError(f"{self.path}: {where}: {message}")
 
-    def fields(self, raw: dict, kind: type, where: str) -> None:
+    def fields(self, raw, kind: type, where: str) -> None:
+        """`raw` is an object holding `kind`'s fields, each of its type."""
+        if not isinstance(raw, dict):
+            self.fail(where, "expected an object")
         names = {f.name for f in fields(kind)}
         unknown = sorted(set(raw) - names)
         if unknown:
@@ -162,14 +165,10 @@ class _ManifestReader:
         layers = []
         for i, layer in enumerate(raw["layers"]):
             where = f"layers[{i}]."
-            if not isinstance(layer, dict):
-                self.fail(where, "expected an object")
             self.fields(layer, MoeLayer, where)
             tensors = []
             for j, tensor in enumerate(layer["tensors"]):
                 tensor_where = f"{where}tensors[{j}]."
-                if not isinstance(tensor, dict):
-                    self.fail(tensor_where, "expected an object")
                 self.fields(tensor, ExpertTensor, tensor_where)
                 tensors.append(self.tensor(tensor, layer, tensor_where))
             layers.append(MoeLayer(**{**layer, "tensors": tensors}))

@@ -44,13 +44,9 @@ def check_safetensors(path: Path) -> dict[str, tuple[str, list[int]]]:
     size = path.stat().st_size
     with path.open("rb") as file:
         prefix = file.read(8)
-        if len(prefix) < 8:
-            raise SafetensorsHeaderError(f"{path}: {size} bytes, too short for a safetensors header")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > min(MAX_HEADER_BYTES, size - 8):
-            raise _header_too_long(path, length, size)
-        header = file.read(length)
-    return parse_header(prefix + header, size, str(path))
+        length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else 0
+        head = prefix + file.read(min(length, MAX_HEADER_BYTES, max(size - 8, 0)))
+    return parse_header(head, size, str(path))  # it judges the length, and what was read
 
 
 def parse_header(head: bytes, file_size: int, name: str) -> dict[str, tuple[str, list[int]]]:
@@ -60,7 +56,10 @@ def parse_header(head: bytes, file_size: int, name: str) -> dict[str, tuple[str,
         raise SafetensorsHeaderError(f"{name}: too short for a safetensors header")
     (length,) = struct.unpack("<Q", head[:8])
     if length > min(MAX_HEADER_BYTES, file_size - 8) or len(head) < 8 + length:
-        raise _header_too_long(name, length, file_size)
+        raise SafetensorsHeaderError(
+            f"{name}: its header claims {length} bytes, more than the file's {file_size} bytes or the "
+            f"format's limit of {MAX_HEADER_BYTES} (a file cut short, or not safetensors)"
+        )
     try:
         header = json.loads(head[8 : 8 + length])
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -108,10 +107,3 @@ def _entry(entry, data_bytes: int, where: str) -> tuple[str, list[int]]:
 
 def _count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62
-
-
-def _header_too_long(name, length: int, size: int) -> SafetensorsHeaderError:
-    return SafetensorsHeaderError(
-        f"{name}: its header claims {length} bytes, more than the file's {size} bytes or the "
-        f"format's limit of {MAX_HEADER_BYTES} (a file cut short, or not safetensors)"
-    )

@@ -54,12 +54,6 @@ class TlsFiles:
         return out[0], out[1], out[2]
 
 
-def server_credentials(files: TlsFiles) -> grpc.ServerCredentials:
-    """Server side of mTLS: present our certificate, require a client certificate from our CA."""
-    ca, cert, key = files.read()
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
-
-
 def reloadable_server_credentials(files: TlsFiles):
     """(credentials, reload): server mTLS whose certificate `reload()` re-reads from the files;
     handshakes from then on use it, connections already open keep theirs (no stream drops).

@@ -202,9 +202,7 @@ class Engine:
                 self._outbox.flush()
             if self.layer_call_timings is not None:
                 self.layer_call_timings.record_part("engine_step", (time.perf_counter() - started) * 1e6)
-            if (
-                not self._active
-            ):  # the last sequence left: its KV went back to the heap, and the heap to the system
+            if not self._active:  # the last sequence left: return its freed KV pages to the system
                 trim_heap()
 
     def _handle(self, item) -> None:

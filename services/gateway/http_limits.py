@@ -3,9 +3,10 @@ how large they may be, and how long a request body may stall or trickle.
 
 uvicorn closes a keep-alive connection idle between requests, but not one that was opened and never
 used, one that drips its headers a byte at a time, one whose headers grow without end, or one that
-stops sending the body it announced, or sends it a byte at a time: each holds a socket (and a buffer) for as long as the client
-likes. This protocol bounds all four, so a crowd of such clients costs the gateway a bounded number
-of sockets for a bounded time, and the clients that do send requests are served meanwhile.
+stops sending the body it announced or sends it a byte at a time: each holds a socket (and a
+buffer) for as long as the client likes. This protocol bounds them all, so a crowd of such clients
+costs the gateway a bounded number of sockets for a bounded time, and the clients that do send
+requests are served meanwhile.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 uvloop where installed (the gateway is pure I/O: JSON, SSE and gRPC), structlog JSON lines for our
 own logs and uvicorn's, access log only at debug level (one line per request is noise next to the
-gateway's own per-completion line), and the connection limits of http_limits.py. SIGTERM/SIGINT are uvicorn's: it stops accepting, lets
-in-flight requests finish for up to `graceful_shutdown_s`, then runs the app's shutdown, which
-closes the core channel (cancelling any stream still open), and finally re-raises the signal, so the
-process ends "killed by SIGTERM" as supervisors expect.
+gateway's own per-completion line), and the connection limits of http_limits.py. SIGTERM/SIGINT
+are uvicorn's: it stops accepting, lets in-flight requests finish for up to `graceful_shutdown_s`,
+then runs the app's shutdown, which closes the core channel (cancelling any stream still open), and
+finally re-raises the signal, so the process ends "killed by SIGTERM" as supervisors expect.
 """
 
 from __future__ import annotations

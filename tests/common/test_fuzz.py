@@ -9,35 +9,28 @@ import socket
 import struct
 import tracemalloc
 
-import grpc
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.fuzz import fuzz, worker_answer
+from bench.fuzz import fuzz, targets_for_split
 from bench.fuzz_mutate import mutate_bytes
 from bench.fuzz_targets import (
     CALL_CAP,
     Target,
-    cluster_targets,
     expert_call_seeds,
-    expert_call_target,
-    frame_stream_target,
     guarded,
-    manifest_target,
-    mapper_targets,
-    safetensors_target,
     tensor_target,
 )
 from services.common import tensor_codec
 from services.common.frames import FIRST_ALLOCATION, HEADER, FrameError, frame, frames_path_for
+from services.common.manifest import Manifest
 from services.experts.frame_server import read_call
 from services.proto.moemesh.v1 import expert_pb2, tensor_pb2
 from tests.helpers import Workers
 
 INPUTS = 10_000
-OK, INVALID_ARGUMENT = 0, grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 
 @pytest.fixture(scope="module")
@@ -47,18 +40,7 @@ def split(tiny_models):
 
 @pytest.fixture(scope="module")
 def targets(split) -> dict[str, Target]:
-    answer, hidden_size, experts = worker_answer(split)
-    seeds = expert_call_seeds(hidden_size, experts)
-    built = [
-        expert_call_target(answer, seeds),
-        frame_stream_target(answer, seeds),
-        tensor_target(),
-        manifest_target((split / "manifest.json").read_bytes()),
-        *cluster_targets(),
-        safetensors_target(),
-        *mapper_targets(),
-    ]
-    return {target.name: target for target in built}
+    return {target.name: target for target in targets_for_split(split)}
 
 
 NAMES = [
@@ -154,8 +136,8 @@ def test_a_worker_keeps_answering_good_calls_between_bad_ones(split, short_tmp):
     workers = Workers(split, short_tmp, ["2-5"]).start()
     try:
         path = frames_path_for(workers.addresses[0].removeprefix("unix:"))
-        good = expert_call_seeds(split_hidden_size(split), [2, 5])[0]
-        seeds = [frame(seed) for seed in expert_call_seeds(split_hidden_size(split), [2, 5])]
+        calls = expert_call_seeds(Manifest.load(split).hidden_size, [2, 5])
+        good, seeds = calls[0], [frame(call) for call in calls]
         rng = random.Random(3)
         steady = socket.socket(socket.AF_UNIX)
         steady.connect(path)
@@ -179,12 +161,6 @@ def test_a_worker_keeps_answering_good_calls_between_bad_ones(split, short_tmp):
         assert workers.procs[0].poll() is None
     finally:
         workers.stop()
-
-
-def split_hidden_size(split) -> int:
-    from services.common.manifest import Manifest
-
-    return Manifest.load(split).hidden_size
 
 
 def _round_trip(sock: socket.socket, call: bytes) -> expert_pb2.ExpertResult:
