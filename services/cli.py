@@ -250,6 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["debug", "info", "warning", "error"],
         help="least level logged",
     )
+    parser.add_argument(
+        "--log-format",
+        default="auto",
+        choices=["auto", "console", "json"],
+        help="auto: readable on a terminal, JSON lines otherwise",
+    )
     parser.add_argument("--version", action="version", version=f"moe-mesh {moe_mesh_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -376,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
     from services.common.tls import TlsError
     from services.experts.store import ExpertFileError
 
-    configure_logging(args.command, args.log_level)
+    configure_logging(args.command, args.log_level, args.log_format)
     if args.command in ("split", "up"):
         # SIGTERM ends a build (a split, the demo model) as Ctrl-C does: its cleanup runs and no
         # half-written folder stays (`up` installs its own handlers once it starts the services).

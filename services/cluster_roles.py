@@ -146,6 +146,7 @@ def gateway_kwargs(args: argparse.Namespace) -> dict:
         port=args.port,
         core_target=args.core,
         log_level=args.log_level,
+        log_format=args.log_format,
         core_tls=_tls(args, config, "gateway"),
     )
 

@@ -26,7 +26,14 @@ def fake_link(layers: list[int], experts: list[int], up: bool = True) -> SimpleN
     describe = expert_pb2.DescribeResponse()
     for layer in layers:
         describe.layers.add(layer=layer, experts=experts)
-    return SimpleNamespace(up=up, describe=describe, reconnecting=None)
+    return SimpleNamespace(
+        up=up,
+        describe=describe,
+        last_describe=describe,
+        last_error="",
+        address=f"unix:/w{len(experts)}-{experts[0] if experts else 0}.sock",
+        reconnecting=None,
+    )
 
 
 _SHORT_DIRS: list[Path] = []

@@ -29,6 +29,14 @@ from services.common.unix_sockets import claim_socket_path
 log = get_logger(__name__)
 DEFAULT_MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 DEFAULT_GRACE_S = 10.0
+# Core starts the details of an UNAVAILABLE it sends itself with this (a worker or layer is
+# missing, the model is loading): the gateway shows those details, where a broken channel to
+# core gets a generic message.
+CORE_NOT_SERVING = "core is not serving: "
+
+
+def not_serving_details(message: str) -> str:
+    return message if message.startswith(CORE_NOT_SERVING) else CORE_NOT_SERVING + message
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:

@@ -1,5 +1,7 @@
-"""structlog JSON logging shared by every service.
+"""structlog logging shared by every service: readable on a terminal, JSON for machines.
 
+`--log-format auto` (the default) renders with structlog's console renderer when stderr is a
+terminal and as one JSON object per line otherwise (a log file, a pipe, launchd, journald).
 Each line carries the service name; a request id bound with
 `structlog.contextvars.bind_contextvars(request_id=...)` appears in every line the
 request causes, and travels between services in the `x-request-id` gRPC metadata key.
@@ -15,7 +17,18 @@ import structlog
 REQUEST_ID_METADATA_KEY = "x-request-id"
 
 
-def configure_logging(service: str, level: str = "info") -> None:
+LOG_FORMATS = ("auto", "console", "json")
+
+
+def configure_logging(service: str, level: str = "info", log_format: str = "auto") -> None:
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, not {log_format!r}")
+    console = log_format == "console" or (log_format == "auto" and sys.stderr.isatty())
+    renderer = (
+        structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        if console
+        else structlog.processors.JSONRenderer()
+    )
     logging.basicConfig(format="%(message)s", stream=sys.stderr, level=level.upper())
 
     def add_service(_, __, event: dict) -> dict:
@@ -29,8 +42,8 @@ def configure_logging(service: str, level: str = "info") -> None:
             add_service,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
+            *([] if console else [structlog.processors.format_exc_info]),
+            renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),

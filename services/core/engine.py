@@ -70,6 +70,8 @@ class Engine:
         self.counters = EngineCounters()
         self.prefix_cache = PrefixCache(config.prefix_cache_bytes)
         self.kv_cache_bytes = 0  # KV bytes of the sequences in flight, refreshed every step
+        self.kv_cache_capacity_bytes = 0  # what the batch could fill at 16 bits (set by whoever builds it)
+        self.expert_links = None  # the ExpertDispatcher, when workers serve some layers (for stats)
         self._in_batch = 0  # sequences decoding or prefilling, refreshed every step
         self._inbox: queue.Queue = queue.Queue()
         self._admitted = 0  # submitted and not yet finished: bounded by max_num_seqs + max_queue

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from services.common.grpc_util import install_uvloop, refuse_insecure_bind, start_metrics_server, start_server
+from services.common.load_progress import load_stage_done
 from services.common.logging import get_logger
 from services.common.manifest import Manifest
 from services.common.ranges import format_ranges
@@ -27,6 +28,7 @@ from services.core.model_loader import load_core_model, load_core_tokenizer
 from services.core.request_prep import RequestPreparer
 from services.core.servicer import CoreServicer
 from services.core.structured_output import GrammarError
+from services.plan import kv_bytes_per_token
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 
 log = get_logger(__name__)
@@ -113,6 +115,7 @@ def build_engine(
                 layers=remote_layers,
             )
             engine.closers.append(dispatcher.close)
+            engine.expert_links = dispatcher
             if distributed:
                 plane = DataPlane(dispatcher, distributed, stuck_s=expert_timeout_s)
                 plane.watch(lambda: engine.step_started)
@@ -127,10 +130,11 @@ def build_engine(
             layers=len(manifest.layers),
             projections_on_cpu_kernel=on_kernel,
         )
+        load_stage_done("weights_read", time.monotonic() - started, layers=len(manifest.layers))
+        started = time.monotonic()
         # The grammar engine's view of the vocabulary takes seconds and holds the GIL: build it
         # before core reports SERVING, not on the first constrained request of a live server.
         # A tokenizer llguidance cannot read costs only constrained requests, which then fail clearly.
-        started = time.monotonic()
         try:
             preparer.output_preparer.grammar_tokenizer.get()
             log.info("grammar_vocabulary_ready", seconds=round(time.monotonic() - started, 2))
@@ -148,11 +152,14 @@ def build_engine(
                 backend=getattr(backend, "__name__", "pure-MLX twin"),
                 seconds=round(time.monotonic() - started, 2),
             )
+        load_stage_done("kernels_ready", time.monotonic() - started, kv_cache=engine_config.kv_cache)
         if dispatcher is None:  # every layer local: nothing to probe, no layer calls to time
             return model, list, LayerCallTimings()
         return model, plane.probe if plane else dispatcher.discover, dispatcher.timings
 
     engine = Engine(tokenizer, engine_config, loader)
+    per_token, _ = kv_bytes_per_token(manifest.config, 2.0)
+    engine.kv_cache_capacity_bytes = int(per_token * context_length * engine_config.max_num_seqs)
     info = core_pb2.ModelInfo(
         id=model_id,
         model_type=manifest.model_type,
@@ -213,7 +220,14 @@ async def serve_core(
     start_metrics_server(metrics)
     loop = asyncio.get_running_loop()
 
+    announced = False
+
     def on_health(serving: bool) -> None:  # called on the engine thread
+        nonlocal announced
+        if serving and not announced:
+            announced = True
+            load_stage_done("experts_mapped", workers=len(workers), local=bool(local_experts))
+            load_stage_done("serving", address=running.address, model=info.id)
         asyncio.run_coroutine_threadsafe(running.set_serving(serving), loop)
 
     engine.on_health(on_health)

@@ -16,7 +16,9 @@ import grpc
 import numpy as np
 import structlog
 
+from services.common.grpc_util import not_serving_details
 from services.common.logging import REQUEST_ID_METADATA_KEY, get_logger
+from services.core.cluster_status import cluster_metrics, cluster_stats
 from services.core.engine import Engine, EngineError, Overloaded
 from services.core.request_prep import MAX_REQUEST_ID_CHARS, RequestError, RequestPreparer
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
@@ -46,7 +48,7 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
         structlog.contextvars.bind_contextvars(request_id=request.request_id[:MAX_REQUEST_ID_CHARS])
         if self.engine.problems:
             await context.abort(
-                grpc.StatusCode.UNAVAILABLE, "core is not serving: " + "; ".join(self.engine.problems)
+                grpc.StatusCode.UNAVAILABLE, not_serving_details("; ".join(self.engine.problems))
             )
         try:
             remaining = context.time_remaining()  # from now, not from when the prepare thread is free
@@ -73,7 +75,10 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
                 if isinstance(item, EngineError):
                     finished = True
                     log.warning("generate_failed", code=item.code.name, error=item.message)
-                    await context.abort(item.code, item.message)
+                    unavailable = item.code == grpc.StatusCode.UNAVAILABLE
+                    await context.abort(
+                        item.code, not_serving_details(item.message) if unavailable else item.message
+                    )
                 yield item
                 if item.finish_reason:
                     finished = True
@@ -110,28 +115,15 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
             await context.abort(error.code, str(error))
 
     async def GetStats(self, request, context):
-        counters = self.engine.counters
-        stats = core_pb2.CoreStats(
-            running_requests=self.engine.running,
-            waiting_requests=self.engine.waiting,
-            prompt_tokens_total=counters.prompt_tokens,
-            generation_tokens_total=counters.generation_tokens,
-            kv_cache_bytes=self.engine.kv_cache_bytes,
-            kv_cache_default=self.engine.config.kv_cache,
-            problems=list(self.engine.problems),
-        )
-        prefix = self.engine.prefix_cache
-        stats.prefix_cache.lookups = prefix.counters.lookups
-        stats.prefix_cache.hits = prefix.counters.hits
-        stats.prefix_cache.hit_tokens = prefix.counters.hit_tokens
-        stats.prefix_cache.entries = prefix.entries
-        stats.prefix_cache.bytes = prefix.nbytes
-        stats.prefix_cache.budget_bytes = prefix.budget_bytes
+        stats = await cluster_stats(self.engine)
         if self.engine.layer_call_timings is not None:
             fill_layer_call_stats(
                 stats.layer_calls, *self.engine.layer_call_timings.snapshot_all(request.reset_layer_calls)
             )
         return stats
+
+    async def GetMetrics(self, request, context):
+        return await cluster_metrics(self.engine)
 
 
 def fill_layer_call_stats(

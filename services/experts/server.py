@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from pathlib import Path
 
 from services.common.frames import frames_path_for
@@ -15,6 +16,7 @@ from services.common.grpc_util import (
     start_server,
     unix_socket_path,
 )
+from services.common.load_progress import load_stage_done
 from services.common.logging import get_logger
 from services.common.manifest import Manifest
 from services.common.ranges import format_ranges, means_all, parse_ranges
@@ -87,9 +89,19 @@ async def serve_expert_worker(
         io_threads=io_threads,
         min_segment_bytes=io_min_segment_bytes,
     )
+    stats = store.stats()
+    load_stage_done(
+        "experts_mapped",
+        layers=format_ranges(list(owned)),
+        experts=experts or "all",
+        resident_gb=round(stats.resident_bytes / 1e9, 3),
+        streamed=budget_bytes > 0,
+    )
+    started = time.monotonic()
     compute = ExpertCompute(
         store, max_call_bytes=max_call_bytes, kernel=expert_kernel, threads=compute_threads
     )
+    load_stage_done("kernels_ready", time.monotonic() - started, expert_kernel=compute.kernel_name)
     servicer = ExpertWorkerServicer(compute, worker_id, memory_budget_bytes=budget_bytes)
 
     running = await start_server(
@@ -119,6 +131,7 @@ async def serve_expert_worker(
         worker_id=worker_id,
         expert_kernel=compute.kernel_name,
     )
+    load_stage_done("serving", address=running.address, worker_id=worker_id)
 
     async def on_stop() -> None:
         if frames is not None:

@@ -13,6 +13,7 @@ import threading
 
 import grpc
 import structlog
+from prometheus_client import REGISTRY, generate_latest
 
 from services.common.logging import REQUEST_ID_METADATA_KEY, get_logger
 from services.common.mlx_threads import MlxThread
@@ -64,6 +65,8 @@ class ExpertWorkerServicer(expert_pb2_grpc.ExpertWorkerServicer):
             reply.layers.add(
                 layer=layer, experts=experts, resident=[store.is_resident(layer, e) for e in experts]
             )
+        if request.include_metrics:
+            reply.metrics_text = generate_latest(REGISTRY).decode()
         return reply
 
     async def Forward(self, request_iterator, context: grpc.aio.ServicerContext):

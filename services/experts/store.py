@@ -19,6 +19,7 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
+from services.common.load_progress import LoadProgress
 from services.common.manifest import Manifest, MoeLayer
 from services.experts.io import ExpertFileError, check_layer_file
 
@@ -121,10 +122,12 @@ class ResidentExpertStore:
         self.owned = {layer: sorted(experts) for layer, experts in owned.items() if experts}
         self._weights: dict[int, dict[str, mx.array]] = {}
         self._rows: dict[int, np.ndarray] = {}
+        progress = LoadProgress("weights_read", len(self.owned))
         for layer_index, experts in self.owned.items():
             layer = manifest.layer(layer_index)
             self._weights[layer_index] = records_to_weights(layer, read_records(split_dir, layer, experts))
             mx.eval(self._weights[layer_index])
+            progress.advance(nbytes=sum(a.nbytes for a in self._weights[layer_index].values()))
             rows = np.full(layer.num_experts, -1, dtype=np.int32)
             rows[experts] = np.arange(len(experts), dtype=np.int32)
             self._rows[layer_index] = rows

@@ -2,8 +2,8 @@
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (routes_openai); `POST /v1/messages`,
 `POST /v1/messages/count_tokens` (routes_anthropic); `GET /v1/models`, `GET /v1/models/{id}`,
-`/version`, `/health`, `/ready`, `/metrics` (routes_service); `POST /tokenize`, `/detokenize`
-(routes_tokenize); `GET /openapi.json`. Middleware, outermost first: request id (every response
+`/version`, `/health`, `/ready`, `/metrics` (routes_service); `/status`, `/status.json` (the
+operator's page, routes_status); `POST /tokenize`, `/detokenize` (routes_tokenize); `GET /openapi.json`. Middleware, outermost first: request id (every response
 carries X-Request-Id, every log line the request id), optional API keys, body size cap.
 The gateway holds no state besides the gRPC channel, the metrics and the served model's name: any
 number of them can front one core.
@@ -19,12 +19,13 @@ from fastapi import FastAPI
 from services.common.logging import get_logger
 from services.common.tls import TlsFiles
 from services.common.version import moe_mesh_version
-from services.gateway import routes_anthropic, routes_openai, routes_service, routes_tokenize
+from services.gateway import routes_anthropic, routes_openai, routes_service, routes_status, routes_tokenize
 from services.gateway.auth import ApiKeyMiddleware
 from services.gateway.core_client import CoreClient, CoreClientConfig
 from services.gateway.errors import install_error_handlers
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.middleware import BodySizeLimitMiddleware, RequestIdMiddleware
+from services.gateway.status_view import ThroughputHistory
 
 log = get_logger(__name__)
 
@@ -51,7 +52,8 @@ def create_app(
         app.state.core = CoreClient(config)
         log.info("gateway started", core_target=core_target, api_keys=len(keys))
         try:
-            yield
+            async with routes_status.throughput_sampler(app):
+                yield
         finally:
             await app.state.core.close()
 
@@ -66,10 +68,11 @@ def create_app(
     app.state.model_name_hint = model_name_hint
     app.state.served_model = None
     app.state.metrics = GatewayMetrics()
+    app.state.throughput = ThroughputHistory()
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
     app.add_middleware(ApiKeyMiddleware, keys=keys, protect_metrics=protect_metrics)
     app.add_middleware(RequestIdMiddleware)  # added last = outermost: sees every response
-    for module in (routes_openai, routes_anthropic, routes_service, routes_tokenize):
+    for module in (routes_openai, routes_anthropic, routes_service, routes_status, routes_tokenize):
         app.include_router(module.router)
     return app

@@ -6,7 +6,10 @@ clients), else 401 in the API's error shape. The presented key's SHA-256 is comp
 `hmac.compare_digest` against every configured key's, without stopping at the first match, so
 response time does not reveal how much of a key was right. `/health`, `/ready` and `/openapi.json`
 stay open: probes run inside the trust boundary, as with vLLM's `--api-key`; `/metrics` too, unless
-`--protect-metrics` puts it behind the keys.
+`--protect-metrics` puts it behind the keys. The status page (`/status`, its assets and
+`/status.json`) is behind the keys as the API is; a browser, which cannot send a bearer token
+when it opens a page, may also present a key as the password of HTTP Basic authentication
+(any user name): the 401 there asks the browser for it.
 
 Keys come from `--api-key` flags, an `--api-key-file` (one key per line, `#` comments), and the
 `MOE_MESH_API_KEY` environment variable (comma-separated), all merged. An entry `sha256:<64 hex>` is
@@ -15,6 +18,7 @@ a key's hash (`printf %s "$KEY" | sha256sum`), so a key file need not hold the k
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import os
@@ -30,6 +34,7 @@ from services.gateway.errors import OpenAIError
 API_KEY_ENV = "MOE_MESH_API_KEY"
 PROTECTED_PREFIX = "/v1/"
 METRICS_PATHS = ("/metrics",)  # behind the keys with --protect-metrics
+STATUS_PATHS = ("/status", "/status.json", "/static/status.css", "/static/status.js")
 HASH_PREFIX = "sha256:"
 _HASH = re.compile(r"sha256:[0-9a-fA-F]{64}")
 
@@ -65,11 +70,17 @@ def load_api_keys(
     return found
 
 
-def presented_key(headers: Headers) -> str:
+def presented_key(headers: Headers, basic: bool = False) -> str:
+    """The key a request presents; `basic`: also as an HTTP Basic password (the status page)."""
     authorization = headers.get("authorization", "")
     scheme, _, token = authorization.partition(" ")
     if scheme.lower() == "bearer" and token.strip():
         return token.strip()
+    if basic and scheme.lower() == "basic" and token.strip():
+        try:
+            return base64.b64decode(token.strip(), validate=True).decode().partition(":")[2]
+        except (ValueError, UnicodeDecodeError):
+            return ""
     return headers.get("x-api-key", "").strip()
 
 
@@ -95,17 +106,23 @@ class ApiKeyMiddleware:
         self.extra_paths = METRICS_PATHS if protect_metrics else ()
 
     def protects(self, path: str) -> bool:
-        return bool(self.digests) and (path.startswith(PROTECTED_PREFIX) or path in self.extra_paths)
+        return bool(self.digests) and (
+            path.startswith(PROTECTED_PREFIX) or path in self.extra_paths or path in STATUS_PATHS
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if scope["type"] != "http" or not self.protects(path):
             await self.app(scope, receive, send)
             return
-        presented = presented_key(Headers(scope=scope))
+        status_page = path in STATUS_PATHS
+        presented = presented_key(Headers(scope=scope), basic=status_page)
         if presented and key_matches(presented, self.digests):
             await self.app(scope, receive, send)
             return
         message = "invalid API key" if presented else "missing API key (send Authorization: Bearer <key>)"
         error = OpenAIError(401, message, code="invalid_api_key")
-        await error.response({"WWW-Authenticate": "Bearer"}, path=path)(scope, receive, send)
+        # The page itself asks a browser for the key; its data (fetched by the page) must not pop
+        # a second dialog, the browser resends what the page's 401 collected.
+        challenge = 'Basic realm="moe-mesh", charset="UTF-8"' if path == "/status" else "Bearer"
+        await error.response({"WWW-Authenticate": challenge}, path=path)(scope, receive, send)

@@ -100,6 +100,14 @@ class CoreClient:
             timeout=self.config.unary_timeout_s,
         )
 
+    async def metrics(self, request_id: str = "") -> core_pb2.GetMetricsResponse:
+        """Core's and every worker's Prometheus text, for one scrape target at the gateway."""
+        return await self._core.GetMetrics(
+            core_pb2.GetMetricsRequest(),
+            metadata=self._metadata(request_id),
+            timeout=self.config.unary_timeout_s,
+        )
+
     async def health(self) -> str:
         """Core's grpc.health.v1 status name: SERVING, NOT_SERVING, ... or UNREACHABLE.
 

@@ -21,6 +21,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.common.grpc_util import CORE_NOT_SERVING
+
 ERROR_TYPE_BY_HTTP_STATUS: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -140,8 +142,8 @@ def error_from_grpc(
     )
     status, show_details = _HTTP_BY_GRPC_CODE.get(code, (500, False))
     details = (error.details() or "") if callable(getattr(error, "details", None)) else ""
-    if show_details and details:
-        message = details
+    if (show_details or details.startswith(CORE_NOT_SERVING)) and details:
+        message = details  # core's own reason it cannot serve names the missing layers and workers
     else:
         message = _SAFE_MESSAGE_BY_HTTP_STATUS.get(status, f"request failed ({code.name.lower()})")
     if status == 400 and details.startswith(CONTEXT_LENGTH_EXCEEDED):

@@ -158,9 +158,48 @@ class GatewayMetrics:
             "vllm:num_requests_waiting", "Requests waiting in core's queue.", labels, registry=r
         )
 
+        self.kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV cache bytes in use as a fraction of what the batch could fill (1 = full).",
+            labels,
+            registry=r,
+        )
+        self.kv_bytes = Gauge(
+            "moe_mesh_kv_cache_bytes", "KV cache bytes of the requests in core.", labels, registry=r
+        )
+        self.prefix_lookups = Gauge(
+            "moe_mesh_prefix_cache_lookups",
+            "Prompts looked up in core's prefix cache, since it started.",
+            labels,
+            registry=r,
+        )
+        self.prefix_hits = Gauge(
+            "moe_mesh_prefix_cache_hits",
+            "Lookups that reused cached tokens, since core started.",
+            labels,
+            registry=r,
+        )
+        self.prefix_hit_tokens = Gauge(
+            "moe_mesh_prefix_cache_hit_tokens",
+            "Prompt tokens not recomputed, since core started.",
+            labels,
+            registry=r,
+        )
+        self.prefix_bytes = Gauge(
+            "moe_mesh_prefix_cache_bytes", "Bytes the prefix cache holds.", labels, registry=r
+        )
+
     def set_core_gauges(self, model: str, stats: core_pb2.CoreStats) -> None:
         self.running.labels(model).set(stats.running_requests)
         self.waiting.labels(model).set(stats.waiting_requests)
+        capacity = stats.kv_cache_capacity_bytes
+        self.kv_usage.labels(model).set(stats.kv_cache_bytes / capacity if capacity else 0.0)
+        self.kv_bytes.labels(model).set(stats.kv_cache_bytes)
+        prefix = stats.prefix_cache
+        self.prefix_lookups.labels(model).set(prefix.lookups)
+        self.prefix_hits.labels(model).set(prefix.hits)
+        self.prefix_hit_tokens.labels(model).set(prefix.hit_tokens)
+        self.prefix_bytes.labels(model).set(prefix.bytes)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

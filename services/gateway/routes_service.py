@@ -1,12 +1,14 @@
 """Service routes: models, version, liveness, readiness, Prometheus metrics.
 
-`/health` is liveness: 200 while the gateway runs, with core's grpc.health status alongside for
-dashboards. `/ready` is readiness: 200 only when core answers SERVING (model loaded, every expert
-reachable), else 503, so a load balancer sends traffic only where it can be served.
+`/health` is liveness only: 200 while the gateway runs, with core's grpc.health status alongside
+for dashboards. `/ready` is readiness: 200 only when core answers SERVING (model loaded, every
+expert of every layer owned by a reachable worker), else 503 naming why, so a load balancer sends
+traffic only where it can be served.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import grpc
@@ -18,6 +20,7 @@ from services.common.version import moe_mesh_version
 from services.gateway.core_client import CoreClient
 from services.gateway.errors import OpenAIError, error_from_grpc
 from services.gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
+from services.gateway.metrics_relay import relayed_exposition
 from services.gateway.served_model import served_model_name
 from services.proto.moemesh.v1 import core_pb2
 
@@ -73,18 +76,34 @@ async def ready(request: Request) -> JSONResponse:
     core: CoreClient = request.app.state.core
     status = await core.health()
     if status != "SERVING":
-        raise OpenAIError(503, f"core is not ready (health: {status})", code="core_not_ready")
+        reason = f"health: {status}"
+        if status == "NOT_SERVING":  # core answers: ask it why (a missing worker, the model loading)
+            try:
+                reason = "; ".join((await core.stats(request.state.request_id)).problems) or reason
+            except grpc.aio.AioRpcError:
+                pass
+        raise OpenAIError(503, f"core is not ready: {reason}", code="core_not_ready")
     return JSONResponse({"status": "ready", "core": status})
 
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
+    """The gateway's series, core's gauges under vLLM's names, and (relayed through core, labelled
+    by `service` and `worker`) core's and every worker's own series: one scrape target."""
     registry: GatewayMetrics = request.app.state.metrics
     core: CoreClient = request.app.state.core
-    try:
-        stats = await core.stats(request.state.request_id)
-    except grpc.aio.AioRpcError as error:  # scrape anyway: the gateway's own series are still true
-        log.debug("core stats unavailable for /metrics", grpc_code=error.code().name)
-    else:
+    request_id = request.state.request_id
+    stats, relayed = await asyncio.gather(
+        core.stats(request_id), core.metrics(request_id), return_exceptions=True
+    )
+    body = b""
+    for reply in (stats, relayed):  # scrape anyway: the gateway's own series are still true
+        if isinstance(reply, grpc.aio.AioRpcError):
+            log.debug("core unavailable for /metrics", grpc_code=reply.code().name)
+        elif isinstance(reply, BaseException):
+            raise reply
+    if isinstance(stats, core_pb2.CoreStats):
         registry.set_core_gauges(await served_model_name(request), stats)
-    return Response(registry.exposition(), media_type=CONTENT_TYPE_LATEST)
+    if isinstance(relayed, core_pb2.GetMetricsResponse):
+        body = relayed_exposition(relayed)
+    return Response(registry.exposition() + body, media_type=CONTENT_TYPE_LATEST)

@@ -77,6 +77,7 @@ def run_gateway(
     core_target: str,
     log_level: str = "info",
     *,
+    log_format: str = "auto",
     model_name_hint: str | None = None,
     graceful_shutdown_s: float = 30.0,
     core_tls: TlsFiles | None = None,
@@ -84,7 +85,7 @@ def run_gateway(
     protect_metrics: bool = False,
 ) -> None:
     """Serve the OpenAI-compatible HTTP API on host:port until SIGTERM/SIGINT."""
-    configure_logging("gateway", log_level)
+    configure_logging("gateway", log_level, log_format)
     level = logging.getLevelName(log_level.upper())
     _route_uvicorn_logs_to_structlog(level)
     app = create_app(

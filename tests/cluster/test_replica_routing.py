@@ -50,9 +50,17 @@ def test_failed_replica_is_excluded_and_a_lost_last_owner_is_named(dispatcher):
     assert error.value.code == grpc.StatusCode.UNAVAILABLE
     assert str(error.value) == "layer 1 experts 4,7 have no reachable worker"
     assert dispatcher.coverage_gaps() == []  # w2 still holds everything
+    dispatcher.links[1].last_describe.worker_id = "expert-1"
+    dispatcher.links[1].last_error = "unreachable (UNAVAILABLE): connection refused"
     dispatcher.links[2].up = False
     dispatcher._rebuild_routes()
-    assert dispatcher.coverage_gaps()[0] == "layer 0 experts 4-7 have no reachable worker"
+    # every layer lost the same experts: one line, naming the workers that held them and why
+    layers = dispatcher.manifest.layer_indices
+    assert dispatcher.coverage_gaps() == [
+        f"layers {layers[0]}-{layers[-1]} experts 4-7 have no reachable worker (last served by "
+        f"expert-1 at {dispatcher.links[1].address}: unreachable (UNAVAILABLE): connection refused; "
+        f"{dispatcher.links[2].address})"
+    ]
 
 
 def test_plan_groups_pairs_by_worker_and_keeps_order():

@@ -40,7 +40,8 @@ def test_only_a_layer_held_whole_by_one_live_worker_skips_routing(dispatcher):
     dispatcher.links[3].up = False  # nobody: no shortcut, and the gap is named
     dispatcher._rebuild_routes()
     assert dispatcher._sole_owner == {}
-    assert (
-        f"layer {first} experts 0-{len(everything) - 1} have no reachable worker"
-        in dispatcher.coverage_gaps()
-    )
+    gaps = dispatcher.coverage_gaps()
+    assert any(
+        gap.startswith(f"layer {first} experts 0-{len(everything) - 1} have no reachable worker")
+        for gap in gaps
+    ), gaps

@@ -170,9 +170,11 @@ class ExpertDispatcher(RoutingMixin, FramePathMixin, GrpcPathMixin):
         try:
             reply = await link.stub.Describe(self.describe_request, timeout=timeout_s)
         except grpc.aio.AioRpcError as error:
+            link.last_error = f"unreachable ({error.code().name}): {error.details()}"
             self._set_link(link, None)
             raise RuntimeError(f"expert worker {link.address} is unreachable: {error.details()}") from None
         if reply.model_fingerprint != self.manifest.fingerprint:
+            link.last_error = f"serves another model ({reply.model_fingerprint})"
             self._set_link(link, None)
             raise RuntimeError(
                 f"expert worker {link.address} serves model {reply.model_fingerprint}, core has {self.manifest.fingerprint}"
@@ -186,6 +188,8 @@ class ExpertDispatcher(RoutingMixin, FramePathMixin, GrpcPathMixin):
         later layer call kept waiting half its deadline on it."""
         was_up = link.up
         link.describe = describe
+        if describe is not None:
+            link.last_describe = describe
         if describe is not None and describe.frames_path and self.use_frames:
             if link.frames is None or link.frames.path != describe.frames_path:
                 link.frames = FrameLink(describe.frames_path, self._max_message_bytes, self.frame_spin_s)
@@ -307,7 +311,7 @@ class ExpertDispatcher(RoutingMixin, FramePathMixin, GrpcPathMixin):
         compute_us = max(s.compute_us for s in stats)
         finished = time.perf_counter()
         elapsed = finished - pending.started
-        self.timings.record(elapsed * 1e6, worker_us, compute_us)
+        self.timings.record(elapsed * 1e6, worker_us, compute_us, pending.layer)
         self._record_parts(pending, stats, one_clock, arrived, arrived_ns, finished)
         self._layer_seconds[pending.layer].observe(elapsed)
         return array

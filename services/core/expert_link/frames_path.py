@@ -33,7 +33,7 @@ class FramePathMixin:
         sent = 0
         try:
             for call, link, frame_link in zip(calls, links, frames, strict=True):
-                link.calls_metric.inc()
+                link.count_call()
                 sent += 1
                 frame_link.send(call, pending.deadline)
         except FrameError as error:
@@ -62,9 +62,10 @@ class FramePathMixin:
                 code = status_code(result.error.code)
                 if code != grpc.StatusCode.INVALID_ARGUMENT:
                     return None  # the gRPC path retries it on a replica or names the failure
-                expert_metrics.WORKER_ERRORS.labels(link.address, code.name).inc()
+                message = f"expert worker {link.address}: {result.error.message}"
+                link.count_error(code, message)
                 expert_metrics.LAYER_CALL_FAILURES.labels(code.name).inc()
-                raise ExpertCallError(code, f"expert worker {link.address}: {result.error.message}")
+                raise ExpertCallError(code, message)
             rows = tensor_codec.decode_numpy(result.output, "output", 1 << 40, ndim=2)
             results.append((part.mask, rows, result.stats))
         return results
@@ -75,13 +76,11 @@ class FramePathMixin:
         if not error.timed_out:
             log.info("frames_fallback", worker=link.address, layer=pending.layer, error=str(error))
             return None
-        expert_metrics.WORKER_ERRORS.labels(link.address, "UNAVAILABLE").inc()
+        message = f"expert worker {link.address} did not answer layer {pending.layer} within {self.call_timeout_s:g} s"
+        link.count_error(grpc.StatusCode.UNAVAILABLE, message)
         self.loop.call_soon_threadsafe(self._link_failed, link)
         expert_metrics.LAYER_CALL_FAILURES.labels("UNAVAILABLE").inc()
-        raise ExpertCallError(
-            grpc.StatusCode.UNAVAILABLE,
-            f"expert worker {link.address} did not answer layer {pending.layer} within {self.call_timeout_s:g} s",
-        ) from None
+        raise ExpertCallError(grpc.StatusCode.UNAVAILABLE, message) from None
 
     def _close_frames(self, pending: PendingCall) -> None:
         for part in pending.plan:

@@ -10,7 +10,6 @@ import numpy as np
 
 from services.common import tensor_codec
 from services.common.logging import get_logger
-from services.core.expert_link import metrics as expert_metrics
 from services.core.expert_link.links import ExpertCallError, WorkerLink, expert_call_message, status_code
 from services.core.expert_link.pending import PendingCall
 from services.core.expert_link.routes import CallPart, plan_parts
@@ -101,7 +100,7 @@ class GrpcPathMixin:
         for part, error in failed:
             if error.code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise error  # our call is malformed: every replica would say the same
-            self.links[part.link].retries_metric.inc()
+            self.links[part.link].count_retry()
             if part.mask is None:
                 pending[:] = True
             else:
@@ -137,15 +136,13 @@ class GrpcPathMixin:
         inner.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved
         link = self.links[part.link]
         self._drop(link)
-        expert_metrics.WORKER_ERRORS.labels(link.address, "UNAVAILABLE").inc()
-        raise ExpertCallError(
-            grpc.StatusCode.UNAVAILABLE,
-            f"expert worker {link.address} did not answer layer {layer} within {budget_s:.3g} s",
-        )
+        message = f"expert worker {link.address} did not answer layer {layer} within {budget_s:.3g} s"
+        link.count_error(grpc.StatusCode.UNAVAILABLE, message)
+        raise ExpertCallError(grpc.StatusCode.UNAVAILABLE, message)
 
     async def _attempt(self, part: CallPart, layer: int, budget_s: float, request_ids) -> tuple:
         link = self.links[part.link]
-        link.calls_metric.inc()
+        link.count_call()
         task = asyncio.current_task()
         self._deadlines.watch(task, budget_s)
         try:
@@ -164,7 +161,7 @@ class GrpcPathMixin:
         finally:
             self._deadlines.forget(task)
         if task not in self._abandoned:  # (an abandoned attempt was counted when it was left)
-            expert_metrics.WORKER_ERRORS.labels(link.address, error.code.name).inc()
+            link.count_error(error.code, str(error))
         raise error
 
     def _drop(self, link: WorkerLink, failed: bool = True) -> None:

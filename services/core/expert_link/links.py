@@ -66,10 +66,21 @@ class LayerCallTimings:
         self._window = window
         self._calls: deque[tuple[float, float, float]] = deque(maxlen=window)  # (total, worker, compute)
         self._parts: dict[str, deque[float]] = {}
+        self._by_layer: dict[int, deque[float]] = {}  # each layer's recent call totals
 
-    def record(self, total: float, worker: float, compute: float) -> None:
+    def record(self, total: float, worker: float, compute: float, layer: int | None = None) -> None:
         with self._lock:
             self._calls.append((total, worker, compute))
+            if layer is not None:
+                window = self._by_layer.get(layer)
+                if window is None:
+                    window = self._by_layer[layer] = deque(maxlen=512)
+                window.append(total)
+
+    def by_layer(self) -> dict[int, np.ndarray]:
+        """Each layer's recent call totals in microseconds (not cleared by `reset`)."""
+        with self._lock:
+            return {layer: np.array(values, dtype=np.float64) for layer, values in self._by_layer.items()}
 
     def record_part(self, name: str, microseconds: float) -> None:
         self.record_parts({name: microseconds})
@@ -114,10 +125,28 @@ class WorkerLink:
         self.frames: FrameLink | None = None  # the same-host data path, when the worker offers one
         self.up = False
         self.reconnecting: asyncio.Task | None = None
-        self.calls_metric = expert_metrics.WORKER_CALLS.labels(self.address)
-        self.retries_metric = expert_metrics.WORKER_RETRIES.labels(self.address)
+        # What the worker last said it holds: kept while it is down, to name what went with it.
+        self.last_describe: expert_pb2.DescribeResponse | None = None
+        self.last_error = ""
+        self.calls = self.errors = self.retries = 0  # for the status page (the metrics have them too)
+        self._calls_metric = expert_metrics.WORKER_CALLS.labels(self.address)
+        self._retries_metric = expert_metrics.WORKER_RETRIES.labels(self.address)
         self.up_metric = expert_metrics.WORKER_UP.labels(self.address)
         self.up_metric.set(0)
+
+    def count_call(self) -> None:
+        self.calls += 1
+        self._calls_metric.inc()
+
+    def count_retry(self) -> None:
+        self.retries += 1
+        self._retries_metric.inc()
+
+    def count_error(self, code: grpc.StatusCode, message: str = "") -> None:
+        """A call to this worker failed with `code`; `message` says how (kept as its last error)."""
+        self.errors += 1
+        expert_metrics.WORKER_ERRORS.labels(self.address, code.name).inc()
+        self.last_error = message or code.name
 
     def open_stream(self) -> grpc.aio.StreamStreamCall:
         if self.stream is None or self.stream.done():

@@ -56,12 +56,39 @@ class RoutingMixin:
         self.routes = routes
 
     def coverage_gaps(self) -> list[str]:
-        gaps = []
+        """What no live worker serves: one line per set of layers missing the same experts, naming
+        the workers that last served them and why they are gone."""
+        groups: dict[tuple[tuple[int, ...], str], list[int]] = {}
         for layer, (_, count) in sorted(self.routes.items()):
             missing = np.flatnonzero(count == 0).tolist()
             if missing:
-                gaps.append(f"layer {layer} experts {format_ranges(missing)} have no reachable worker")
-        return gaps
+                groups.setdefault((tuple(missing), self._lost_owners(layer, missing)), []).append(layer)
+        return [
+            f"layer{'s' if len(layers) > 1 else ''} {format_ranges(layers)} experts "
+            f"{format_ranges(list(missing))} have no reachable worker{owners}"
+            for (missing, owners), layers in groups.items()
+        ]
+
+    def _lost_owners(self, layer: int, missing: list[int]) -> str:
+        """ " (last served by NAME at ADDRESS: why)" for the down workers that held some of
+        `missing` in `layer`; the down workers that never answered when no worker is known to."""
+        wanted, lost, silent = set(missing), [], []
+        for link in self.links:
+            if link.up:
+                continue
+            why = f": {link.last_error}" if link.last_error else ""
+            if link.last_describe is None:
+                silent.append(f"{link.address}{why}")
+                continue
+            held = next((le for le in link.last_describe.layers if le.layer == layer), None)
+            if held is not None and wanted & set(held.experts):
+                name = link.last_describe.worker_id
+                lost.append(
+                    f"{name} at {link.address}{why}" if name and name != link.address else link.address + why
+                )
+        if lost:
+            return f" (last served by {'; '.join(lost)})"
+        return f" (workers that never answered: {'; '.join(silent)})" if silent else ""
 
     def replica_counts(self) -> dict[int, np.ndarray]:
         """Live replicas per expert, per layer (for health and stats)."""

@@ -363,7 +363,7 @@ class LayerCallStats(_message.Message):
     def __init__(self, calls: _Optional[int] = ..., total_p50_us: _Optional[float] = ..., total_p99_us: _Optional[float] = ..., worker_p50_us: _Optional[float] = ..., worker_p99_us: _Optional[float] = ..., compute_p50_us: _Optional[float] = ..., compute_p99_us: _Optional[float] = ..., transport_p50_us: _Optional[float] = ..., transport_p99_us: _Optional[float] = ..., part_p50_us: _Optional[_Mapping[str, float]] = ..., part_p99_us: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class CoreStats(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "prompt_tokens_total", "generation_tokens_total", "kv_cache_bytes", "layer_calls", "prefix_cache", "kv_cache_default", "problems")
+    __slots__ = ("running_requests", "waiting_requests", "prompt_tokens_total", "generation_tokens_total", "kv_cache_bytes", "layer_calls", "prefix_cache", "kv_cache_default", "problems", "kv_cache_capacity_bytes", "workers", "layer_latency")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -373,6 +373,9 @@ class CoreStats(_message.Message):
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DEFAULT_FIELD_NUMBER: _ClassVar[int]
     PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_LATENCY_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     prompt_tokens_total: int
@@ -382,7 +385,80 @@ class CoreStats(_message.Message):
     prefix_cache: PrefixCacheStats
     kv_cache_default: str
     problems: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., layer_calls: _Optional[_Union[LayerCallStats, _Mapping]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., kv_cache_default: _Optional[str] = ..., problems: _Optional[_Iterable[str]] = ...) -> None: ...
+    kv_cache_capacity_bytes: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    layer_latency: _containers.RepeatedCompositeFieldContainer[LayerLatency]
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., layer_calls: _Optional[_Union[LayerCallStats, _Mapping]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., kv_cache_default: _Optional[str] = ..., problems: _Optional[_Iterable[str]] = ..., kv_cache_capacity_bytes: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., layer_latency: _Optional[_Iterable[_Union[LayerLatency, _Mapping]]] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("address", "worker_id", "up", "last_error", "layers", "experts", "min_replicas", "memory_budget_bytes", "resident_bytes", "cache_hits", "cache_misses", "bytes_read", "read_gbps", "calls", "errors", "retries")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    MIN_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    READ_GBPS_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    RETRIES_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    worker_id: str
+    up: bool
+    last_error: str
+    layers: str
+    experts: str
+    min_replicas: int
+    memory_budget_bytes: int
+    resident_bytes: int
+    cache_hits: int
+    cache_misses: int
+    bytes_read: int
+    read_gbps: float
+    calls: int
+    errors: int
+    retries: int
+    def __init__(self, address: _Optional[str] = ..., worker_id: _Optional[str] = ..., up: _Optional[bool] = ..., last_error: _Optional[str] = ..., layers: _Optional[str] = ..., experts: _Optional[str] = ..., min_replicas: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., bytes_read: _Optional[int] = ..., read_gbps: _Optional[float] = ..., calls: _Optional[int] = ..., errors: _Optional[int] = ..., retries: _Optional[int] = ...) -> None: ...
+
+class LayerLatency(_message.Message):
+    __slots__ = ("layer", "calls", "p50_us", "p99_us")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    P50_US_FIELD_NUMBER: _ClassVar[int]
+    P99_US_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    calls: int
+    p50_us: float
+    p99_us: float
+    def __init__(self, layer: _Optional[int] = ..., calls: _Optional[int] = ..., p50_us: _Optional[float] = ..., p99_us: _Optional[float] = ...) -> None: ...
+
+class ServiceMetrics(_message.Message):
+    __slots__ = ("service", "worker", "text", "error")
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    service: str
+    worker: str
+    text: str
+    error: str
+    def __init__(self, service: _Optional[str] = ..., worker: _Optional[str] = ..., text: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class GetMetricsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetMetricsResponse(_message.Message):
+    __slots__ = ("services",)
+    SERVICES_FIELD_NUMBER: _ClassVar[int]
+    services: _containers.RepeatedCompositeFieldContainer[ServiceMetrics]
+    def __init__(self, services: _Optional[_Iterable[_Union[ServiceMetrics, _Mapping]]] = ...) -> None: ...
 
 class PrefixCacheStats(_message.Message):
     __slots__ = ("lookups", "hits", "hit_tokens", "entries", "bytes", "budget_bytes")

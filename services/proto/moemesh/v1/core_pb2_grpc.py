@@ -62,6 +62,11 @@ class CoreStub:
                 request_serializer=moemesh_dot_v1_dot_core__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=moemesh_dot_v1_dot_core__pb2.CoreStats.FromString,
                 _registered_method=True)
+        self.GetMetrics = channel.unary_unary(
+                '/moemesh.v1.Core/GetMetrics',
+                request_serializer=moemesh_dot_v1_dot_core__pb2.GetMetricsRequest.SerializeToString,
+                response_deserializer=moemesh_dot_v1_dot_core__pb2.GetMetricsResponse.FromString,
+                _registered_method=True)
 
 
 class CoreServicer:
@@ -99,6 +104,12 @@ class CoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetMetrics(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +137,11 @@ def add_CoreServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=moemesh_dot_v1_dot_core__pb2.GetStatsRequest.FromString,
                     response_serializer=moemesh_dot_v1_dot_core__pb2.CoreStats.SerializeToString,
+            ),
+            'GetMetrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetMetrics,
+                    request_deserializer=moemesh_dot_v1_dot_core__pb2.GetMetricsRequest.FromString,
+                    response_serializer=moemesh_dot_v1_dot_core__pb2.GetMetricsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +281,33 @@ class Core:
             '/moemesh.v1.Core/GetStats',
             moemesh_dot_v1_dot_core__pb2.GetStatsRequest.SerializeToString,
             moemesh_dot_v1_dot_core__pb2.CoreStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMetrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moemesh.v1.Core/GetMetrics',
+            moemesh_dot_v1_dot_core__pb2.GetMetricsRequest.SerializeToString,
+            moemesh_dot_v1_dot_core__pb2.GetMetricsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from services.proto.moemesh.v1 import tensor_pb2 as moemesh_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17moemesh/v1/expert.proto\x12\nmoemesh.v1\x1a\x17moemesh/v1/tensor.proto\"*\n\x0f\x44\x65scribeRequest\x12\x17\n\x0fjoin_data_plane\x18\x01 \x01(\x08\"@\n\x0cLayerExperts\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\r\x12\x10\n\x08resident\x18\x03 \x03(\x08\"\xcb\x03\n\x10\x44\x65scribeResponse\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12(\n\x06layers\x18\x02 \x03(\x0b\x32\x18.moemesh.v1.LayerExperts\x12\x1b\n\x13memory_budget_bytes\x18\x03 \x01(\x04\x12\x16\n\x0eresident_bytes\x18\x04 \x01(\x04\x12\x11\n\tworker_id\x18\x05 \x01(\t\x12\x13\n\x0bnum_experts\x18\x06 \x01(\r\x12\x14\n\x0chidden_dtype\x18\x07 \x01(\t\x12\x13\n\x0b\x66rames_path\x18\x08 \x01(\t\x12\x12\n\ncache_hits\x18\n \x01(\x04\x12\x14\n\x0c\x63\x61\x63he_misses\x18\x0b \x01(\x04\x12\x17\n\x0f\x63\x61\x63he_evictions\x18\x0c \x01(\x04\x12\x12\n\nbytes_read\x18\r \x01(\x04\x12\x14\n\x0cread_seconds\x18\x0e \x01(\x01\x12\x11\n\tread_gbps\x18\x0f \x01(\x01\x12\x15\n\rread_failures\x18\x10 \x01(\x04\x12\x13\n\x0b\x63\x61\x63he_slots\x18\x11 \x01(\r\x12\x0f\n\x07io_mode\x18\x12 \x01(\t\x12\x14\n\x0c\x63\x61\x63he_policy\x18\x13 \x01(\t\x12\x17\n\x0f\x64\x61ta_plane_rank\x18\x14 \x01(\r\"\x8d\x01\n\nExpertCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\r\x12\"\n\x06hidden\x18\x03 \x01(\x0b\x32\x12.moemesh.v1.Tensor\x12&\n\nexpert_ids\x18\x04 \x01(\x0b\x32\x12.moemesh.v1.Tensor\x12\x13\n\x0brequest_ids\x18\n \x03(\t\"}\n\tCallStats\x12\x11\n\tdecode_us\x18\x01 \x01(\x04\x12\x12\n\ncompute_us\x18\x02 \x01(\x04\x12\x11\n\tencode_us\x18\x03 \x01(\x04\x12\r\n\x05pairs\x18\x04 \x01(\r\x12\x12\n\nstarted_ns\x18\x05 \x01(\x04\x12\x13\n\x0b\x66inished_ns\x18\x06 \x01(\x04\"\x8f\x01\n\x0c\x45xpertResult\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\"\n\x06output\x18\x02 \x01(\x0b\x32\x12.moemesh.v1.Tensor\x12$\n\x05stats\x18\x03 \x01(\x0b\x32\x15.moemesh.v1.CallStats\x12$\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x15.moemesh.v1.CallError2\x96\x01\n\x0c\x45xpertWorker\x12\x45\n\x08\x44\x65scribe\x12\x1b.moemesh.v1.DescribeRequest\x1a\x1c.moemesh.v1.DescribeResponse\x12?\n\x07\x46orward\x12\x16.moemesh.v1.ExpertCall\x1a\x18.moemesh.v1.ExpertResult(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17moemesh/v1/expert.proto\x12\nmoemesh.v1\x1a\x17moemesh/v1/tensor.proto\"C\n\x0f\x44\x65scribeRequest\x12\x17\n\x0fjoin_data_plane\x18\x01 \x01(\x08\x12\x17\n\x0finclude_metrics\x18\x02 \x01(\x08\"@\n\x0cLayerExperts\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\r\x12\x10\n\x08resident\x18\x03 \x03(\x08\"\xe1\x03\n\x10\x44\x65scribeResponse\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12(\n\x06layers\x18\x02 \x03(\x0b\x32\x18.moemesh.v1.LayerExperts\x12\x1b\n\x13memory_budget_bytes\x18\x03 \x01(\x04\x12\x16\n\x0eresident_bytes\x18\x04 \x01(\x04\x12\x11\n\tworker_id\x18\x05 \x01(\t\x12\x13\n\x0bnum_experts\x18\x06 \x01(\r\x12\x14\n\x0chidden_dtype\x18\x07 \x01(\t\x12\x13\n\x0b\x66rames_path\x18\x08 \x01(\t\x12\x12\n\ncache_hits\x18\n \x01(\x04\x12\x14\n\x0c\x63\x61\x63he_misses\x18\x0b \x01(\x04\x12\x17\n\x0f\x63\x61\x63he_evictions\x18\x0c \x01(\x04\x12\x12\n\nbytes_read\x18\r \x01(\x04\x12\x14\n\x0cread_seconds\x18\x0e \x01(\x01\x12\x11\n\tread_gbps\x18\x0f \x01(\x01\x12\x15\n\rread_failures\x18\x10 \x01(\x04\x12\x13\n\x0b\x63\x61\x63he_slots\x18\x11 \x01(\r\x12\x0f\n\x07io_mode\x18\x12 \x01(\t\x12\x14\n\x0c\x63\x61\x63he_policy\x18\x13 \x01(\t\x12\x17\n\x0f\x64\x61ta_plane_rank\x18\x14 \x01(\r\x12\x14\n\x0cmetrics_text\x18\x15 \x01(\t\"\x8d\x01\n\nExpertCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\r\x12\"\n\x06hidden\x18\x03 \x01(\x0b\x32\x12.moemesh.v1.Tensor\x12&\n\nexpert_ids\x18\x04 \x01(\x0b\x32\x12.moemesh.v1.Tensor\x12\x13\n\x0brequest_ids\x18\n \x03(\t\"}\n\tCallStats\x12\x11\n\tdecode_us\x18\x01 \x01(\x04\x12\x12\n\ncompute_us\x18\x02 \x01(\x04\x12\x11\n\tencode_us\x18\x03 \x01(\x04\x12\r\n\x05pairs\x18\x04 \x01(\r\x12\x12\n\nstarted_ns\x18\x05 \x01(\x04\x12\x13\n\x0b\x66inished_ns\x18\x06 \x01(\x04\"\x8f\x01\n\x0c\x45xpertResult\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\"\n\x06output\x18\x02 \x01(\x0b\x32\x12.moemesh.v1.Tensor\x12$\n\x05stats\x18\x03 \x01(\x0b\x32\x15.moemesh.v1.CallStats\x12$\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x15.moemesh.v1.CallError2\x96\x01\n\x0c\x45xpertWorker\x12\x45\n\x08\x44\x65scribe\x12\x1b.moemesh.v1.DescribeRequest\x1a\x1c.moemesh.v1.DescribeResponse\x12?\n\x07\x46orward\x12\x16.moemesh.v1.ExpertCall\x1a\x18.moemesh.v1.ExpertResult(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,17 +34,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'moemesh.v1.expert_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DESCRIBEREQUEST']._serialized_start=64
-  _globals['_DESCRIBEREQUEST']._serialized_end=106
-  _globals['_LAYEREXPERTS']._serialized_start=108
-  _globals['_LAYEREXPERTS']._serialized_end=172
-  _globals['_DESCRIBERESPONSE']._serialized_start=175
-  _globals['_DESCRIBERESPONSE']._serialized_end=634
-  _globals['_EXPERTCALL']._serialized_start=637
-  _globals['_EXPERTCALL']._serialized_end=778
-  _globals['_CALLSTATS']._serialized_start=780
-  _globals['_CALLSTATS']._serialized_end=905
-  _globals['_EXPERTRESULT']._serialized_start=908
-  _globals['_EXPERTRESULT']._serialized_end=1051
-  _globals['_EXPERTWORKER']._serialized_start=1054
-  _globals['_EXPERTWORKER']._serialized_end=1204
+  _globals['_DESCRIBEREQUEST']._serialized_end=131
+  _globals['_LAYEREXPERTS']._serialized_start=133
+  _globals['_LAYEREXPERTS']._serialized_end=197
+  _globals['_DESCRIBERESPONSE']._serialized_start=200
+  _globals['_DESCRIBERESPONSE']._serialized_end=681
+  _globals['_EXPERTCALL']._serialized_start=684
+  _globals['_EXPERTCALL']._serialized_end=825
+  _globals['_CALLSTATS']._serialized_start=827
+  _globals['_CALLSTATS']._serialized_end=952
+  _globals['_EXPERTRESULT']._serialized_start=955
+  _globals['_EXPERTRESULT']._serialized_end=1098
+  _globals['_EXPERTWORKER']._serialized_start=1101
+  _globals['_EXPERTWORKER']._serialized_end=1251
 # @@protoc_insertion_point(module_scope)

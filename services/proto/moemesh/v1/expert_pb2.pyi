@@ -9,10 +9,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DescribeRequest(_message.Message):
-    __slots__ = ("join_data_plane",)
+    __slots__ = ("join_data_plane", "include_metrics")
     JOIN_DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_METRICS_FIELD_NUMBER: _ClassVar[int]
     join_data_plane: bool
-    def __init__(self, join_data_plane: _Optional[bool] = ...) -> None: ...
+    include_metrics: bool
+    def __init__(self, join_data_plane: _Optional[bool] = ..., include_metrics: _Optional[bool] = ...) -> None: ...
 
 class LayerExperts(_message.Message):
     __slots__ = ("layer", "experts", "resident")
@@ -25,7 +27,7 @@ class LayerExperts(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., experts: _Optional[_Iterable[int]] = ..., resident: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model_fingerprint", "layers", "memory_budget_bytes", "resident_bytes", "worker_id", "num_experts", "hidden_dtype", "frames_path", "cache_hits", "cache_misses", "cache_evictions", "bytes_read", "read_seconds", "read_gbps", "read_failures", "cache_slots", "io_mode", "cache_policy", "data_plane_rank")
+    __slots__ = ("model_fingerprint", "layers", "memory_budget_bytes", "resident_bytes", "worker_id", "num_experts", "hidden_dtype", "frames_path", "cache_hits", "cache_misses", "cache_evictions", "bytes_read", "read_seconds", "read_gbps", "read_failures", "cache_slots", "io_mode", "cache_policy", "data_plane_rank", "metrics_text")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +47,7 @@ class DescribeResponse(_message.Message):
     IO_MODE_FIELD_NUMBER: _ClassVar[int]
     CACHE_POLICY_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_RANK_FIELD_NUMBER: _ClassVar[int]
+    METRICS_TEXT_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     layers: _containers.RepeatedCompositeFieldContainer[LayerExperts]
     memory_budget_bytes: int
@@ -64,7 +67,8 @@ class DescribeResponse(_message.Message):
     io_mode: str
     cache_policy: str
     data_plane_rank: int
-    def __init__(self, model_fingerprint: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerExperts, _Mapping]]] = ..., memory_budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ..., num_experts: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., frames_path: _Optional[str] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., cache_evictions: _Optional[int] = ..., bytes_read: _Optional[int] = ..., read_seconds: _Optional[float] = ..., read_gbps: _Optional[float] = ..., read_failures: _Optional[int] = ..., cache_slots: _Optional[int] = ..., io_mode: _Optional[str] = ..., cache_policy: _Optional[str] = ..., data_plane_rank: _Optional[int] = ...) -> None: ...
+    metrics_text: str
+    def __init__(self, model_fingerprint: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerExperts, _Mapping]]] = ..., memory_budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ..., num_experts: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., frames_path: _Optional[str] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., cache_evictions: _Optional[int] = ..., bytes_read: _Optional[int] = ..., read_seconds: _Optional[float] = ..., read_gbps: _Optional[float] = ..., read_failures: _Optional[int] = ..., cache_slots: _Optional[int] = ..., io_mode: _Optional[str] = ..., cache_policy: _Optional[str] = ..., data_plane_rank: _Optional[int] = ..., metrics_text: _Optional[str] = ...) -> None: ...
 
 class ExpertCall(_message.Message):
     __slots__ = ("call_id", "layer", "hidden", "expert_ids", "request_ids")
