@@ -45,17 +45,38 @@ def _host(address: str) -> str:
 
 
 def _deploy(args) -> None:
+    """Render the unit, create the folders it needs that its supervisor does not, and say what was
+    done and what is left (notes go to stderr, so a unit printed to stdout stays clean)."""
     from services.cluster import load_cluster
-    from services.deploy import render_launchd, render_systemd
+    from services.deploy import default_launchd_log_dir, render_launchd, render_systemd
+    from services.deploy_sandbox import (
+        blocked_for,
+        folders_to_create,
+        prepare_folder,
+        user_exists,
+        useradd_line,
+    )
 
     config = load_cluster(args.config)
+    log_dir = Path(args.log_dir).expanduser().absolute() if args.log_dir else None
+    notes = []
     if args.kind == "launchd":
-        log_dir = Path(args.log_dir).expanduser() if args.log_dir else Path.home() / "Library/Logs/moe-mesh"
-        rendered = render_launchd(config, args.role, log_dir)
-        if args.out:  # installed on this host: launchd does not create the log folder
-            log_dir.mkdir(parents=True, exist_ok=True)
+        log_dir = log_dir or default_launchd_log_dir()
+        rendered = render_launchd(config, args.role, log_dir, cache=args.cache_dir)
+        # launchd opens StandardOutPath before starting the job and does not create its folder
+        notes.append("log folder " + prepare_folder(log_dir, None))
     else:
-        rendered = render_systemd(config, args.role, user=args.user)
+        rendered = render_systemd(config, args.role, user=args.user, cache=args.cache_dir, log_dir=log_dir)
+        paths = rendered.paths
+        for folder in folders_to_create(paths, log_dir):
+            notes.append("writable folder " + prepare_folder(folder, args.user))
+        if not user_exists(args.user):
+            notes.append(
+                f"user {args.user} does not exist on this host: create it (`{useradd_line(args.user)}`)"
+            )
+        for blocked in blocked_for(args.user, paths.reads):
+            notes.append(f"{args.user} cannot reach {blocked}: grant access, move it, or pass --user")
+        notes.append(f"logs: {log_dir}" if log_dir else f"logs: journalctl -u {rendered.filename}")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -63,6 +84,8 @@ def _deploy(args) -> None:
         print(out / rendered.filename)
     else:
         sys.stdout.write(rendered.text)
+    for note in notes:
+        print(note, file=sys.stderr)
 
 
 def _cluster_check(args) -> None:
@@ -95,8 +118,23 @@ def add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", required=True)
     p.add_argument("--role", required=True, help="core, gateway or worker:NAME")
     p.add_argument("--out", default=None, help="write into this folder (default: print)")
-    p.add_argument("--log-dir", default=None, help="launchd log folder (default ~/Library/Logs/moe-mesh)")
-    p.add_argument("--user", default=None, help="systemd User=")
+    p.add_argument(
+        "--log-dir",
+        default=None,
+        help="log folder, created here (launchd default ~/Library/Logs/moe-mesh; systemd default: the journal)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="MOE_MESH_CACHE of the service (default [environment], else /Users/Shared/moe-mesh/cache "
+        "for launchd, /var/lib/moe-mesh/cache for systemd)",
+    )
+    p.add_argument(
+        "--user",
+        default="moe-mesh",
+        help="systemd User= (default moe-mesh; create it with "
+        "`useradd --system --home-dir /var/lib/moe-mesh --shell /usr/sbin/nologin moe-mesh`)",
+    )
     p.set_defaults(func=_deploy)
 
     p = sub.add_parser("cluster", help="cluster.toml tools")

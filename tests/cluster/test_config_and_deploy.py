@@ -186,14 +186,13 @@ def test_systemd_unit_keeps_paths_with_spaces_and_values_with_dollars_as_they_ar
     folder = tmp_path / "with space"
     folder.mkdir()
     text = (REPO / "deploy" / "cluster.toml").read_text()
-    text = text.replace(
-        'MOE_MESH_CACHE = "/Users/Shared/moe-mesh/cache"', 'MOE_MESH_CACHE = "/srv/a $HOME 50% \\"q\\""'
-    )
+    text = text.replace("\n[environment]", '\n[environment]\nMOE_MESH_CACHE = "/srv/a $HOME 50% \\"q\\""', 1)
     (folder / "cluster.toml").write_text(text)
     config = load_cluster(folder / "cluster.toml")
     rendered = render_systemd(config, "core")
     assert f"WorkingDirectory={folder}\n" in rendered.text
     assert 'Environment="MOE_MESH_CACHE=/srv/a $HOME 50%% \\"q\\""' in rendered.text
+    assert 'ReadWritePaths="/srv/a $HOME 50%% \\"q\\""' in rendered.text
     _verify_systemd_unit(rendered, tmp_path)
 
 
