@@ -60,6 +60,7 @@ def _core(args) -> None:
         dense_kernel=args.dense_kernel,
         distributed=args.distributed,
         served_model_names=args.served_model_name or (),
+        quiet=args.quiet,
         mlx_cache_bytes=int(args.mlx_cache_gb * (1 << 30)),
         engine_config=EngineConfig(
             max_num_seqs=args.max_num_seqs,
@@ -103,11 +104,13 @@ def _up(args) -> None:
             local_experts=args.local_experts,
             distributed=args.distributed,
             model_name=(args.served_model_name or [None])[0],
+            log_format=args.log_format,
         )
     )
 
 
 SERVING_FLAGS = (
+    "quiet",
     "max_num_seqs",
     "max_queue",
     "max_num_batched_tokens",
@@ -151,6 +154,7 @@ def _add_serving_flags(p: argparse.ArgumentParser) -> None:
         default=CoreConfig.mlx_cache_gb,
         help="GB of freed buffers MLX keeps for reuse: core's memory is its weights, KV and prefix cache, and this",
     )
+    p.add_argument("--quiet", action="store_true", help="no stats line every 10 s while busy")
     p.add_argument(
         "--served-model-name",
         nargs="+",
@@ -171,7 +175,9 @@ def _serving_cli_args(args) -> list[str]:
     out = []
     for name in SERVING_FLAGS:
         value = getattr(args, name)
-        if value is not None:
+        if isinstance(value, bool):  # a switch: passed on when set
+            out += [f"--{name.replace('_', '-')}"] if value else []
+        elif value is not None:
             values = value if isinstance(value, list) else [value]
             out += [f"--{name.replace('_', '-')}", *map(str, values)]
     return out
@@ -356,7 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--port", type=port_number, default=8000, help="gateway port")
     p.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
-    p.add_argument("--workdir", default=None, help="where sockets and logs go (default: a temp folder)")
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="where sockets and logs go (default: sockets in a temp folder, logs in "
+        "$MOE_MESH_CACHE/logs/<start time>, the last 20 runs kept)",
+    )
     p.add_argument(
         "--expert-memory-gb",
         type=positive_float,

@@ -30,6 +30,7 @@ from services.cli import cli_command
 from services.cluster import LOCAL_ADDRESS, local_cluster_toml
 from services.common.frames import frames_path_for
 from services.common.logging import get_logger
+from services.up_console import LogRelay, new_log_dir
 
 log = get_logger(__name__)
 READY_TIMEOUT_S = 600.0
@@ -96,9 +97,13 @@ def _die_with_parent() -> None:
 
 
 class Cluster:
-    def __init__(self, workdir: Path, log_level: str = "info"):
+    def __init__(self, workdir: Path, log_level: str = "info", logs: Path | None = None, relay=None):
+        """`workdir`: sockets and cluster.toml; `logs`: each service's log (default: workdir);
+        `relay`: an up_console.LogRelay that follows those logs."""
         self.workdir = workdir
+        self.logs = logs or workdir
         self.log_level = log_level
+        self.relay = relay
         self.procs: list[tuple[str, subprocess.Popen, Path]] = []
         self._args: dict[str, tuple[str, ...]] = {}
         self._env: dict[str, dict[str, str] | None] = {}
@@ -106,8 +111,10 @@ class Cluster:
 
     def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:
         """Start service `name` (`env`: variables added to this process's environment)."""
-        log_path = self.workdir / f"{name}.log"
-        command = cli_command("--log-level", self.log_level, *args)
+        log_path = self.logs / f"{name}.log"
+        if self.relay is not None:
+            self.relay.follow(name, log_path)
+        command = cli_command("--log-level", self.log_level, "--log-format", "json", *args)
         with open(log_path, "ab") as log_file:
             # our own CLI (sys.executable -m services.cli) with our flags, no shell
             proc = subprocess.Popen(  # nosec B603
@@ -212,12 +219,14 @@ def run_up(
     local_experts: bool = False,
     distributed: str | None = None,
     model_name: str | None = None,
+    log_format: str = "auto",
 ) -> int:
     """`frame_spin_us`: how long core's and the workers' frame reads poll (None: poll when the
     machine has a core for each of them, services.common.frames.spin_for); `local_experts`: no
     worker processes, core computes every expert itself (services/core/expert_link/local.py);
     `distributed`: core and the workers form an in-graph data plane on this backend; `model_name`:
-    the name core serves the model under (core_args carry it), for the ready line."""
+    the name core serves the model under (core_args carry it), for the ready line. Logs go to
+    `workdir`, else to a new folder under $MOE_MESH_CACHE/logs that stays after the run."""
     from services.common.frames import spin_for
     from services.common.manifest import Manifest
 
@@ -241,10 +250,15 @@ def run_up(
         experts = 0
     ranges = expert_ranges(manifest.num_experts, experts) if experts else []
     if workdir is None:
-        work = Path(tempfile.mkdtemp(prefix="moe-mesh-"))
-    cluster = Cluster(work, log_level)
+        work = Path(tempfile.mkdtemp(prefix="moe-mesh-"))  # sockets: a short path, removed at exit
+        logs = new_log_dir(cache_root() / "logs")
+    else:
+        logs = work
+    as_json = log_format == "json" or (log_format == "auto" and not sys.stderr.isatty())
+    relay = LogRelay(as_json=as_json)
+    relay.start()
+    cluster = Cluster(work, log_level, logs, relay)
     stopping = False
-    clean = False
 
     def on_signal(signum, frame):
         nonlocal stopping
@@ -313,7 +327,7 @@ def run_up(
         deadline = time.monotonic() + READY_TIMEOUT_S
         pending = list(checks)
         starting = f"{experts} expert workers, core" if experts else "core (with every expert in it)"
-        print(f"starting {starting} and gateway (logs in {work})", file=sys.stderr)
+        print(f"starting {starting} and gateway (logs in {logs})", file=sys.stderr)
         while pending and not stopping:
             if (dead := cluster.dead()) is not None:
                 return _report_death(*dead)
@@ -340,17 +354,18 @@ def run_up(
                     return _report_death(*dead)
                 print(f"moe-mesh up: {name} exited with code {code}; started it again", file=sys.stderr)
             time.sleep(0.5)
-        clean = True
         return 0
     finally:
         print("stopping moe-mesh", file=sys.stderr)
         cluster.stop()
+        relay.stop()
         for address in [*worker_sockets, core_socket]:
             Path(address.removeprefix("unix:")).unlink(missing_ok=True)
         for address in worker_sockets:  # a worker that died left its frame socket behind
             Path(frames_path_for(address.removeprefix("unix:"))).unlink(missing_ok=True)
-        if own_workdir and clean:  # a failed start keeps its logs for reading
+        if own_workdir:  # sockets and cluster.toml only: the logs are elsewhere and stay
             shutil.rmtree(work, ignore_errors=True)
+        print(f"logs are in {logs}", file=sys.stderr)
 
 
 def data_plane_envs(work: Path, backend: str, members: int) -> list[dict[str, str]]:

@@ -18,6 +18,7 @@ from services.common.logging import get_logger
 from services.common.manifest import Manifest
 from services.common.ranges import format_ranges
 from services.common.tls import TlsFiles
+from services.core.cluster_status import cluster_stats
 from services.core.engine import Engine, EngineConfig
 from services.core.expert_link.dispatcher import ExpertDispatcher, LayerCallTimings
 from services.core.expert_link.distributed import DataPlane, DistributedExperts
@@ -27,6 +28,7 @@ from services.core.kv.metal_attention import kernel_backend
 from services.core.model_loader import load_core_model, load_core_tokenizer
 from services.core.request_prep import RequestPreparer
 from services.core.servicer import CoreServicer
+from services.core.stats_line import log_stats_lines
 from services.core.structured_output import GrammarError
 from services.plan import kv_bytes_per_token
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
@@ -186,8 +188,9 @@ async def serve_core(
     local_experts: LocalExpertsSpec | None = None,
     distributed: str | None = None,
     served_model_names: Sequence[str] = (),
+    quiet: bool = False,
 ) -> None:
-    """`tls`: mTLS for the Core server and the links to workers; `metrics`: host:port of the
+    """`quiet`: no periodic stats lines (stats_line.py); `tls`: mTLS for the Core server and the links to workers; `metrics`: host:port of the
     Prometheus endpoint (None = none); `expert_frames`: use same-host workers' frame sockets;
     `frame_spin_s`: how long reading their answers polls before it sleeps; `expert_overlap`:
     build the next layer while a layer's experts compute (ExpertDispatcher.call); `dense_kernel`:
@@ -231,6 +234,7 @@ async def serve_core(
         asyncio.run_coroutine_threadsafe(running.set_serving(serving), loop)
 
     engine.on_health(on_health)
+    stats_lines = None if quiet else asyncio.create_task(log_stats_lines(lambda: cluster_stats(engine)))
     log.info("core_listening", address=running.address, workers=workers, model=info.id)
     engine.start()
     await loop.run_in_executor(None, engine.loaded.wait)
@@ -239,6 +243,8 @@ async def serve_core(
         raise SystemExit(f"core: cannot load the model: {engine.load_error}")
 
     async def on_stop() -> None:
+        if stats_lines is not None:
+            stats_lines.cancel()
         await loop.run_in_executor(None, engine.stop)
 
     # In-flight generations get 10 s after health has said NOT_SERVING for 1 s.
