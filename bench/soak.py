@@ -62,7 +62,7 @@ async def core_stats(core_address: str) -> dict:
 
 def up_processes(up_pid: int) -> dict[str, int]:
     """{core, gateway, expert-N: pid} of what `moe-mesh up` runs now (restarts get new pids)."""
-    from tests.e2e.test_up import children_of
+    from tests.e2e.test_up import children_of, role_of
 
     found = {}
     for pid in children_of(up_pid):
@@ -70,11 +70,12 @@ def up_processes(up_pid: int) -> dict[str, int]:
             argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
         except OSError:
             continue  # just exited
-        role = next((r for r in ("core", "gateway", "expert") if r in argv[:8]), None)
+        role = role_of(argv)
+        if role not in ("core", "gateway", "expert"):
+            continue
         if role == "expert":  # up starts each as `expert --config … --name expert-N`
             role = argv[argv.index("--name") + 1] if "--name" in argv else f"expert-pid{pid}"
-        if role:
-            found[role] = pid
+        found[role] = pid
     return found
 
 

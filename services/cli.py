@@ -1,4 +1,4 @@
-"""`moe-mesh` command line: split, expert, core, gateway, up."""
+"""`moe-mesh` command line: split, expert, core, gateway, up, status, and the cluster tools."""
 
 from __future__ import annotations
 
@@ -246,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     from services.common.version import moe_mesh_version
     from services.core.kv.cli_flags import add_kv_cache_flags
     from services.experts.cli_flags import add_compute_flags, add_storage_commands, add_streaming_flags
+    from services.status_cli import add_status_command
 
     parser = _ArgvRecordingParser(
         prog="moe-mesh", description="Serve huge MoE models as a core plus expert workers."
@@ -381,6 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_plane_flag(p, "core and the workers form")
     p.set_defaults(func=_up)
     add_cluster_commands(sub)  # certs, deploy, cluster check
+    add_status_command(sub)
     add_storage_commands(sub)  # iobench, plan
     _show_defaults(parser)
     return parser

@@ -36,7 +36,7 @@ LOAD_DETAILS = (
 def new_log_dir(root: Path, keep: int = KEEP_RUNS) -> Path:
     """A new folder under `root` named for this start time; the oldest runs beyond `keep` go."""
     root.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S.%f")[:-3]  # fixed width: names sort by time
     path, n = root / stamp, 1
     while path.exists():
         n += 1

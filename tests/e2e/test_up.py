@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,10 +24,22 @@ def children_of(pid: int) -> list[int]:
     return [int(x) for x in out.split()]
 
 
+def role_of(argv: list[str]) -> str | None:
+    """The subcommand of a `python -P -m services.cli [--global value ...] ROLE ...` command line."""
+    if "services.cli" not in argv:
+        return None
+    i = argv.index("services.cli") + 1
+    while i < len(argv) and argv[i].startswith("--"):
+        i += 2  # --log-level info, --log-format json
+    return argv[i] if i < len(argv) else None
+
+
 def service_pids(up_pid: int, role: str) -> list[int]:
     """The processes of one role (`expert`, `core`, `gateway`) that `moe-mesh up` started."""
     return [
-        pid for pid in children_of(up_pid) if role in Path(f"/proc/{pid}/cmdline").read_text().split("\0")[:8]
+        pid
+        for pid in children_of(up_pid)
+        if role_of(Path(f"/proc/{pid}/cmdline").read_text().split("\0")) == role
     ]
 
 
@@ -67,6 +80,10 @@ def launch_up(cache: Path, workdir: Path, *flags: str) -> tuple[subprocess.Popen
         text=True,
         env={**os.environ, "MOE_MESH_CACHE": str(cache)},
     )
+    # up relays its services' progress and stats lines to stderr for as long as it runs: keep
+    # reading them, or a long run would fill the pipe and block up's next write.
+    proc.stderr_lines = []
+    threading.Thread(target=lambda: proc.stderr_lines.extend(proc.stderr), daemon=True).start()
     return proc, f"http://127.0.0.1:{port}/v1"
 
 
@@ -74,7 +91,9 @@ def wait_serving(proc: subprocess.Popen) -> None:
     line = proc.stdout.readline()  # blocks until ready (or exit)
     if "serving" not in line:
         proc.kill()
-        raise AssertionError(f"moe-mesh up did not start: {line}{proc.stderr.read()[-3000:]}")
+        proc.wait()
+        err = "".join(proc.stderr_lines) if hasattr(proc, "stderr_lines") else proc.stderr.read()
+        raise AssertionError(f"moe-mesh up did not start: {line}{err[-3000:]}")
 
 
 def test_demo_answers_paris_not_streamed(up):
@@ -244,3 +263,41 @@ def test_sigterm_stops_everything_and_removes_sockets(up):
         time.sleep(0.1)
     assert not [pid for pid in children if alive(pid)], "orphan processes left behind"
     assert not list(workdir.glob("*.sock*"))
+
+
+def test_without_a_workdir_progress_shows_and_the_logs_outlive_the_run(up):
+    cache = up[3]  # the demo model is built there already
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "--log-format",
+            "console",
+            "up",
+            "--experts",
+            "1",
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "MOE_MESH_CACHE": str(cache)},
+    )
+    try:
+        wait_serving(proc)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    for line in ("[expert-0] weights read", "[expert-0] serving", "[core] weights read", "[core] serving"):
+        assert line in err, err
+    logs = Path(err.split("(logs in ")[1].split(")")[0])
+    assert logs.parent == cache / "logs" and f"logs are in {logs}" in err
+    assert sorted(p.name for p in logs.iterdir()) == ["core.log", "expert-0.log", "gateway.log"]
+    assert '"stage": "serving"' in (logs / "core.log").read_text()  # the services' logs are JSON
+    assert not list(logs.glob("*.sock*"))  # sockets lived elsewhere and are gone
