@@ -48,7 +48,8 @@ def test_failed_replica_is_excluded_and_a_lost_last_owner_is_named(dispatcher):
     with pytest.raises(ExpertCallError) as error:
         dispatcher._choose(1, ids, rotation=0, exclude=(2,))
     assert error.value.code == grpc.StatusCode.UNAVAILABLE
-    assert str(error.value) == "layer 1 experts 4,7 have no reachable worker"
+    lost = dispatcher.links[1].address
+    assert str(error.value) == f"layer 1 experts 4,7 have no reachable worker (last served by {lost})"
     assert dispatcher.coverage_gaps() == []  # w2 still holds everything
     dispatcher.links[1].last_describe.worker_id = "expert-1"
     dispatcher.links[1].last_error = "unreachable (UNAVAILABLE): connection refused"

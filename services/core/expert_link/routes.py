@@ -109,7 +109,8 @@ class RoutingMixin:
             missing = sorted(set(ids[counts <= 0].tolist()))
             raise ExpertCallError(
                 grpc.StatusCode.UNAVAILABLE,
-                f"layer {layer} experts {format_ranges(missing)} have no reachable worker",
+                f"layer {layer} experts {format_ranges(missing)} have no reachable worker"
+                + self._lost_owners(layer, missing),
             )
         if replicas.shape[1] == 1:
             return replicas[ids, 0]
