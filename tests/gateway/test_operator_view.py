@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -80,6 +82,25 @@ def test_status_json_maps_the_cluster_and_times_each_layer(stack):
     assert layers and all(entry["calls"] > 0 and 0 < entry["p50_us"] <= entry["p99_us"] for entry in layers)
 
 
+def status_cli(stack) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", "status", "--url", stack.url],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_status_command_prints_the_cluster(stack):
+    shown = status_cli(stack)
+    assert shown.returncode == 0, shown.stderr
+    assert "core serving" in shown.stdout
+    for address, experts in zip(stack.workers.addresses, stack.ranges, strict=True):
+        row = next(line for line in shown.stdout.splitlines() if address in line)
+        assert " up " in row and experts in row, row
+
+
 def test_metrics_relay_core_and_every_worker(stack):
     httpx.post(stack.url + "/v1/chat/completions", json=CHAT, timeout=60)
     text = httpx.get(stack.url + "/metrics", timeout=10).text
@@ -118,6 +139,8 @@ def test_a_lost_worker_is_named_in_the_503_ready_and_status(stack):
         assert status["core"]["state"] == "not_serving" and status["core"]["problems"]
         down = next(w for w in status["workers"] if w["address"] == stack.workers.addresses[1])
         assert not down["up"] and down["last_error"] and down["experts"] == missing
+        shown = status_cli(stack)
+        assert shown.returncode == 1 and "DOWN" in shown.stdout and "no reachable worker" in shown.stdout
     finally:
         stack.workers.ensure_running()
     wait_for(lambda: httpx.get(stack.url + "/ready", timeout=10).status_code == 200, what="ready again")
