@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode import log
-from bench.soak_chaos import inject, judge
+from bench.soak_chaos import ACTIONS, inject, judge
 from bench.soak_traffic import EXPECTED, Outcome, run_clients
 from bench.workdir import bench_workdir
 
@@ -113,7 +113,7 @@ async def soak(url: str, model: str, processes, core_address: str, args) -> dict
             return [pid for name, pid in processes().items() if name.startswith(role)]
 
         chaos = asyncio.ensure_future(
-            inject(pids_of, time.monotonic() + args.seconds, args.chaos_every, faults)
+            inject(pids_of, time.monotonic() + args.seconds, args.chaos_every, faults, chaos_actions(args))
         )
     samples = []
     while not load.done():
@@ -129,6 +129,9 @@ async def soak(url: str, model: str, processes, core_address: str, args) -> dict
     if chaos is not None:
         report["chaos"] = judge(outcomes, faults)
         report["targets"]["no_unexpected_errors"] = report["chaos"]["errors_outside_fault_windows"] == 0
+        if replicas(args) > 1:  # every expert on two workers: a worker's fault fails nothing
+            worker_errors = sum(n for a, n in report["chaos"]["errors_by_fault"].items() if a != "kill_core")
+            report["targets"]["worker_faults_fail_no_request"] = worker_errors == 0
         del report["targets"]["rss_growth_within_5pct"]  # restarted processes start over
     return report
 
@@ -148,6 +151,15 @@ def soak_up(cache: Path, up_dir: Path, args) -> dict:
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def chaos_actions(args) -> tuple[str, ...]:
+    return tuple(a for a in getattr(args, "chaos_actions", ",".join(ACTIONS)).split(",") if a)
+
+
+def replicas(args) -> int:
+    flags = list(args.up_flags)
+    return int(flags[flags.index("--replicas") + 1]) if "--replicas" in flags else 1
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -228,6 +240,11 @@ def main() -> None:
         help="seconds between faults (kill -9 a worker, SIGSTOP one, kill -9 core: bench/soak_chaos.py)",
     )
     parser.add_argument(
+        "--chaos-actions",
+        default=",".join(ACTIONS),
+        help="faults taken in turn, comma-separated: kill_worker, stop_worker, kill_core",
+    )
+    parser.add_argument(
         "--cache-gb",
         type=float,
         default=0.25,
@@ -248,6 +265,8 @@ def main() -> None:
         "warmup_s": args.warmup,
         "idle_s": args.idle,
         "chaos_every_s": args.chaos_every,
+        "chaos_actions": list(chaos_actions(args)) if args.chaos_every else [],
+        "replicas": replicas(args),
         "command": "python bench/soak.py " + " ".join(sys.argv[1:]),
         **report,
     }

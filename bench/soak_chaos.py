@@ -1,5 +1,6 @@
-"""Faults injected while the soak runs (bench/soak.py --chaos): every `every_s` seconds, in turn,
-kill -9 a worker, SIGSTOP another for 5 s, or kill -9 core. `moe-mesh up` starts what died again.
+"""Faults injected while the soak runs (bench/soak.py --chaos-every): every `every_s` seconds, in
+turn, kill -9 a worker, SIGSTOP another for 5 s, or kill -9 core (`--chaos-actions` picks which).
+`moe-mesh up` starts what died again. With `up --replicas 2` a worker's fault must fail no request.
 
 An error is the fault's when the request overlapped the fault's window (the fault, until the
 process is back and `CHAOS_WINDOW_S` more); the figure that must be zero is errors outside every
@@ -28,9 +29,17 @@ class Fault:
     target: str
 
 
-async def inject(pids_of, stop_at: float, every_s: float, faults: list[Fault]) -> None:
-    """Until `stop_at`, one fault every `every_s`: `pids_of(role)` finds the current processes."""
-    actions = ("kill_worker", "stop_worker", "kill_core")
+ACTIONS = ("kill_worker", "stop_worker", "kill_core")
+
+
+async def inject(
+    pids_of, stop_at: float, every_s: float, faults: list[Fault], actions: tuple[str, ...] = ACTIONS
+) -> None:
+    """Until `stop_at`, one fault every `every_s`, taking `actions` in turn: `pids_of(role)` finds
+    the current processes."""
+    unknown = set(actions) - set(ACTIONS)
+    if unknown or not actions:
+        raise ValueError(f"chaos actions must be some of {', '.join(ACTIONS)}, not {sorted(unknown)}")
     turn = 0
     while time.monotonic() + every_s < stop_at:
         await asyncio.sleep(every_s)
@@ -56,16 +65,18 @@ async def inject(pids_of, stop_at: float, every_s: float, faults: list[Fault]) -
 def judge(outcomes: list[Outcome], faults: list[Fault]) -> dict:
     """Errors inside and outside the faults' windows, and each fault's recovery time."""
     inside, outside, kinds = 0, 0, {}
+    by_action = {f.action: 0 for f in faults}  # errors of requests that overlapped such a fault
     for o in outcomes:
         if o.outcome in EXPECTED:
             continue
         end = o.started_at + o.seconds
-        during = any(f.t <= end and o.started_at <= f.t + CHAOS_WINDOW_S for f in faults)
-        if during and o.outcome in FAULT_ERRORS:
+        overlapping = [f for f in faults if f.t <= end and o.started_at <= f.t + CHAOS_WINDOW_S]
+        if overlapping and o.outcome in FAULT_ERRORS:
             inside += 1
+            by_action[overlapping[-1].action] += 1
         else:
             outside += 1
-        key = f"{'during' if during else 'outside'}:{o.outcome}"
+        key = f"{'during' if overlapping else 'outside'}:{o.outcome}"
         kinds[key] = kinds.get(key, 0) + 1
     recoveries = []
     for f in faults:
@@ -82,4 +93,5 @@ def judge(outcomes: list[Outcome], faults: list[Fault]) -> dict:
         "errors_in_fault_windows": inside,
         "errors_outside_fault_windows": outside,
         "errors_by_window": kinds,
+        "errors_by_fault": by_action,
     }

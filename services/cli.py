@@ -105,6 +105,7 @@ def _up(args) -> None:
             distributed=args.distributed,
             model_name=(args.served_model_name or [None])[0],
             log_format=args.log_format,
+            replicas=args.replicas,
         )
     )
 
@@ -356,6 +357,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint or split folder, or Hugging Face repo id (default: the demo model)",
     )
     p.add_argument("--experts", type=positive_int, default=2, help="number of expert workers")
+    p.add_argument(
+        "--replicas",
+        type=positive_int,
+        default=1,
+        help="workers holding each expert: with 2, any one worker may die without failing a request",
+    )
     p.add_argument(
         "--local-experts",
         action="store_true",

@@ -30,6 +30,7 @@ from services.cli import cli_command
 from services.cluster import LOCAL_ADDRESS, local_cluster_toml
 from services.common.frames import frames_path_for
 from services.common.logging import get_logger
+from services.common.ranges import format_ranges
 from services.up_console import LogRelay, new_log_dir
 
 log = get_logger(__name__)
@@ -80,13 +81,21 @@ def resolve_split(model: str | None) -> Path:
     return split_dir
 
 
-def expert_ranges(num_experts: int, workers: int) -> list[str]:
+def expert_ranges(num_experts: int, workers: int, replicas: int = 1) -> list[str]:
+    """Each worker's experts: the experts cut into `workers` blocks; worker i holds block i and,
+    with `replicas` > 1, the next replicas - 1 blocks (wrapping), so every expert lives on
+    `replicas` workers and losing any replicas - 1 of them loses none."""
     if not 1 <= workers <= num_experts:
         raise SystemExit(
             f"moe-mesh up: --experts must be between 1 and {num_experts} (the model's experts per layer)"
         )
+    if not 1 <= replicas <= workers:
+        raise SystemExit(f"moe-mesh up: --replicas must be between 1 and --experts ({workers})")
     bounds = [round(i * num_experts / workers) for i in range(workers + 1)]
-    return [f"{bounds[i]}-{bounds[i + 1] - 1}" for i in range(workers)]
+    blocks = [list(range(bounds[i], bounds[i + 1])) for i in range(workers)]
+    return [
+        format_ranges([e for j in range(replicas) for e in blocks[(i + j) % workers]]) for i in range(workers)
+    ]
 
 
 def _die_with_parent() -> None:
@@ -220,12 +229,14 @@ def run_up(
     distributed: str | None = None,
     model_name: str | None = None,
     log_format: str = "auto",
+    replicas: int = 1,
 ) -> int:
     """`frame_spin_us`: how long core's and the workers' frame reads poll (None: poll when the
     machine has a core for each of them, services.common.frames.spin_for); `local_experts`: no
     worker processes, core computes every expert itself (services/core/expert_link/local.py);
     `distributed`: core and the workers form an in-graph data plane on this backend; `model_name`:
-    the name core serves the model under (core_args carry it), for the ready line. Logs go to
+    the name core serves the model under (core_args carry it), for the ready line; `replicas`: workers
+    holding each expert (expert_ranges). Logs go to
     `workdir`, else to a new folder under $MOE_MESH_CACHE/logs that stays after the run."""
     from services.common.frames import spin_for
     from services.common.manifest import Manifest
@@ -248,7 +259,7 @@ def run_up(
     manifest = Manifest.load(split_dir)
     if local_experts:
         experts = 0
-    ranges = expert_ranges(manifest.num_experts, experts) if experts else []
+    ranges = expert_ranges(manifest.num_experts, experts, replicas) if experts else []
     if workdir is None:
         work = Path(tempfile.mkdtemp(prefix="moe-mesh-"))  # sockets: a short path, removed at exit
         logs = new_log_dir(cache_root() / "logs")

@@ -25,3 +25,18 @@ def test_mixed_traffic_leaves_nothing_behind(tmp_path):
     assert len(kinds) >= 8 and all(sum(counts.values()) for counts in kinds.values()), kinds
     assert report["targets"]["kv_and_requests_back_to_idle"], (report["idle"], report["after_idle"])
     assert report["targets"]["file_descriptors_back_to_idle"], (report["idle"], report["after_idle"])
+
+
+def test_with_two_replicas_a_worker_killed_or_stopped_fails_no_request(tmp_path):
+    """Every expert on both workers: kill -9 one, later SIGSTOP one for 5 s, under load."""
+    args = SimpleNamespace(
+        clients=4, seconds=32, warmup=0, idle=3, seed=1, experts=2, cache_gb=0.1,
+        chaos_every=10, chaos_actions="kill_worker,stop_worker", up_flags=["--replicas", "2"],
+    )  # fmt: skip
+    report = soak_up(tmp_path / "cache", short_dir("mm-soak-"), args)
+    chaos = report["chaos"]
+    print({k: report[k] for k in ("requests", "outcomes_by_kind")}, chaos)
+    assert [f["action"] for f in chaos["faults"]] == ["kill_worker", "stop_worker"], chaos
+    assert report["requests"] >= 4
+    assert report["unexpected_errors"] == 0, report["error_examples"]  # none at all, in or out of the faults
+    assert report["targets"]["worker_faults_fail_no_request"], chaos
