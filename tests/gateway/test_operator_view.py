@@ -4,7 +4,9 @@ service, and errors that name what is missing when a worker is lost."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -173,3 +175,31 @@ def test_every_metric_the_grafana_dashboard_uses_is_scraped_from_the_gateway(sta
     }  # none counted yet
     missing = sorted(n for n in names if n not in exposed and n not in declared)
     assert not missing, missing
+
+
+def test_a_stalled_core_ends_the_request_at_the_gateways_deadline(stack):
+    """Stall the gateway-to-core hop (core SIGSTOPped mid-request): the client gets an error at the
+    gateway's deadline, streamed or not, rather than waiting for ever; core serves on after SIGCONT."""
+    gateway = GatewayThread(stack.core_address, generate_timeout_s=4.0, unary_timeout_s=2.0).start()
+    try:
+        long = {**CHAT, "max_tokens": 4000, "ignore_eos": True}
+        os.kill(stack.core.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            reply = httpx.post(gateway.url + "/v1/chat/completions", json=long, timeout=60)
+            assert reply.status_code == 504, reply.text
+            assert (
+                reply.json()["error"]["message"]
+                == "the model server (core) did not answer within the deadline"
+            )
+            with httpx.stream(
+                "POST", gateway.url + "/v1/chat/completions", json={**long, "stream": True}, timeout=60
+            ) as stream:
+                body = "".join(stream.iter_text())
+            assert '"error"' in body and "did not answer within the deadline" in body, body[-500:]
+            assert time.monotonic() - started < 20
+        finally:
+            os.kill(stack.core.pid, signal.SIGCONT)
+        assert httpx.post(gateway.url + "/v1/chat/completions", json=CHAT, timeout=60).status_code == 200
+    finally:
+        gateway.stop()
