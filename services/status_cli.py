@@ -10,8 +10,6 @@ import sys
 import urllib.error
 import urllib.request
 
-from services.gateway.auth import API_KEY_ENV
-
 
 def _size(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
@@ -111,6 +109,8 @@ def fetch_status(url: str, api_key: str | None, timeout_s: float = 10.0) -> dict
 
 
 def run_status(args: argparse.Namespace) -> int:
+    from services.gateway.auth import API_KEY_ENV
+
     key = args.api_key or os.environ.get(API_KEY_ENV, "").split(",")[0].strip() or None
     if not args.url.startswith(("http://", "https://")):
         raise ValueError(f"--url must start with http:// or https://, not {args.url!r}")
