@@ -9,6 +9,9 @@ Core and two expert workers are real processes on Unix sockets; clients stream f
 Core.Generate over gRPC, every request greedy with its own prompt and `ignore_eos`, so each
 produces exactly --tokens tokens. Aggregate tok/s = all generated tokens / wall time from the
 first request sent to the last token received. TTFT is per request, from send to first token.
+`decode_tok_s` (both sides) leaves time to first token out: the tokens after each stream's first,
+over the time from the last stream's first token to the last token. `--core-flags` passes more
+`moe-mesh core` flags (e.g. `--prefix-cache-gb 0`).
 `--variants`: `workers_N` (N worker processes, the default `workers_2`) and `local_experts` (core
 alone, `--worker local`). `--baseline` adds mlx-lm's own `BatchGenerator` serving the monolithic
 checkpoint in this process with the same prompts and token counts (`mlx_lm_batch_generator`), and
@@ -92,9 +95,11 @@ async def concurrency_level(stub, streams: int, tokens: int, round_index: int) -
     requests = [chat(story(i, round_index), tokens) for i in range(streams)]
     start = time.perf_counter()
     results = await asyncio.gather(*(timed_stream(stub, r) for r in requests))
-    wall = max(r["arrivals"][-1] for r in results) - start
+    end = max(r["arrivals"][-1] for r in results)
+    wall = end - start
     generated = sum(len(r["arrivals"]) for r in results)
     ttft = [r["arrivals"][0] - r["sent"] for r in results]
+    all_started = max(r["arrivals"][0] for r in results)
     return {
         "streams": streams,
         "generated_tokens": generated,
@@ -102,7 +107,14 @@ async def concurrency_level(stub, streams: int, tokens: int, round_index: int) -
         "aggregate_tok_s": round(generated / wall, 2),
         "ttft_p50_s": round(percentile(ttft, 0.5), 3),
         "ttft_p99_s": round(percentile(ttft, 0.99), 3),
+        **decode_only(generated - streams, end - all_started),
     }
+
+
+def decode_only(tokens: int, seconds: float) -> dict:
+    """Tokens after each stream's first, over the time from the last first token to the last token:
+    the decode rate once every stream runs, without time to first token."""
+    return {"decode_tok_s": round(tokens / seconds, 2) if seconds > 0 else None}
 
 
 async def interleave(stub, prompt: str = LONG_PROMPT) -> dict:
@@ -210,24 +222,33 @@ def mlx_lm_baseline(path: Path, tokens: int, rounds: int, budget: int, concurren
         )
         start = time.perf_counter()
         generator.insert([prompt(story(i, round_index)) for i in range(streams)], [tokens] * streams)
-        generated = 0
+        generated, first = 0, {}
         while generated < streams * tokens:
             _, responses = generator.next()
             generated += len(responses)
+            now = time.perf_counter()
+            for response in responses:
+                first.setdefault(response.uid, now)
+        end = time.perf_counter()
         generator.close()
-        return generated / (time.perf_counter() - start)
+        ttft = [t - start for t in first.values()]
+        return {
+            "aggregate_tok_s": round(generated / (end - start), 2),
+            "ttft_p99_s": round(percentile(ttft, 0.99), 3),
+            **decode_only(generated - streams, end - max(first.values())),
+        }
 
     levels = []
     for streams in concurrency:
         level(streams, rounds)  # warm-up: kernels for this batch shape compile on first use
-        best = max(level(streams, r) for r in range(rounds))
-        log(f"mlx-lm BatchGenerator, {streams} streams: {best:.2f} tok/s")
-        levels.append({"streams": streams, "aggregate_tok_s": round(best, 2)})
+        best = max((level(streams, r) for r in range(rounds)), key=lambda lv: lv["aggregate_tok_s"])
+        log(f"mlx-lm BatchGenerator, {streams} streams: {best['aggregate_tok_s']:.2f} tok/s")
+        levels.append({"streams": streams, **best})
     return {"levels": levels}
 
 
-def variant_system(split: Path, variant: str, budget: int):
-    flags = ["--max-num-seqs", "16", "--max-num-batched-tokens", str(budget)]
+def variant_system(split: Path, variant: str, budget: int, core_flags: str = ""):
+    flags = ["--max-num-seqs", "16", "--max-num-batched-tokens", str(budget), *core_flags.split()]
     workers = 0 if variant == "local_experts" else int(variant.removeprefix("workers_"))
     return split_system(split, bench_workdir("mm-bench-"), workers, spin_as_up(max(workers, 1)), flags)
 
@@ -242,13 +263,16 @@ def bench_model(name: str, args, extras: bool) -> dict:
             path, args.tokens, args.rounds, args.max_num_batched_tokens, concurrency
         )
     for variant in args.variants.split(","):
-        with variant_system(split, variant, args.max_num_batched_tokens) as (address, _):
+        with variant_system(split, variant, args.max_num_batched_tokens, args.core_flags) as (address, _):
             log(f"{name} {variant}: serving")
             result = asyncio.run(run_model(address, args.tokens, args.rounds, extras, concurrency))
         if args.baseline:
             base = {lv["streams"]: lv["aggregate_tok_s"] for lv in out["mlx_lm_batch_generator"]["levels"]}
+            decode = {lv["streams"]: lv["decode_tok_s"] for lv in out["mlx_lm_batch_generator"]["levels"]}
             for lv in result["levels"]:
                 lv["ratio_vs_mlx_lm"] = round(lv["aggregate_tok_s"] / base[lv["streams"]], 3)
+                if lv["decode_tok_s"] and decode[lv["streams"]]:
+                    lv["decode_ratio_vs_mlx_lm"] = round(lv["decode_tok_s"] / decode[lv["streams"]], 3)
         out[variant] = result
         extras = False  # the long-prompt and prefix-cache figures once per model
     return out
@@ -265,6 +289,9 @@ def main() -> None:
     parser.add_argument("--variants", default="workers_2", help="workers_N and/or local_experts")
     parser.add_argument("--baseline", action="store_true", help="also mlx-lm's BatchGenerator, monolithic")
     parser.add_argument("--skip-extras", action="store_true", help="no long-prompt or prefix-cache figures")
+    parser.add_argument(
+        "--core-flags", default="", help="more `moe-mesh core` flags, e.g. '--prefix-cache-gb 0'"
+    )
     args = parser.parse_args()
     from services.common.logging import configure_logging
 
@@ -274,6 +301,7 @@ def main() -> None:
         "machine": f"{platform.system()} {platform.machine()}, mlx {mx.__version__} on {mx.default_device()}",
         "tokens_per_stream": args.tokens,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "core_flags": args.core_flags,
         "dtype": args.dtype,
         "models": {},
     }

@@ -19,6 +19,7 @@ from services.core.kv.cache import TurboQuantKVCache, _length
 from services.core.kv.decode_attention import decode_attention
 from services.core.kv.metal_attention import decoded_run, kernel_attention, kernels_ready
 from services.core.kv.prefill_attention import blockwise_attention, decoded_run_fits, prefill_dtype
+from services.core.kv.unfused_prefill import unfused_attention, unfused_wanted
 
 _HOOK_MARK = "_moe_mesh_turboquant"
 
@@ -219,13 +220,17 @@ def _attention_for(cache, queries: mx.array, scale: float) -> mx.array | None:
 
 def make_hooked_sdpa(original):
     """mlx-lm's scaled_dot_product_attention with TurboQuant caches routed to the twin
-    (or the Metal kernels); every other cache takes the original path untouched."""
+    (or the Metal kernels), and small prefill chunks over plain caches run unfused on CUDA
+    (unfused_prefill.py: no cuDNN graph built per shape); every other call takes the original
+    path untouched."""
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         if sinks is None:
             out = _attention_for(cache, queries, scale)
             if out is not None:
                 return out
+            if not hasattr(cache, "bits") and unfused_wanted(queries, keys):
+                return unfused_attention(queries, keys, values, scale, mask)
         elif isinstance(cache, TurboQuantKVCache) or type(cache).__name__ == "BatchTurboQuantKVCache":
             raise ValueError("TurboQuant attention does not support attention sinks arrays")
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
@@ -235,8 +240,9 @@ def make_hooked_sdpa(original):
 
 
 def install_turboquant_attention(model) -> list[str]:
-    """Route attention over TurboQuant caches in every mlx-lm module the model's layers
-    come from. Idempotent; returns the module names patched (new ones only).
+    """Route attention over TurboQuant caches (and, on CUDA, small prefill chunks over plain
+    caches: `make_hooked_sdpa`) in every mlx-lm module the model's layers come from.
+    Idempotent; returns the module names patched (new ones only).
 
     mlx-lm model files import `scaled_dot_product_attention` by name from
     mlx_lm.models.base, so the name is wrapped in each such module (and in base); the

@@ -19,10 +19,12 @@ def make_kv_cache(model, kind: str, settings: KVCacheSettings | None = None) -> 
     if kind not in KV_CACHE_KINDS:
         raise ValueError(f"unknown KV cache kind {kind!r}; expected one of {', '.join(KV_CACHE_KINDS)}")
     caches = make_prompt_cache(model)
+    # Idempotent. TurboQuant caches are useless without the hook; plain caches need it on CUDA,
+    # where it runs small prefill chunks unfused (kv/unfused_prefill.py), and pass through elsewhere.
+    install_turboquant_attention(model)
     if kind == "fp16":
         return caches
     settings = settings or KVCacheSettings()
-    install_turboquant_attention(model)  # idempotent; a cache is useless without the hook
     return [TurboQuantKVCache(settings, layer) if type(c) is KVCache else c for layer, c in enumerate(caches)]
 
 
