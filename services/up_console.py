@@ -160,7 +160,8 @@ class LogRelay:
         if line is None:
             return
         try:
-            self.out.write((raw.decode(errors="replace") if self.as_json else line) + "\n")
+            # as JSON, the line names the process too ("expert-1"; its own `service` is its role)
+            self.out.write((json.dumps({**event, "process": service}) if self.as_json else line) + "\n")
             self.out.flush()
         except (OSError, ValueError):
             pass

@@ -59,10 +59,10 @@ def test_relay_passes_json_lines_through_when_up_logs_json(tmp_path):
     out = io.StringIO()
     relay = LogRelay(as_json=True, out=out)
     relay.follow("core", log)
-    line = json.dumps({"event": "load", "stage": "kernels_ready", "service": "core"})
-    log.write_text(line + "\n" + json.dumps({"event": "noise"}) + "\n")
+    event = {"event": "load", "stage": "kernels_ready", "service": "core"}
+    log.write_text(json.dumps(event) + "\n" + json.dumps({"event": "noise"}) + "\n")
     relay.relay_once()
-    assert out.getvalue() == line + "\n"
+    assert [json.loads(line) for line in out.getvalue().splitlines()] == [{**event, "process": "core"}]
     assert readable("core", {"event": "noise", "level": "warning"}) is None
 
 
