@@ -15,6 +15,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from services.common.logging import get_logger
 from services.common.version import moe_mesh_version
 from services.gateway.core_client import CoreClient
+from services.gateway.errors import OpenAIError
 from services.gateway.served_model import served_model_name
 from services.gateway.status_view import SAMPLE_EVERY_S, ThroughputHistory, status_json
 
@@ -31,8 +32,6 @@ async def status_page() -> FileResponse:
 
 @router.get("/static/{name}", include_in_schema=False)
 async def status_asset(name: str) -> FileResponse:
-    from services.gateway.errors import OpenAIError
-
     if name not in ASSETS:
         raise OpenAIError(404, f"no such file: {name}", code="not_found")
     return FileResponse(STATIC / name, media_type=ASSETS[name], headers={"Cache-Control": "no-cache"})
