@@ -174,3 +174,13 @@ def test_status_page_and_data_need_a_key_and_take_it_as_a_browser_sends_it():
         assert data.status_code == 200 and data.json()["core"]["state"] == "unreachable"
         # Basic is for the page only: the API keeps to bearer and x-api-key
         assert client.post("/v1/chat/completions", headers=basic, json={}).status_code == 401
+
+
+def test_quiet_reaches_core_from_up():
+    from services.cli import _serving_cli_args, build_parser
+
+    up = build_parser().parse_args(["up", "--quiet", "--max-num-seqs", "4"])
+    passed = _serving_cli_args(up)
+    assert "--quiet" in passed and passed[passed.index("--max-num-seqs") + 1] == "4"
+    assert "--quiet" not in _serving_cli_args(build_parser().parse_args(["up"]))
+    assert build_parser().parse_args(["core", *passed]).quiet
