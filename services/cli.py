@@ -244,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     from services.cluster_tools import add_cluster_commands
     from services.common.data_plane_flag import add_data_plane_flag
     from services.common.frames import add_spin_flag
+    from services.common.logging import LOG_FORMATS
     from services.common.version import moe_mesh_version
     from services.core.kv.cli_flags import add_kv_cache_flags
     from services.experts.cli_flags import add_compute_flags, add_storage_commands, add_streaming_flags
@@ -261,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-format",
         default="auto",
-        choices=["auto", "console", "json"],
+        choices=LOG_FORMATS,
         help="auto: readable on a terminal, JSON lines otherwise",
     )
     parser.add_argument("--version", action="version", version=f"moe-mesh {moe_mesh_version()}")

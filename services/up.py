@@ -29,7 +29,7 @@ from pathlib import Path
 from services.cli import cli_command
 from services.cluster import LOCAL_ADDRESS, local_cluster_toml
 from services.common.frames import frames_path_for
-from services.common.logging import get_logger
+from services.common.logging import get_logger, renders_console
 from services.common.ranges import format_ranges
 from services.up_console import LogRelay, new_log_dir
 
@@ -106,11 +106,10 @@ def _die_with_parent() -> None:
 
 
 class Cluster:
-    def __init__(self, workdir: Path, log_level: str = "info", logs: Path | None = None, relay=None):
-        """`workdir`: sockets and cluster.toml; `logs`: each service's log (default: workdir);
-        `relay`: an up_console.LogRelay that follows those logs."""
+    def __init__(self, workdir: Path, log_level: str, logs: Path, relay: LogRelay):
+        """`workdir`: sockets and cluster.toml; `logs`: each service's log, which `relay` follows."""
         self.workdir = workdir
-        self.logs = logs or workdir
+        self.logs = logs
         self.log_level = log_level
         self.relay = relay
         self.procs: list[tuple[str, subprocess.Popen, Path]] = []
@@ -121,8 +120,7 @@ class Cluster:
     def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:
         """Start service `name` (`env`: variables added to this process's environment)."""
         log_path = self.logs / f"{name}.log"
-        if self.relay is not None:
-            self.relay.follow(name, log_path)
+        self.relay.follow(name, log_path)
         command = cli_command("--log-level", self.log_level, "--log-format", "json", *args)
         with open(log_path, "ab") as log_file:
             # our own CLI (sys.executable -m services.cli) with our flags, no shell
@@ -235,9 +233,9 @@ def run_up(
     machine has a core for each of them, services.common.frames.spin_for); `local_experts`: no
     worker processes, core computes every expert itself (services/core/expert_link/local.py);
     `distributed`: core and the workers form an in-graph data plane on this backend; `model_name`:
-    the name core serves the model under (core_args carry it), for the ready line; `replicas`: workers
-    holding each expert (expert_ranges). Logs go to
-    `workdir`, else to a new folder under $MOE_MESH_CACHE/logs that stays after the run."""
+    the name core serves the model under (core_args carry it), for the ready line; `replicas`:
+    workers holding each expert (expert_ranges). Logs go to `workdir`, else to a new folder under
+    $MOE_MESH_CACHE/logs that stays after the run."""
     from services.common.frames import spin_for
     from services.common.manifest import Manifest
 
@@ -265,8 +263,7 @@ def run_up(
         logs = new_log_dir(cache_root() / "logs")
     else:
         logs = work
-    as_json = log_format == "json" or (log_format == "auto" and not sys.stderr.isatty())
-    relay = LogRelay(as_json=as_json)
+    relay = LogRelay(as_json=not renders_console(log_format))
     relay.start()
     cluster = Cluster(work, log_level, logs, relay)
     stopping = False

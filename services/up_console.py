@@ -55,10 +55,6 @@ def prune_log_dirs(root: Path, keep: int) -> list[Path]:
     return removed
 
 
-def _amount(value: float, unit: str) -> str:
-    return f"{value:g} {unit}"
-
-
 def readable(service: str, event: dict) -> str | None:
     """One relayed line for a terminal, or None when `event` is not one the operator watches."""
     name = event.get("event")
@@ -71,7 +67,7 @@ def readable(service: str, event: dict) -> str | None:
         if "total" in event:
             parts.append(f"{event.get('done')}/{event['total']} {event.get('unit', '')}".rstrip())
         if "gb" in event:
-            parts.append(_amount(event["gb"], "GB"))
+            parts.append(f"{event['gb']:g} GB")
         if "total" not in event:  # a stage done in one piece: what it did
             parts += [f"{key.replace('_', ' ')} {event[key]}" for key in LOAD_DETAILS if key in event]
         if "seconds" in event:
@@ -79,9 +75,12 @@ def readable(service: str, event: dict) -> str | None:
         return f"[{service}] " + " ".join(parts)
     if name == "stats":
         return f"[{service}] " + stats_text(event)
-    detail = {k: v for k, v in event.items() if k not in ("event", "level", "timestamp", "service", "logger")}
-    extra = " ".join(f"{k}={v}" for k, v in detail.items())
-    return f"[{service}] {level if level in RELAYED_LEVELS else ''} {name} {extra}".replace("  ", " ").strip()
+    parts = [level] if level in RELAYED_LEVELS else []
+    parts.append(str(name))
+    parts += [
+        f"{k}={v}" for k, v in event.items() if k not in ("event", "level", "timestamp", "service", "logger")
+    ]
+    return f"[{service}] " + " ".join(parts)
 
 
 def stats_text(event: dict) -> str:

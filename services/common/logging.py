@@ -20,10 +20,15 @@ REQUEST_ID_METADATA_KEY = "x-request-id"
 LOG_FORMATS = ("auto", "console", "json")
 
 
-def configure_logging(service: str, level: str = "info", log_format: str = "auto") -> None:
+def renders_console(log_format: str) -> bool:
+    """Whether `log_format` means structlog's console renderer here (else JSON lines)."""
     if log_format not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, not {log_format!r}")
-    console = log_format == "console" or (log_format == "auto" and sys.stderr.isatty())
+    return log_format == "console" or (log_format == "auto" and sys.stderr.isatty())
+
+
+def configure_logging(service: str, level: str = "info", log_format: str = "auto") -> None:
+    console = renders_console(log_format)
     renderer = (
         structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
         if console

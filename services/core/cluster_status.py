@@ -46,16 +46,16 @@ def fill_layer_latency(stats: core_pb2.CoreStats, engine: Engine) -> None:
             stats.layer_latency.add(layer=layer, calls=len(totals), p50_us=float(p50), p99_us=float(p99))
 
 
-async def describe_workers(dispatcher, include_metrics: bool = False) -> list:
-    """Each link's Describe answered now (a DescribeResponse), or why not (a str); runs the calls
-    on the dispatcher's I/O loop, where its channels live."""
+async def describe_workers(dispatcher, include_metrics: bool = False) -> list[tuple]:
+    """(link, its Describe answered now, or why not as a str) for every link; runs the calls on
+    the dispatcher's I/O loop, where its channels live."""
 
     async def one(link):
         request = expert_pb2.DescribeRequest(include_metrics=include_metrics)
         try:
-            return await link.stub.Describe(request, timeout=DESCRIBE_TIMEOUT_S)
+            return link, await link.stub.Describe(request, timeout=DESCRIBE_TIMEOUT_S)
         except grpc.aio.AioRpcError as error:
-            return f"{error.code().name}: {error.details()}"
+            return link, f"{error.code().name}: {error.details()}"
 
     async def all_links():
         return await asyncio.gather(*(one(link) for link in list(dispatcher.links)))
@@ -63,16 +63,16 @@ async def describe_workers(dispatcher, include_metrics: bool = False) -> list:
     return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(all_links(), dispatcher.loop))
 
 
-def fill_workers(stats: core_pb2.CoreStats, dispatcher, replies: list) -> None:
+def fill_workers(stats: core_pb2.CoreStats, dispatcher, replies: list[tuple]) -> None:
     """One WorkerStatus per link: state from core's routing, holdings and cache from `replies`
-    (fresh Describes) or, for a worker that did not answer, its last Describe."""
+    (describe_workers) or, for a worker that did not answer, its last Describe."""
     replicas = dispatcher.replica_counts()
-    for link, reply in zip(list(dispatcher.links), replies, strict=False):
+    for link, reply in replies:
         fresh = isinstance(reply, expert_pb2.DescribeResponse)
         status = stats.workers.add(
             address=link.address,
             up=link.up,
-            last_error=link.last_error or ("" if fresh or not link.up else reply),
+            last_error=link.last_error or ("" if fresh else reply),
             calls=link.calls,
             errors=link.errors,
             retries=link.retries,
@@ -116,8 +116,7 @@ async def cluster_metrics(engine: Engine) -> core_pb2.GetMetricsResponse:
     out.services.add(service="core", text=generate_latest(REGISTRY).decode())
     dispatcher = engine.expert_links
     if dispatcher is not None and dispatcher.links:
-        replies = await describe_workers(dispatcher, include_metrics=True)
-        for link, reply in zip(list(dispatcher.links), replies, strict=False):
+        for link, reply in await describe_workers(dispatcher, include_metrics=True):
             fresh = isinstance(reply, expert_pb2.DescribeResponse)
             out.services.add(
                 service="expert",

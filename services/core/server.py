@@ -190,8 +190,8 @@ async def serve_core(
     served_model_names: Sequence[str] = (),
     quiet: bool = False,
 ) -> None:
-    """`quiet`: no periodic stats lines (stats_line.py); `tls`: mTLS for the Core server and the links to workers; `metrics`: host:port of the
-    Prometheus endpoint (None = none); `expert_frames`: use same-host workers' frame sockets;
+    """`quiet`: no periodic stats lines (stats_line.py); `tls`: mTLS for the Core server and the
+    links to workers; `metrics`: host:port of the Prometheus endpoint (None = none); `expert_frames`: use same-host workers' frame sockets;
     `frame_spin_s`: how long reading their answers polls before it sleeps; `expert_overlap`:
     build the next layer while a layer's experts compute (ExpertDispatcher.call); `dense_kernel`:
     "auto" computes quantized projections with metal/linear_cpu.py where MLX runs on the CPU;

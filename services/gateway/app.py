@@ -3,8 +3,9 @@
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (routes_openai); `POST /v1/messages`,
 `POST /v1/messages/count_tokens` (routes_anthropic); `GET /v1/models`, `GET /v1/models/{id}`,
 `/version`, `/health`, `/ready`, `/metrics` (routes_service); `/status`, `/status.json` (the
-operator's page, routes_status); `POST /tokenize`, `/detokenize` (routes_tokenize); `GET /openapi.json`. Middleware, outermost first: request id (every response
-carries X-Request-Id, every log line the request id), optional API keys, body size cap.
+operator's page, routes_status); `POST /tokenize`, `/detokenize` (routes_tokenize);
+`GET /openapi.json`. Middleware, outermost first: request id (every response carries
+X-Request-Id, every log line the request id), optional API keys, body size cap.
 The gateway holds no state besides the gRPC channel, the metrics and the served model's name: any
 number of them can front one core.
 """

@@ -34,7 +34,8 @@ from services.gateway.errors import OpenAIError
 API_KEY_ENV = "MOE_MESH_API_KEY"
 PROTECTED_PREFIX = "/v1/"
 METRICS_PATHS = ("/metrics",)  # behind the keys with --protect-metrics
-STATUS_PATHS = ("/status", "/status.json", "/static/status.css", "/static/status.js")
+STATUS_PATHS = ("/status", "/status.json")
+STATIC_PREFIX = "/static/"  # the status page's assets
 HASH_PREFIX = "sha256:"
 _HASH = re.compile(r"sha256:[0-9a-fA-F]{64}")
 
@@ -68,6 +69,11 @@ def load_api_keys(
         sources.append(API_KEY_ENV if from_environment else "")
         raise ValueError(f"API keys were asked for ({', '.join(s for s in sources if s)}) but none is set")
     return found
+
+
+def is_status_page(path: str) -> bool:
+    """The status page, its data or its assets: behind the keys, which a browser may send as Basic."""
+    return path in STATUS_PATHS or path.startswith(STATIC_PREFIX)
 
 
 def presented_key(headers: Headers, basic: bool = False) -> str:
@@ -107,7 +113,7 @@ class ApiKeyMiddleware:
 
     def protects(self, path: str) -> bool:
         return bool(self.digests) and (
-            path.startswith(PROTECTED_PREFIX) or path in self.extra_paths or path in STATUS_PATHS
+            path.startswith(PROTECTED_PREFIX) or path in self.extra_paths or is_status_page(path)
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -115,8 +121,7 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or not self.protects(path):
             await self.app(scope, receive, send)
             return
-        status_page = path in STATUS_PATHS
-        presented = presented_key(Headers(scope=scope), basic=status_page)
+        presented = presented_key(Headers(scope=scope), basic=is_status_page(path))
         if presented and key_matches(presented, self.digests):
             await self.app(scope, receive, send)
             return

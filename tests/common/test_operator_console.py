@@ -166,10 +166,10 @@ def test_status_page_and_data_need_a_key_and_take_it_as_a_browser_sends_it():
         basic = {"Authorization": "Basic " + base64.b64encode(b"any:s3cret").decode()}
         wrong = {"Authorization": "Basic " + base64.b64encode(b"any:nope").decode()}
         assert client.get("/status.json", headers=wrong).status_code == 401
-        assert client.get("/status", headers=basic).status_code in (
-            200,
-            404,
-        )  # the page file may not ship here
+        page = client.get("/status", headers=basic)
+        assert page.status_code == 200 and "<html" in page.text.lower()
+        assert client.get("/static/status.js").status_code == 401  # the page's assets: behind the keys
+        assert client.get("/static/status.js", headers=basic).status_code == 200
         data = client.get("/status.json", headers={"Authorization": "Bearer s3cret"})
         assert data.status_code == 200 and data.json()["core"]["state"] == "unreachable"
         # Basic is for the page only: the API keeps to bearer and x-api-key

@@ -93,6 +93,7 @@ def test_a_plain_cache_installs_the_hook_and_unfused_prefill_keeps_greedy_tokens
     from mlx_lm import load
     from mlx_lm.generate import generate_step
 
+    from services.core.kv import factory
     from services.core.kv.factory import make_kv_cache
 
     model, _ = load(str(tiny_models.checkpoint("qwen3_moe", None)))
@@ -108,7 +109,8 @@ def test_a_plain_cache_installs_the_hook_and_unfused_prefill_keeps_greedy_tokens
         )
         return [token for token, _ in steps]
 
-    fused_tokens = greedy()  # installs the hook; on a CPU it passes through
+    monkeypatch.setattr(factory, "cuda_available", lambda: True)  # as on an NVIDIA GPU
+    fused_tokens = greedy()  # installs the hook; off the GPU it passes through
     used = []
     monkeypatch.setattr(unfused_prefill, "_on_cuda", lambda: True)
     monkeypatch.setattr(

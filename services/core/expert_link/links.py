@@ -68,14 +68,13 @@ class LayerCallTimings:
         self._parts: dict[str, deque[float]] = {}
         self._by_layer: dict[int, deque[float]] = {}  # each layer's recent call totals
 
-    def record(self, total: float, worker: float, compute: float, layer: int | None = None) -> None:
+    def record(self, total: float, worker: float, compute: float, layer: int) -> None:
         with self._lock:
             self._calls.append((total, worker, compute))
-            if layer is not None:
-                window = self._by_layer.get(layer)
-                if window is None:
-                    window = self._by_layer[layer] = deque(maxlen=512)
-                window.append(total)
+            window = self._by_layer.get(layer)
+            if window is None:
+                window = self._by_layer[layer] = deque(maxlen=512)
+            window.append(total)
 
     def by_layer(self) -> dict[int, np.ndarray]:
         """Each layer's recent call totals in microseconds (not cleared by `reset`)."""

@@ -7,6 +7,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from services.core.kv.attention import install_turboquant_attention
 from services.core.kv.cache import TurboQuantKVCache
 from services.core.kv.settings import KV_CACHE_KINDS, KVCacheSettings
+from services.core.kv.unfused_prefill import cuda_available
 
 
 def make_kv_cache(model, kind: str, settings: KVCacheSettings | None = None) -> list:
@@ -19,9 +20,11 @@ def make_kv_cache(model, kind: str, settings: KVCacheSettings | None = None) -> 
     if kind not in KV_CACHE_KINDS:
         raise ValueError(f"unknown KV cache kind {kind!r}; expected one of {', '.join(KV_CACHE_KINDS)}")
     caches = make_prompt_cache(model)
-    # Idempotent. TurboQuant caches are useless without the hook; plain caches need it on CUDA,
-    # where it runs small prefill chunks unfused (kv/unfused_prefill.py), and pass through elsewhere.
-    install_turboquant_attention(model)
+    # Idempotent. TurboQuant caches are useless without the hook; plain caches need it only where
+    # CUDA is (small prefill chunks run unfused there, kv/unfused_prefill.py): elsewhere every
+    # attention call would pass through it for nothing.
+    if kind != "fp16" or cuda_available():
+        install_turboquant_attention(model)
     if kind == "fp16":
         return caches
     settings = settings or KVCacheSettings()

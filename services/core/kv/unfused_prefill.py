@@ -27,13 +27,13 @@ UNFUSED_SCORE_BYTES = 128 << 20
 
 
 @functools.cache
-def _cuda_available() -> bool:
+def cuda_available() -> bool:
     cuda = getattr(mx, "cuda", None)
     return bool(cuda is not None and cuda.is_available())
 
 
 def _on_cuda() -> bool:
-    return _cuda_available() and mx.default_device() == mx.gpu
+    return cuda_available() and mx.default_device() == mx.gpu
 
 
 def unfused_wanted(queries: mx.array, keys: mx.array) -> bool:
