@@ -34,21 +34,35 @@ LOAD_DETAILS = (
 
 
 def new_log_dir(root: Path, keep: int = KEEP_RUNS) -> Path:
-    """A new folder under `root` named for this start time; the oldest runs beyond `keep` go."""
+    """A new folder under `root` named for this start time; the oldest runs beyond `keep` go.
+
+    Runs started in the same millisecond get `_2`, `_3`, ... past the highest such suffix still
+    on disk, so a pruned name is never handed out again and names keep sorting by start.
+    """
     root.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S.%f")[:-3]  # fixed width: names sort by time
-    path, n = root / stamp, 1
-    while path.exists():
-        n += 1
-        path = root / f"{stamp}_{n}"
+    taken = [_run_order(p.name)[1] for p in root.iterdir() if _run_order(p.name)[0] == stamp]
+    n = max(taken, default=0) + 1
+    path = root / (stamp if n == 1 else f"{stamp}_{n}")
     path.mkdir()
     prune_log_dirs(root, keep)
     return path
 
 
+def _run_order(name: str) -> tuple[str, int]:
+    """(start stamp, run number within that millisecond) of a run folder's name."""
+    head, sep, tail = name.rpartition("_")
+    if sep and tail.isdigit() and "." in head:  # "<date>_<time>.<ms>_<n>"
+        return head, int(tail)
+    return name, 1
+
+
 def prune_log_dirs(root: Path, keep: int) -> list[Path]:
-    """Remove all but the newest `keep` run folders (by name, which is the start time)."""
-    runs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    """Remove all but the newest `keep` run folders (by start time, then run number)."""
+    runs = sorted(
+        (p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")),
+        key=lambda p: _run_order(p.name),
+    )
     removed = runs[: max(0, len(runs) - keep)]
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)

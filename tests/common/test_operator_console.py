@@ -8,6 +8,7 @@ import io
 import json
 import subprocess
 import sys
+from datetime import datetime
 
 from fastapi.testclient import TestClient
 
@@ -70,9 +71,24 @@ def test_log_dirs_are_new_per_run_and_pruned_to_a_bound(tmp_path):
     root = tmp_path / "logs"
     made = [new_log_dir(root, keep=3) for _ in range(5)]
     assert len(set(made)) == 5
-    kept = sorted(p for p in root.iterdir())
-    assert kept == sorted(made)[-3:]  # the newest three, by start time
-    assert prune_log_dirs(root, 1) == sorted(made)[-3:-1]
+    assert set(root.iterdir()) == set(made[-3:])  # the newest three, by start
+    assert prune_log_dirs(root, 1) == made[-3:-1]
+
+
+def test_runs_in_one_millisecond_never_reuse_a_pruned_name(tmp_path, monkeypatch):
+    import services.up_console as up_console
+
+    class Frozen(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime(2026, 1, 2, 3, 4, 5, 678000)
+
+    monkeypatch.setattr(up_console, "datetime", Frozen)
+    root = tmp_path / "logs"
+    made = [new_log_dir(root, keep=3) for _ in range(12)]
+    assert len(set(made)) == 12
+    assert made[0].name == "2026-01-02_03-04-05.678" and made[11].name == "2026-01-02_03-04-05.678_12"
+    assert set(root.iterdir()) == set(made[-3:])  # _10.._12 outlive _9 though "_9" > "_10" as text
 
 
 def test_stats_line_reports_the_interval_and_stays_quiet_when_idle():
