@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 
 from services.core.decode_mask import skip_decode_mask_if_unpadded
 from services.core.logprobs import prefill_keeping_logprobs
@@ -34,8 +34,16 @@ class GeneratorStep:
     results in task order and returns what `_next` returns: (prompt_responses,
     generation_responses)."""
 
-    def __init__(self, generator: BatchGenerator, scoring: frozenset[int] = frozenset()):
-        """`scoring`: uids of the sequences that want their prompt's logprobs."""
+    def __init__(
+        self,
+        generator: BatchGenerator,
+        scoring: frozenset[int] = frozenset(),
+        decode: Callable[[GenerationBatch], list] | None = None,
+    ):
+        """`scoring`: uids of the sequences that want their prompt's logprobs; `decode`: runs the
+        running batch's decode step (default `GenerationBatch.next`; speculative decoding's
+        `SpeculativeDecoder.decode` verifies drafts in it)."""
+        self._decode = decode
         self.generator = generator
         self.tasks: list[Callable[[], object]] = []
         self._decode_task: int | None = None
@@ -56,7 +64,8 @@ class GeneratorStep:
         generation = gen._generation_batch
         if len(generation) > 0:
             skip_decode_mask_if_unpadded(generation.prompt_cache)
-            self._decode_task = self._add(generation.next)
+            decode = self._decode
+            self._decode_task = self._add(generation.next if decode is None else lambda: decode(generation))
         # Busy enough with decoding: no prompt work this step.
         if len(generation) >= gen.completion_batch_size:
             return

@@ -40,6 +40,7 @@ from services.core.prefix_cache import PrefixCache
 from services.core.request_prep import PreparedRequest
 from services.core.sequence import EngineError, Outbox, Sequence, step_failure
 from services.core.sequence_output import SequenceOutput
+from services.core.speculative import SpeculativeDecoder
 from services.core.step_budget import share_step_budget
 from services.core.text_output import TextEmitter
 from services.core.token_bytes import TokenBytes
@@ -87,6 +88,7 @@ class Engine:
         # One batch per KV cache kind: a batch's caches merge into one batched cache, so kinds
         # cannot share one. Their forwards still share each step's expert calls (step_merge).
         self._generators: dict[str, BatchGenerator] = {}
+        self._decoders: dict[str, SpeculativeDecoder] = {}  # per kind, when speculation is on
         self._thread = threading.Thread(target=releasing_mlx(self._run), name="engine", daemon=True)
 
     # ---- called from other threads ---------------------------------------------------------
@@ -155,6 +157,19 @@ class Engine:
                 prefill_step_size=self.config.max_num_batched_tokens,
             )
         return self._generators[kind]
+
+    def _decoder(self, kind: str) -> SpeculativeDecoder | None:
+        if self.config.speculative is None:
+            return None
+        if kind not in self._decoders:
+            self._decoders[kind] = SpeculativeDecoder(
+                self.config.speculative, self.counters.speculative, lambda uid: self._speculates(kind, uid)
+            )
+        return self._decoders[kind]
+
+    def _speculates(self, kind: str, uid: int) -> bool:
+        sequence = self._active.get((kind, uid))
+        return sequence is not None and sequence.request.speculative
 
     def _new_cache(self, kind: str) -> list:
         return make_kv_cache(self.model, kind, self.config.kv_settings)
@@ -263,9 +278,11 @@ class Engine:
                     self.config.max_num_batched_tokens,
                     self.pacer,
                 )
-                steps = {
-                    kind: GeneratorStep(generator, self._scoring(kind)) for kind, generator in busy.items()
-                }
+                steps = {}
+                for kind, generator in busy.items():
+                    decoder = self._decoder(kind)
+                    decode = None if decoder is None else decoder.decode
+                    steps[kind] = GeneratorStep(generator, self._scoring(kind), decode)
                 # Every forward of the step (decode, prompts joining, prefill chunks, of every
                 # KV kind) shares one expert call per worker per layer.
                 tasks = [task for step in steps.values() for task in step.tasks]
@@ -319,7 +336,10 @@ class Engine:
             generator = self._generators[sequence.kind]
             keep = keep_prefix and self.prefix_cache.enabled
             caches = generator.remove([sequence.uid], return_prompt_caches=keep)
-            for cache, tokens in caches.values():
+            decoder = self._decoders.get(sequence.kind)
+            for uid, (cache, tokens) in caches.items():
+                if decoder is not None:  # speculation may have moved its slots
+                    cache = decoder.in_token_order(uid, cache)
                 self.prefix_cache.store(sequence.kind, tokens[:], cache)
             self._refresh_gauges()  # a cancel between steps: no step follows to do it
 
@@ -340,6 +360,7 @@ class Engine:
         for generator in self._generators.values():
             generator.close()
         self._generators.clear()
+        self._decoders.clear()
         self.kv_cache_bytes = 0
         self._in_batch = 0
         self._probe()

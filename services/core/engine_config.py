@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.core.kv import KV_CACHE_KINDS
+from services.core.speculative.metrics import SpeculativeCounters
 
 
 @dataclass
@@ -22,6 +23,7 @@ class EngineConfig:
     kv_settings: object | None = None  # services.core.kv.KVCacheSettings for turboquant
     max_model_len: int | None = None  # the context a request may fill; None: the model's own
     idle_probe_s: float = 2.0
+    speculative: object | None = None  # services.core.speculative.SpeculativeConfig; None: off
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -39,3 +41,4 @@ class EngineConfig:
 class EngineCounters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    speculative: SpeculativeCounters = field(default_factory=SpeculativeCounters)

@@ -53,6 +53,7 @@ class PreparedRequest:
     prompt_logprobs: bool = False
     score_only: bool = False  # max_tokens 0 with prompt_logprobs: the one token generated is not sent
     output: OutputSpec = field(default_factory=OutputSpec)  # how the output stream is routed
+    speculative: bool = True  # may this request's tokens be drafted (when core speculates)
     created: float = field(default_factory=time.time)
 
 
@@ -341,6 +342,7 @@ class RequestPreparer:
             logprobs=request.logprobs or request.top_logprobs > 0,
             top_logprobs=request.top_logprobs,
             deadline=deadline,
+            speculative=not request.HasField("speculative") or request.speculative,
             snapshot_at=self._snapshot_points(chat, prompt) if chat else (),
             prompt_logprobs=request.prompt_logprobs,
             score_only=score_only,

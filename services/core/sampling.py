@@ -46,18 +46,42 @@ def make_sampler(params: core_pb2.SamplingParams, vocab_size: int) -> Sampler:
         filters.append(lambda x: apply_min_p(x, min_p))
     if 0 < top_k < vocab_size:
         filters.append(lambda x: apply_top_k(x, top_k))
-    key = [mx.random.key(params.seed)] if params.HasField("seed") else None
+    return FilteredSampler(temperature, filters, params.seed if params.HasField("seed") else None)
 
-    def sample(logprobs: mx.array) -> mx.array:
-        for apply in filters:
+
+class FilteredSampler:
+    """Temperature sampling after mlx-lm's filters. Speculative decoding reads the same target
+    distribution (`target_logprobs`) and draws from the same key chain (`uniform`, `categorical`),
+    so a seeded request stays reproducible with speculation on."""
+
+    def __init__(self, temperature: float, filters: list, seed: int | None):
+        self.temperature = temperature
+        self.filters = filters
+        self._key = None if seed is None else mx.random.key(seed)
+
+    def _subkey(self):
+        if self._key is None:
+            return None
+        self._key, subkey = mx.random.split(self._key)
+        return subkey
+
+    def target_logprobs(self, logprobs: mx.array) -> mx.array:
+        """The log-distribution this sampler draws from: filtered, scaled, normalised."""
+        for apply in self.filters:
             logprobs = apply(logprobs)
-        scaled = logprobs * (1.0 / temperature)
-        if key is None:
-            return mx.random.categorical(scaled)
-        key[0], subkey = mx.random.split(key[0])
-        return mx.random.categorical(scaled, key=subkey)
+        scaled = logprobs * (1.0 / self.temperature)
+        return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
 
-    return sample
+    def categorical(self, scaled: mx.array) -> mx.array:
+        return mx.random.categorical(scaled, key=self._subkey())
+
+    def uniform(self) -> float:
+        return mx.random.uniform(key=self._subkey()).item()
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        for apply in self.filters:
+            logprobs = apply(logprobs)
+        return self.categorical(logprobs * (1.0 / self.temperature))
 
 
 MAX_LOGIT_BIAS_ENTRIES = 1024

@@ -1,0 +1,33 @@
+"""Which drafted tokens a row keeps, and the token after them.
+
+Greedy rows keep drafts while each equals the target's argmax. Sampling rows use speculative
+rejection sampling for a deterministic draft (the draft distribution is one-hot): draft d is
+kept with probability p(d); on rejection the token comes from p with d removed, renormalised.
+Every emitted token is then distributed exactly as p, the distribution the request's sampler
+draws from (Leviathan et al. 2023; Chen et al. 2023)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from services.core.sampling import FilteredSampler
+
+
+def accept_greedy(drafts: list[int], targets: list[int]) -> tuple[int, int]:
+    """`targets[j]`: the argmax after the row's j-th input. -> (drafts kept, next token)."""
+    kept = 0
+    while kept < len(drafts) and drafts[kept] == targets[kept]:
+        kept += 1
+    return kept, targets[kept]
+
+
+def accept_sampled(drafts: list[int], logprobs: mx.array, sampler: FilteredSampler) -> tuple[int, int]:
+    """`logprobs` [len(drafts) + 1, vocab]: the model's, after the row's inputs."""
+    target = sampler.target_logprobs(logprobs[: len(drafts) + 1])
+    probs = mx.exp(target[mx.arange(len(drafts)), mx.array(drafts)]).tolist() if drafts else []
+    for j, draft in enumerate(drafts):
+        if sampler.uniform() < probs[j] or probs[j] >= 1.0 - 1e-6:  # p(d) ~ 1: no residual left
+            continue
+        residual = target[j].at[draft].add(-mx.inf)  # p without the draft
+        return j, int(sampler.categorical(residual).item())
+    return len(drafts), int(sampler.categorical(target[len(drafts)]).item())

@@ -1,0 +1,72 @@
+"""`--speculative METHOD --num-speculative-tokens K`, or vLLM's `--speculative-config JSON`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+METHODS = ("ngram",)
+PLANNED = {
+    "mtp": "multi-token-prediction layers are not served yet",
+    "draft": "draft models are not served yet",
+}
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self):
+        name = self.method.split(":", 1)[0]
+        if name in PLANNED:
+            raise ValueError(
+                f"speculative method {self.method!r}: {PLANNED[name]}; use one of {', '.join(METHODS)}"
+            )
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(METHODS)}, not {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must be at least 1 and at most prompt_lookup_max")
+
+
+_JSON_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+
+
+def speculative_config(
+    method: str | None, num_tokens: int | None, config_json: str | None
+) -> SpeculativeConfig | None:
+    """The flags as one config; None when speculation is off. The JSON names vLLM's keys; a
+    flag given beside it wins."""
+    fields: dict = {}
+    if config_json:
+        try:
+            given = json.loads(config_json)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--speculative-config is not JSON: {error}") from None
+        if not isinstance(given, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        unknown = set(given) - _JSON_KEYS
+        if unknown:
+            raise ValueError(
+                f"--speculative-config: unsupported keys {sorted(unknown)}; known: {sorted(_JSON_KEYS)}"
+            )
+        for key, value in given.items():
+            if key == "method" and not isinstance(value, str):
+                raise ValueError("--speculative-config: method must be a string")
+            if key != "method" and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"--speculative-config: {key} must be an integer")
+        fields.update(given)
+    if method:
+        fields["method"] = method
+    if num_tokens is not None:
+        fields["num_speculative_tokens"] = num_tokens
+    if not fields:
+        return None
+    if "method" not in fields:
+        raise ValueError("speculative decoding needs a method: --speculative ngram")
+    return SpeculativeConfig(**fields)

@@ -1,0 +1,175 @@
+"""The decode of one `BatchGenerator`'s running batch, with drafted tokens verified in the same
+forward: each row feeds its pending token and its draft, so one expert call per worker per layer
+checks every row's draft, and a row gains up to 1 + K tokens per step.
+
+It keeps mlx-lm's `GenerationBatch` state as `GenerationBatch._step` leaves it (the token to feed
+next in `_next_tokens`, the tokens in the KV cache in `tokens`), so a step without drafts is
+mlx-lm's own `next()`, and the two kinds of step mix freely.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationBatch
+from mlx_lm.sample_utils import greedy_sampler
+
+from services.core.sampling import FilteredSampler
+from services.core.speculative.acceptance import accept_greedy, accept_sampled
+from services.core.speculative.config import SpeculativeConfig
+from services.core.speculative.metrics import SpeculativeCounters
+from services.core.speculative.ngram import NgramDrafter, NgramIndex
+from services.core.speculative.policy import DraftPolicy
+from services.core.speculative.row_trim import RowOrder, can_trim_rows, trim_rows
+
+Response = GenerationBatch.Response
+
+
+class SpeculativeDecoder:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        counters: SpeculativeCounters,
+        wants: Callable[[int], bool] = lambda uid: True,
+        drafter=None,
+    ):
+        """`wants(uid)`: whether that sequence's request allows speculation; `drafter.index()`
+        makes each sequence's `propose(context, k)` (default: prompt lookup)."""
+        self.config = config
+        self.counters = counters
+        self.wants = wants
+        self.order = RowOrder()
+        self._drafter = drafter or NgramDrafter(config.prompt_lookup_max, config.prompt_lookup_min)
+        self._rows: dict[int, tuple[NgramIndex, DraftPolicy]] = {}
+
+    def decode(self, batch: GenerationBatch) -> list[Response]:
+        """One decode step of `batch`: GenerationBatch.next()'s responses, several per row when
+        its draft was accepted, in the order the row emits them."""
+        if not batch.uids:
+            return []
+        self._forget(batch.uids)
+        pending = batch._next_tokens.tolist()
+        drafts = self._drafts(batch, pending) if can_trim_rows(batch.prompt_cache) else []
+        if not any(drafts):
+            return [self._in_token_order(r) for r in batch.next()]
+        return self._verify(batch, pending, drafts)
+
+    def in_token_order(self, uid: int, cache: list) -> list:
+        """A cache taken out of the batch (a finished or removed row) with its tokens in order."""
+        return self.order.in_token_order(uid, cache)
+
+    def _forget(self, uids: list[int]) -> None:
+        live = set(uids)
+        for uid in [u for u in self._rows if u not in live]:
+            del self._rows[uid]
+        self.order.forget(live)
+
+    def _drafts(self, batch: GenerationBatch, pending: list[int]) -> list[list[int]]:
+        drafts = []
+        for i, uid in enumerate(batch.uids):
+            index, policy = self._rows.get(uid) or self._rows.setdefault(
+                uid, (self._drafter.index(), DraftPolicy(self.config.num_speculative_tokens))
+            )
+            left = batch.max_tokens[i] - batch._num_tokens[i] - 1  # the pending token is one
+            sampler = batch.samplers[i]
+            drafting = (
+                left > 0
+                and not batch.logits_processors[i]  # penalties and grammars see one token at a time
+                and (sampler is greedy_sampler or isinstance(sampler, FilteredSampler))
+                and self.wants(uid)
+            )
+            k = min(policy.budget(), left) if drafting else 0
+            drafts.append(index.propose(batch.tokens[i] + [pending[i]], k) if k else [])
+        return drafts
+
+    def _verify(self, batch: GenerationBatch, pending: list[int], drafts: list[list[int]]) -> list[Response]:
+        width = 1 + max(len(d) for d in drafts)
+        rows = [[p, *d] + [p] * (width - 1 - len(d)) for p, d in zip(pending, drafts, strict=True)]
+        logits = batch.model(mx.array(rows, dtype=batch._next_tokens.dtype), cache=batch.prompt_cache)
+        logits = _process_first(batch, pending, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        targets = mx.argmax(logprobs, axis=-1)
+        mx.eval(logprobs, targets)
+        targets = targets.tolist()
+
+        emitted: list[list[tuple[int, mx.array]]] = []
+        reasons: list[str | None] = []
+        following: list[int] = []
+        drop = []
+        for i, (uid, draft) in enumerate(zip(batch.uids, drafts, strict=True)):
+            kept, token = self._accept(batch.samplers[i], draft, targets[i], logprobs[i])
+            if draft:
+                self._rows[uid][1].observe(len(draft), kept)
+                self.counters.record(len(draft), kept)
+            row = [(pending[i], batch._next_logprobs[i])] + [(draft[j], logprobs[i, j]) for j in range(kept)]
+            row, reason = _until_finished(batch, i, row)
+            batch.tokens[i].extend(t for t, _ in row)
+            emitted.append(row)
+            reasons.append(reason)
+            following.append((token, logprobs[i, kept]))
+            drop.append(width - len(row))
+        trim_rows(batch.prompt_cache, drop, batch.uids, self.order)
+
+        batch._current_tokens = mx.array(pending, dtype=batch._next_tokens.dtype)
+        batch._current_logprobs = batch._next_logprobs
+        batch._next_tokens = mx.array([t for t, _ in following], dtype=batch._next_tokens.dtype)
+        batch._next_logprobs = [lp for _, lp in following]
+
+        responses, keep = [], []
+        for i, (uid, row, reason) in enumerate(zip(batch.uids, emitted, reasons, strict=True)):
+            for token, lp in row[:-1]:
+                responses.append(Response(uid, token, lp, None, None, None))
+            token, lp = row[-1]
+            if reason is None:
+                keep.append(i)
+                responses.append(Response(uid, token, lp, None, None, None))
+            else:
+                cache = self.order.in_token_order(uid, batch.extract_cache(i))
+                responses.append(Response(uid, token, lp, reason, cache, batch.tokens[i]))
+        if len(keep) < len(batch.uids):
+            batch.filter(keep)
+        return responses
+
+    @staticmethod
+    def _accept(sampler, draft: list[int], targets: list[int], logprobs: mx.array) -> tuple[int, int]:
+        if sampler is greedy_sampler:
+            return accept_greedy(draft, targets)
+        if isinstance(sampler, FilteredSampler):
+            return accept_sampled(draft, logprobs, sampler)
+        return 0, int(sampler(logprobs[:1]).item())  # a sampler we cannot reason about: no drafts
+
+    def _in_token_order(self, response: Response) -> Response:
+        if response.prompt_cache is not None:
+            response.prompt_cache = self.order.in_token_order(response.uid, response.prompt_cache)
+        return response
+
+
+def _process_first(batch: GenerationBatch, pending: list[int], logits: mx.array) -> mx.array:
+    """Logits processors on the first position of the rows that have them (those rows draft
+    nothing), exactly as GenerationBatch._step applies them."""
+    if not any(batch.logits_processors):
+        return logits
+    first = []
+    for e, processors in enumerate(batch.logits_processors):
+        row = logits[e : e + 1, 0]
+        if processors:
+            context = batch._token_context[e].update_and_fetch(
+                mx.array(pending[e : e + 1], dtype=batch._next_tokens.dtype)
+            )
+            for processor in processors:
+                row = processor(context, row)
+        first.append(row)
+    return mx.concatenate([mx.concatenate(first, axis=0)[:, None], logits[:, 1:]], axis=1)
+
+
+def _until_finished(batch: GenerationBatch, i: int, row: list) -> tuple[list, str | None]:
+    """The tokens row i emits, cut at the first that ends it (max_tokens or a stop)."""
+    for n, (token, _) in enumerate(row, start=1):
+        batch._num_tokens[i] += 1
+        reason = "length" if batch._num_tokens[i] >= batch.max_tokens[i] else None
+        if batch._matchers[i].advance(token):
+            reason = "stop"
+        if reason is not None:
+            return row[:n], reason
+    return row, None

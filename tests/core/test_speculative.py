@@ -1,0 +1,257 @@
+"""Speculative decoding in the engine's step: drafts verified in one forward keep greedy tokens
+exactly, keep a sampling request's distribution, trim the rejected positions from every KV cache
+kind, and hand out caches in token order."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import greedy_sampler
+
+from services.core.batch_step import GeneratorStep
+from services.core.kv import make_kv_cache
+from services.core.sampling import FilteredSampler
+from services.core.speculative import (
+    SpeculativeConfig,
+    SpeculativeCounters,
+    SpeculativeDecoder,
+    speculative_config,
+)
+from services.core.speculative.acceptance import accept_sampled
+from services.core.speculative.ngram import NgramDrafter
+from services.core.speculative.policy import DraftPolicy
+
+PROMPTS = [list(range(3, 40)) + list(range(3, 20)), [5, 6, 7, 8] * 6, list(range(50, 60))]
+MAX_TOKENS = [40, 25, 33]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models):
+    loaded, _ = mlx_lm.load(str(tiny_models.checkpoint("qwen3_moe", None)))
+    return loaded
+
+
+class OracleDrafter:
+    """Drafts the reference continuation with every `wrong`-th position wrong, so rows accept
+    different counts in one step."""
+
+    def __init__(self, references: list[list[int]], wrong: int):
+        self.references = references
+        self.wrong = wrong
+
+    def index(self):
+        return self
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        for full in self.references:
+            if context == full[: len(context)]:
+                draft = full[len(context) : len(context) + k]
+                at = len(context)
+                return [t if (at + j) % self.wrong else (t + 1) % 64 for j, t in enumerate(draft)]
+        return []
+
+
+def generate(model, kind: str, decoder: SpeculativeDecoder | None, samplers=None, max_tokens=MAX_TOKENS):
+    """Each prompt's tokens and finished (cache, tokens), and the steps taken."""
+    generator = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
+    uids = generator.insert(
+        PROMPTS,
+        max_tokens=max_tokens,
+        samplers=samplers or [greedy_sampler] * len(PROMPTS),
+        caches=[make_kv_cache(model, kind) for _ in PROMPTS],
+    )
+    tokens = {uid: [] for uid in uids}
+    finished, steps, moved = {}, 0, 0
+    while len(finished) < len(uids):
+        step = GeneratorStep(generator, decode=None if decoder is None else decoder.decode)
+        _, responses = step.finish([task() for task in step.tasks])
+        steps += 1
+        if decoder is not None:
+            moved = max(moved, len(decoder.order._slots))
+        for response in responses:
+            tokens[response.uid].append(response.token)
+            if response.finish_reason:
+                finished[response.uid] = (response.prompt_cache, response.all_tokens, response.finish_reason)
+    generator.close()
+    return [tokens[u] for u in uids], [finished[u] for u in uids], steps, moved
+
+
+@pytest.mark.parametrize("kind", ["fp16", "turboquant"])
+@pytest.mark.parametrize("wrong", [2, 3, 7, 1000])
+def test_greedy_tokens_equal_decoding_without_drafts(model, kind, wrong):
+    reference, _, plain_steps, _ = generate(model, kind, None)
+    full = [p + r for p, r in zip(PROMPTS, reference, strict=True)]
+    counters = SpeculativeCounters()
+    decoder = SpeculativeDecoder(
+        SpeculativeConfig(num_speculative_tokens=4), counters, drafter=OracleDrafter(full, wrong)
+    )
+    tokens, finished, steps, moved = generate(model, kind, decoder)
+    assert tokens == reference
+    assert steps < plain_steps
+    assert 0 < counters.accepted_tokens < counters.draft_tokens or wrong == 1000
+    assert [len(t) for t in tokens] == MAX_TOKENS and all(f[2] == "length" for f in finished)
+    if kind == "fp16" and wrong in (3, 7):
+        assert moved > 0  # rows dropped different counts: their slots were moved
+
+
+def test_finished_caches_hold_their_tokens_in_order(model):
+    reference, _, _, _ = generate(model, "fp16", None)
+    full = [p + r for p, r in zip(PROMPTS, reference, strict=True)]
+    decoder = SpeculativeDecoder(SpeculativeConfig(), SpeculativeCounters(), drafter=OracleDrafter(full, 3))
+    _, finished, _, moved = generate(model, "fp16", decoder)
+    assert moved > 0
+    for cache, tokens, _ in finished:
+        fresh = make_prompt_cache(model)
+        model(mx.array([tokens]), cache=fresh)
+        for got, want in zip(cache, fresh, strict=True):
+            assert got.offset == want.offset == len(tokens)
+            keys = got.keys[..., : got.offset, :]
+            assert mx.allclose(keys, want.keys[..., : want.offset, :], atol=1e-4).item()
+
+
+def test_a_stop_token_inside_an_accepted_draft_ends_the_sequence_there(model):
+    reference, _, _, _ = generate(model, "fp16", None)
+    full = [p + r for p, r in zip(PROMPTS, reference, strict=True)]
+    stop_at = 9  # the sequence's 10th token stops it, though the draft runs past it
+    generator = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4)
+    stop = reference[0][stop_at]
+    first = reference[0].index(stop)
+    (uid,) = generator.insert(
+        [PROMPTS[0]],
+        max_tokens=[40],
+        samplers=[greedy_sampler],
+        caches=[make_kv_cache(model, "fp16")],
+        stop_sequences=[StopSequences([[stop]])],
+    )
+    decoder = SpeculativeDecoder(
+        SpeculativeConfig(), SpeculativeCounters(), drafter=OracleDrafter(full, 1000)
+    )
+    tokens, reason = [], None
+    while reason is None:
+        step = GeneratorStep(generator, decode=decoder.decode)
+        _, responses = step.finish([task() for task in step.tasks])
+        for response in responses:
+            tokens.append(response.token)
+            reason = response.finish_reason
+            if reason:
+                assert response.all_tokens == PROMPTS[0] + tokens
+                assert response.prompt_cache[0].offset == len(PROMPTS[0]) + len(tokens)
+    assert tokens == reference[0][: first + 1] and reason == "stop"
+    generator.close()
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    index = NgramDrafter(max_n=3, min_n=1).index()
+    context = [1, 2, 3, 4, 5, 1, 2, 3]
+    assert index.propose(context, 4) == [4, 5, 1, 2]
+    context += [4, 5]
+    assert index.propose(context, 3) == [1, 2, 3]
+    assert index.propose(context, 0) == []
+    assert NgramDrafter().index().propose([7, 8, 9], 3) == []  # nothing recurs
+
+
+def test_drafting_shortens_then_pauses_when_drafts_fail():
+    policy = DraftPolicy(most=4)
+    assert policy.budget() == 4
+    policy.observe(4, 1)
+    assert policy.budget() == 2
+    for _ in range(3):
+        policy.observe(2, 0)
+    assert policy.paused and policy.budget() == 0
+    while policy.paused:
+        policy.budget()
+    assert policy.budget() == 1
+    policy.observe(1, 1)
+    policy.observe(2, 2)
+    assert policy.budget() == 3
+
+
+def _sampler(seed: int) -> FilteredSampler:
+    return FilteredSampler(temperature=0.8, filters=[], seed=seed)
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """The first emitted token is distributed as the sampler's target whatever the draft; a rule
+    that keeps every draft, or one that resamples from p including the draft, fails this test."""
+    logits = mx.array([[2.0, 1.0, 0.5, 0.0, -1.0, 1.5]] * 2)
+    target = mx.softmax(logits[0] / 0.8).tolist()
+    trials = 3000
+    draft = [1]  # a plausible but not the likeliest token
+
+    def first_tokens(rule) -> list[int]:
+        sampler = _sampler(7)
+        counts = [0] * len(target)
+        for _ in range(trials):
+            kept, token = rule(draft, logits, sampler)
+            counts[draft[0] if kept else token] += 1
+        return counts
+
+    def chi_square(counts):
+        return sum((c - trials * p) ** 2 / (trials * p) for c, p in zip(counts, target, strict=True))
+
+    critical = 20.5  # chi-square, 5 degrees of freedom, p = 0.001
+    assert chi_square(first_tokens(accept_sampled)) < critical
+
+    def keep_every_draft(draft, logits, sampler):
+        return len(draft), 0
+
+    def residual_with_the_draft(draft, logits, sampler):
+        kept, token = accept_sampled(draft, logits, sampler)
+        if kept:
+            return kept, token
+        return 0, int(sampler.categorical(sampler.target_logprobs(logits[:1])[0]).item())
+
+    assert chi_square(first_tokens(keep_every_draft)) > critical
+    assert chi_square(first_tokens(residual_with_the_draft)) > critical
+
+
+def test_seeded_sampling_with_drafts_repeats(model):
+    reference, _, _, _ = generate(model, "fp16", None)
+    full = [p + r for p, r in zip(PROMPTS, reference, strict=True)]
+
+    def run():
+        decoder = SpeculativeDecoder(
+            SpeculativeConfig(), SpeculativeCounters(), drafter=OracleDrafter(full, 3)
+        )
+        samplers = [_sampler(seed) for seed in (1, 2, 3)]
+        return generate(model, "fp16", decoder, samplers=samplers)[0]
+
+    first = run()
+    assert first == run()
+    assert [len(t) for t in first] == MAX_TOKENS
+
+
+def test_flags_and_vllm_json_make_one_config():
+    assert speculative_config(None, None, None) is None
+    assert speculative_config("ngram", 3, None) == SpeculativeConfig("ngram", 3)
+    vllm = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}'
+    assert speculative_config(None, None, vllm) == SpeculativeConfig("ngram", 5, prompt_lookup_max=3)
+    assert speculative_config(None, 2, vllm).num_speculative_tokens == 2  # the flag wins
+    for bad, words in [
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+        ('{"method": "eagle"}', "method"),
+        ('{"method": "ngram", "draft_tensor_parallel_size": 1}', "unsupported keys"),
+        ("[1]", "JSON object"),
+        ("{", "not JSON"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            speculative_config(None, None, bad)
+    with pytest.raises(ValueError, match="needs a method"):
+        speculative_config(None, 4, None)
+    with pytest.raises(ValueError, match="mtp"):
+        speculative_config("mtp", None, None)
+
+
+def test_counters_count_drafts_and_acceptance_by_position():
+    counters = SpeculativeCounters()
+    counters.record(4, 2)
+    counters.record(3, 0)
+    counters.record(0, 0)
+    assert (counters.drafts, counters.draft_tokens, counters.accepted_tokens) == (2, 7, 2)
+    assert counters.accepted_per_position[:3] == [1, 1, 0]
+    assert math.isclose(counters.accepted_tokens / counters.draft_tokens, 2 / 7)
