@@ -50,6 +50,7 @@ def _core(args) -> None:
     from services.core.engine import EngineConfig
     from services.core.kv.cli_flags import kv_engine_kwargs
     from services.core.server import run_core
+    from services.core.speculative import speculative_config
 
     cluster_kwargs = core_kwargs(args)  # fills options left at their defaults from --config
     run_core(
@@ -69,6 +70,9 @@ def _core(args) -> None:
             max_step_seconds=args.max_step_seconds,
             prefix_cache_bytes=int(args.prefix_cache_gb * (1 << 30)),
             max_model_len=args.max_model_len,
+            speculative=speculative_config(
+                args.speculative, args.num_speculative_tokens, args.speculative_config
+            ),
             **kv_engine_kwargs(args),
         ),
     )
@@ -87,7 +91,10 @@ def _gateway(args) -> None:
 
 def _up(args) -> None:
     from services.core.kv.cli_flags import kv_cli_args
+    from services.core.speculative import speculative_config
     from services.up import run_up
+
+    speculative_config(args.speculative, args.num_speculative_tokens, args.speculative_config)  # refuse early
 
     sys.exit(
         run_up(
@@ -120,6 +127,9 @@ SERVING_FLAGS = (
     "mlx_cache_gb",
     "max_model_len",
     "served_model_name",
+    "speculative",
+    "num_speculative_tokens",
+    "speculative_config",
 )
 
 
@@ -162,6 +172,24 @@ def _add_serving_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="NAME",
         help="the model's name in requests and replies, then aliases (default: the checkpoint's folder name)",
+    )
+    p.add_argument(
+        "--speculative",
+        metavar="METHOD",
+        default=None,
+        help="draft tokens and verify them in one step: 'ngram' (prompt lookup; default off)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=positive_int,
+        default=None,
+        help="most tokens a sequence drafts per step, with --speculative (default 4)",
+    )
+    p.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        default=None,
+        help='vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
     )
     p.add_argument(
         "--max-model-len",

@@ -35,6 +35,14 @@ def fill_core_stats(stats: core_pb2.CoreStats, engine: Engine) -> None:
     stats.prefix_cache.entries = prefix.entries
     stats.prefix_cache.bytes = prefix.nbytes
     stats.prefix_cache.budget_bytes = prefix.budget_bytes
+    if engine.config.speculative is not None:
+        speculative = counters.speculative
+        stats.speculative.method = engine.config.speculative.method
+        stats.speculative.drafts = speculative.drafts
+        stats.speculative.draft_tokens = speculative.draft_tokens
+        stats.speculative.accepted_tokens = speculative.accepted_tokens
+        used = engine.config.speculative.num_speculative_tokens
+        stats.speculative.accepted_per_position.extend(speculative.accepted_per_position[:used])
 
 
 def fill_layer_latency(stats: core_pb2.CoreStats, engine: Engine) -> None:

@@ -338,9 +338,9 @@ class Engine:
             caches = generator.remove([sequence.uid], return_prompt_caches=keep)
             decoder = self._decoders.get(sequence.kind)
             for uid, (cache, tokens) in caches.items():
-                if decoder is not None:  # speculation may have moved its slots
-                    cache = decoder.in_token_order(uid, cache)
-                self.prefix_cache.store(sequence.kind, tokens[:], cache)
+                # speculation may have moved its slots
+                ordered = cache if decoder is None else decoder.in_token_order(uid, cache)
+                self.prefix_cache.store(sequence.kind, tokens[:], ordered)
             self._refresh_gauges()  # a cancel between steps: no step follows to do it
 
     def _refresh_gauges(self) -> None:

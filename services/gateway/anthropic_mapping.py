@@ -119,6 +119,8 @@ def build_messages_request(request: MessagesRequest, request_id: str) -> core_pb
         sampling=sampling,
         stopping=core_pb2.StoppingCriteria(max_tokens=request.max_tokens, stop=request.stop_sequences or []),
     )
+    if request.speculative is not None:
+        generate.speculative = request.speculative
     if (output := request.json_output()) is not None:
         generate.response_format.CopyFrom(
             core_pb2.ResponseFormat(

@@ -168,6 +168,7 @@ class MessagesRequest(MessagesInput):
     # the structured-outputs beta's name for output_config.format, which SDKs still send
     output_format: JsonOutputFormat | None = None
     metadata: dict[str, Any] | None = None
+    speculative: StrictBool | None = None  # moe-mesh extension, as on the OpenAI endpoints
 
     @model_validator(mode="after")
     def _one_output_format(self) -> MessagesRequest:

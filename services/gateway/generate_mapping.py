@@ -95,6 +95,8 @@ def build_chat_request(request: ChatCompletionRequest, request_id: str) -> core_
     )
     if (structured := response_format(request)) is not None:
         generate.response_format.CopyFrom(structured)
+    if request.speculative is not None:
+        generate.speculative = request.speculative
     return generate
 
 
@@ -148,6 +150,8 @@ def build_completion_request(request: CompletionRequest, request_id: str) -> cor
         prompt_logprobs=request.scores_prompt(),
         kv_cache=request.kv_cache or "",
     )
+    if request.speculative is not None:
+        generate.speculative = request.speculative
     if (text := request.prompt_text()) is not None:
         generate.prompt = text
     else:

@@ -243,6 +243,8 @@ class GenerationOptions(ApiModel):
     ignore_eos: StrictBool = False  # vLLM extension, handy for benchmarks
     # moe-mesh extension: this request's KV cache kind ("fp16" | "turboquant"); core validates it.
     kv_cache: str | None = Field(default=None, max_length=32)
+    # moe-mesh extension: false decodes this request without drafted tokens where core speculates
+    speculative: StrictBool | None = None
 
     n: int = 1
     user: str | None = None

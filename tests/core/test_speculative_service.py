@@ -1,0 +1,89 @@
+"""Speculative decoding through a real core process on the demo model: the same greedy tokens as a
+core without it, fewer steps where the answer repeats the prompt, vLLM's counters on /metrics and in
+GetStats, and `speculative: false` honoured per request."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
+from services.up import resolve_split
+from tests.core.test_batching import GREEDY, run, running
+
+CODE_EDIT = (
+    "def area(width, height):\n    return width * height\n\n"
+    "def perimeter(width, height):\n    return 2 * (width + height)\n\n"
+    "# The same two functions, with type hints:\n"
+)
+QUESTION = "Q: Name three colours of the rainbow.\nA:"
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cores():
+    off = ["--prefix-cache-gb", "0"]
+    configs = {"off": off, "ngram": [*off, "--speculative", "ngram", "--num-speculative-tokens", "4"]}
+    with running(resolve_split(None), configs) as started:
+        yield started["off"], started["ngram"]
+
+
+def request(prompt: str, max_tokens: int, **kwargs) -> core_pb2.GenerateRequest:
+    stopping = core_pb2.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True)
+    return core_pb2.GenerateRequest(prompt=prompt, sampling=GREEDY, stopping=stopping, **kwargs)
+
+
+async def generate(core, *requests):
+    async with grpc.aio.insecure_channel(core.address) as channel:
+        stub = core_pb2_grpc.CoreStub(channel)
+        results = await asyncio.gather(*(run(stub, r) for r in requests))
+        stats = await stub.GetStats(core_pb2.GetStatsRequest())
+    return results, stats
+
+
+async def test_greedy_tokens_match_a_core_without_speculation(cores):
+    off, ngram = cores
+    requests = [request(CODE_EDIT, 40), request(QUESTION, 12, logprobs=True, top_logprobs=2)]
+    plain, _ = await generate(off, *requests)
+    drafted, stats = await generate(ngram, *requests)
+    for (want, want_chunks), (got, got_chunks) in zip(plain, drafted, strict=True):
+        assert got == want
+        want_lp = [lp for c in want_chunks for lp in c.logprobs]
+        got_lp = [lp for c in got_chunks for lp in c.logprobs]
+        assert [lp.token_id for lp in got_lp] == [lp.token_id for lp in want_lp]
+        for a, b in zip(got_lp, want_lp, strict=True):
+            assert abs(a.logprob - b.logprob) < 1e-3
+        assert got_chunks[-1].usage.completion_tokens == len(want)
+    spec = stats.speculative
+    assert spec.method == "ngram"
+    assert spec.drafts > 0 and 0 < spec.accepted_tokens <= spec.draft_tokens
+    assert (
+        len(spec.accepted_per_position) == 4
+        and spec.accepted_per_position[0] >= spec.accepted_per_position[3]
+    )
+    assert stats.running_requests == 0 and stats.kv_cache_bytes == 0
+    metrics = ngram.metrics()
+    assert metrics["vllm:spec_decode_num_drafts_total"] == spec.drafts
+    assert metrics["vllm:spec_decode_num_accepted_tokens_total"] == spec.accepted_tokens
+
+
+async def test_a_request_can_turn_speculation_off(cores):
+    _, ngram = cores
+    _, before = await generate(ngram, request(QUESTION, 1))
+    (result,), after = await generate(ngram, request(CODE_EDIT, 24, speculative=False))
+    assert len(result[0]) == 24
+    assert after.speculative.drafts == before.speculative.drafts
+
+
+async def test_stop_strings_end_the_text_where_they_do_without_speculation(cores):
+    off, ngram = cores
+    stopping = core_pb2.StoppingCriteria(max_tokens=40, stop=["height)"])
+    stopped = core_pb2.GenerateRequest(prompt=CODE_EDIT, sampling=GREEDY, stopping=stopping)
+    (want,), _ = await generate(off, stopped)
+    (got,), _ = await generate(ngram, stopped)
+    text = lambda chunks: "".join(c.text for c in chunks)  # noqa: E731
+    assert text(got[1]) == text(want[1])
+    assert got[1][-1].finish_reason == want[1][-1].finish_reason
