@@ -51,8 +51,11 @@ def prompt_tokens(path: Path, text: str) -> list[int]:
     _, tokenizer = mlx_lm.load(str(path), lazy=True)
     messages = [{"role": "user", "content": text}]
     if tokenizer.chat_template:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return tokenizer.encode(text)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    tokens = list(tokenizer.encode(text, add_special_tokens=False))
+    if not tokens:
+        raise RuntimeError(f"{path}: its tokenizer gave no tokens for the prompt")
+    return tokens
 
 
 def decode(address: str, prompt: list[int], tokens: int) -> dict:
