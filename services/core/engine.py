@@ -40,7 +40,7 @@ from services.core.prefix_cache import PrefixCache
 from services.core.request_prep import PreparedRequest
 from services.core.sequence import EngineError, Outbox, Sequence, step_failure
 from services.core.sequence_output import SequenceOutput
-from services.core.speculative import SpeculativeDecoder
+from services.core.speculative import SpeculativeDecoder, make_drafter
 from services.core.step_budget import share_step_budget
 from services.core.text_output import TextEmitter
 from services.core.token_bytes import TokenBytes
@@ -89,6 +89,7 @@ class Engine:
         # cannot share one. Their forwards still share each step's expert calls (step_merge).
         self._generators: dict[str, BatchGenerator] = {}
         self._decoders: dict[str, SpeculativeDecoder] = {}  # per kind, when speculation is on
+        self._drafter = None  # what drafts tokens, made once the model is loaded
         self._thread = threading.Thread(target=releasing_mlx(self._run), name="engine", daemon=True)
 
     # ---- called from other threads ---------------------------------------------------------
@@ -163,7 +164,10 @@ class Engine:
             return None
         if kind not in self._decoders:
             self._decoders[kind] = SpeculativeDecoder(
-                self.config.speculative, self.counters.speculative, lambda uid: self._speculates(kind, uid)
+                self.config.speculative,
+                self.counters.speculative,
+                lambda uid: self._speculates(kind, uid),
+                self._drafter,
             )
         return self._decoders[kind]
 
@@ -177,6 +181,8 @@ class Engine:
     def _run(self) -> None:
         try:
             self.model, self.probe_workers, self.layer_call_timings = self._loader()
+            if self.config.speculative is not None:
+                self._drafter = make_drafter(self.config.speculative, self.tokenizer, self.model)
         except BaseException as error:  # reported by the server, which then exits
             self.load_error = error
             log.exception("model_load_failed")

@@ -23,6 +23,7 @@ from services.core.speculative import (
     speculative_config,
 )
 from services.core.speculative.acceptance import accept_sampled
+from services.core.speculative.draft_model import load_draft_model
 from services.core.speculative.ngram import NgramDrafter
 from services.core.speculative.policy import DraftPolicy
 
@@ -255,3 +256,41 @@ def test_counters_count_drafts_and_acceptance_by_position():
     assert (counters.drafts, counters.draft_tokens, counters.accepted_tokens) == (2, 7, 2)
     assert counters.accepted_per_position[:3] == [1, 1, 0]
     assert math.isclose(counters.accepted_tokens / counters.draft_tokens, 2 / 7)
+
+
+@pytest.mark.parametrize("draft_arch", ["qwen3_moe", "mixtral"])
+def test_a_draft_model_drafts_and_greedy_tokens_stay_exact(model, tiny_models, draft_arch):
+    """The served model as its own draft accepts nearly every token; another model with the same
+    tokenizer accepts few; either way the tokens are those of decoding without drafts."""
+    reference, _, plain_steps, _ = generate(model, "fp16", None)
+    _, tokenizer = mlx_lm.load(str(tiny_models.checkpoint("qwen3_moe", None)))
+    drafter = load_draft_model(
+        str(tiny_models.checkpoint(draft_arch, None)), tokenizer, model.args.vocab_size
+    )
+    counters = SpeculativeCounters()
+    decoder = SpeculativeDecoder(SpeculativeConfig("draft:x", 4), counters, drafter=drafter)
+    tokens, _, steps, _ = generate(model, "fp16", decoder)
+    assert tokens == reference
+    assert counters.drafts > 0
+    if draft_arch == "qwen3_moe":
+        assert counters.accepted_tokens > 0.9 * counters.draft_tokens and steps < plain_steps / 2
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(tiny_models):
+    from services.common.demo_model import ensure_demo_model
+
+    _, tokenizer = mlx_lm.load(str(tiny_models.checkpoint("qwen3_moe", None)))
+    with pytest.raises(ValueError, match="does not share the served model's tokenizer"):
+        load_draft_model(str(ensure_demo_model(dense=True, progress=False)), tokenizer, 100)
+    with pytest.raises(ValueError, match="could not be loaded"):
+        load_draft_model("/nonexistent/draft", tokenizer, 100)
+
+
+def test_vllm_draft_model_config():
+    config = speculative_config(None, None, '{"model": "/m/draft", "num_speculative_tokens": 3}')
+    assert config.method == "draft:/m/draft" and config.draft_model == "/m/draft"
+    assert speculative_config("draft:/m/x", None, None).draft_model == "/m/x"
+    with pytest.raises(ValueError, match="needs `model`"):
+        speculative_config(None, None, '{"method": "draft_model"}')
+    with pytest.raises(ValueError, match="method must be one of"):
+        speculative_config("draft:", None, None)

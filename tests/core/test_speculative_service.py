@@ -5,10 +5,12 @@ GetStats, and `speculative: false` honoured per request."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import pytest
 
+from services.common.demo_model import ensure_demo_model
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 from services.up import resolve_split
 from tests.core.test_batching import GREEDY, run, running
@@ -26,9 +28,14 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def cores():
     off = ["--prefix-cache-gb", "0"]
-    configs = {"off": off, "ngram": [*off, "--speculative", "ngram", "--num-speculative-tokens", "4"]}
+    draft = f"draft:{ensure_demo_model(dense=True, progress=False)}"  # the dense model it was made from
+    configs = {
+        "off": off,
+        "ngram": [*off, "--speculative", "ngram", "--num-speculative-tokens", "4"],
+        "draft": [*off, "--speculative-config", json.dumps({"method": draft, "num_speculative_tokens": 3})],
+    }
     with running(resolve_split(None), configs) as started:
-        yield started["off"], started["ngram"]
+        yield started["off"], started["ngram"], started["draft"]
 
 
 def request(prompt: str, max_tokens: int, **kwargs) -> core_pb2.GenerateRequest:
@@ -45,7 +52,7 @@ async def generate(core, *requests):
 
 
 async def test_greedy_tokens_match_a_core_without_speculation(cores):
-    off, ngram = cores
+    off, ngram, _ = cores
     requests = [request(CODE_EDIT, 40), request(QUESTION, 12, logprobs=True, top_logprobs=2)]
     plain, _ = await generate(off, *requests)
     drafted, stats = await generate(ngram, *requests)
@@ -70,8 +77,19 @@ async def test_greedy_tokens_match_a_core_without_speculation(cores):
     assert metrics["vllm:spec_decode_num_accepted_tokens_total"] == spec.accepted_tokens
 
 
+async def test_the_dense_model_drafts_for_its_moe_twin(cores):
+    off, _, draft = cores
+    requests = [request(QUESTION, 16), request(CODE_EDIT, 24)]
+    plain, _ = await generate(off, *requests)
+    drafted, stats = await generate(draft, *requests)
+    assert [tokens for tokens, _ in drafted] == [tokens for tokens, _ in plain]
+    spec = stats.speculative
+    assert spec.method.startswith("draft:") and len(spec.accepted_per_position) == 3
+    assert spec.accepted_tokens > 0.8 * spec.draft_tokens  # the same function, computed another way
+
+
 async def test_a_request_can_turn_speculation_off(cores):
-    _, ngram = cores
+    _, ngram, _ = cores
     _, before = await generate(ngram, request(QUESTION, 1))
     (result,), after = await generate(ngram, request(CODE_EDIT, 24, speculative=False))
     assert len(result[0]) == 24
@@ -79,7 +97,7 @@ async def test_a_request_can_turn_speculation_off(cores):
 
 
 async def test_stop_strings_end_the_text_where_they_do_without_speculation(cores):
-    off, ngram = cores
+    off, ngram, _ = cores
     stopping = core_pb2.StoppingCriteria(max_tokens=40, stop=["height)"])
     stopped = core_pb2.GenerateRequest(prompt=CODE_EDIT, sampling=GREEDY, stopping=stopping)
     (want,), _ = await generate(off, stopped)

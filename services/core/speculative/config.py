@@ -5,11 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-METHODS = ("ngram",)
-PLANNED = {
-    "mtp": "multi-token-prediction layers are not served yet",
-    "draft": "draft models are not served yet",
-}
+METHODS = ("ngram", "draft:PATH")
+PLANNED = {"mtp": "multi-token-prediction layers are not served yet"}
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -20,13 +17,19 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
 
+    @property
+    def draft_model(self) -> str | None:
+        """The draft model's path, for `draft:PATH`."""
+        name, _, path = self.method.partition(":")
+        return path if name == "draft" else None
+
     def __post_init__(self):
-        name = self.method.split(":", 1)[0]
+        name, _, path = self.method.partition(":")
         if name in PLANNED:
             raise ValueError(
                 f"speculative method {self.method!r}: {PLANNED[name]}; use one of {', '.join(METHODS)}"
             )
-        if self.method not in METHODS:
+        if not (self.method == "ngram" or (name == "draft" and path)):
             raise ValueError(f"speculative method must be one of {', '.join(METHODS)}, not {self.method!r}")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}]")
@@ -34,7 +37,7 @@ class SpeculativeConfig:
             raise ValueError("prompt_lookup_min must be at least 1 and at most prompt_lookup_max")
 
 
-_JSON_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+_JSON_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
 
 
 def speculative_config(
@@ -56,10 +59,17 @@ def speculative_config(
                 f"--speculative-config: unsupported keys {sorted(unknown)}; known: {sorted(_JSON_KEYS)}"
             )
         for key, value in given.items():
-            if key == "method" and not isinstance(value, str):
-                raise ValueError("--speculative-config: method must be a string")
-            if key != "method" and (not isinstance(value, int) or isinstance(value, bool)):
+            if key in ("method", "model") and not isinstance(value, str):
+                raise ValueError(f"--speculative-config: {key} must be a string")
+            if key not in ("method", "model") and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"--speculative-config: {key} must be an integer")
+        model = given.pop("model", None)
+        if model is not None:  # vLLM names a draft model by `model` (method "draft_model" or none)
+            if given.get("method", "draft_model") != "draft_model":
+                raise ValueError("--speculative-config: `model` goes with method draft_model")
+            given["method"] = f"draft:{model}"
+        elif given.get("method") == "draft_model":
+            raise ValueError("--speculative-config: method draft_model needs `model`")
         fields.update(given)
     if method:
         fields["method"] = method

@@ -26,6 +26,17 @@ from services.core.speculative.row_trim import RowOrder, can_trim_rows, trim_row
 Response = GenerationBatch.Response
 
 
+def make_drafter(config: SpeculativeConfig, tokenizer, model):
+    """What drafts for `config`: prompt lookup, or the draft model (loaded now, checked against
+    the served model's tokenizer)."""
+    if config.draft_model is None:
+        return NgramDrafter(config.prompt_lookup_max, config.prompt_lookup_min)
+    from services.core.speculative.draft_model import load_draft_model
+
+    vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)
+    return load_draft_model(config.draft_model, tokenizer, vocab_size)
+
+
 class SpeculativeDecoder:
     def __init__(
         self,
