@@ -4,8 +4,9 @@
     python bench/speculative.py --models qwen3-30b-a3b-4layer,qwen3-30b-a3b-48layer \
         --dtype bfloat16 --tokens 128                            # on a GPU: the shapes the targets name
 
-Each model runs as core + 1 expert worker (real processes, Unix sockets, frames), once with
-`--speculative off` and once per method, on two greedy prompts: a code edit whose answer repeats
+Each model runs as core + 1 expert worker (real processes, Unix sockets, frames), once without
+speculation and once per method (`ngram`; `draft:PATH`, where `draft:demo-dense` is the dense
+SmolLM2-135M the demo MoE is made from), on two greedy prompts: a code edit whose answer repeats
 much of the prompt, and free chat. `hops_per_token` is core's layer calls over the decode divided by
 MoE layers and decoded tokens: the steps each token costs (1.0 without drafts). `acceptance_length`
 is 1 + accepted drafted tokens per verified draft: the tokens a drafting step yields. Greedy tokens
@@ -102,7 +103,12 @@ def bench_model(name: str, methods: list[str], tokens: int, rounds: int, dtype: 
     workdir = bench_workdir("mm-spec-")
     runs: dict[str, dict[str, list[dict]]] = {}
     for mode in ["off", *methods]:
-        flags = [] if mode == "off" else ["--speculative", mode, "--num-speculative-tokens", str(k)]
+        method = mode
+        if mode == "draft:demo-dense":  # the dense SmolLM2 the demo MoE was made from
+            from services.common.demo_model import ensure_demo_model
+
+            method = f"draft:{ensure_demo_model(dense=True)}"
+        flags = [] if mode == "off" else ["--speculative", method, "--num-speculative-tokens", str(k)]
         log(f"{name}: core + 1 worker, speculation {mode}")
         with split_system(split, workdir, 1, spin_as_up(1), flags) as (address, _):
             for key, prompt in prompts.items():
@@ -140,7 +146,11 @@ def main() -> None:
     parser.add_argument(
         "--models", default="demo", help="demo, qwen3-30b-a3b-<N>layer or a path (comma-separated)"
     )
-    parser.add_argument("--methods", default="ngram", help="speculative methods to compare with off")
+    parser.add_argument(
+        "--methods",
+        default="ngram,draft:demo-dense",
+        help="speculative methods to compare with off; draft:demo-dense is the demo's dense twin",
+    )
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
