@@ -95,6 +95,8 @@ class CoreConfig:
     prefix_cache_gb: float = 1.0
     mlx_cache_gb: float = 1.0
     kv_cache: str = "fp16"
+    speculative: str | None = None  # "ngram" | "draft:PATH"; None: off
+    num_speculative_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -203,6 +205,12 @@ def parse_cluster(data: dict, path: Path) -> ClusterConfig:
             core_table, "mlx_cache_gb", "core.mlx_cache_gb", CoreConfig.mlx_cache_gb
         ),
         kv_cache=reader.string(core_table, "kv_cache", "core.kv_cache", "fp16"),
+        speculative=reader.string(core_table, "speculative", "core.speculative", None),
+        num_speculative_tokens=int(
+            reader.number(core_table, "num_speculative_tokens", "core.num_speculative_tokens", 4)
+        )
+        if "num_speculative_tokens" in core_table
+        else None,
     )
     gateway_table = reader.table(data, "gateway", required=False)
     reader.no_unknown(gateway_table, {"host", "port", "core"}, "gateway.")

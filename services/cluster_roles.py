@@ -117,6 +117,8 @@ def core_kwargs(args: argparse.Namespace) -> dict:
         _fill(args, "prefix_cache_gb", config.core.prefix_cache_gb)
         _fill(args, "mlx_cache_gb", config.core.mlx_cache_gb)
         _fill(args, "kv_cache", config.core.kv_cache)
+        _fill(args, "speculative", config.core.speculative)
+        _fill(args, "num_speculative_tokens", config.core.num_speculative_tokens)
         workers = workers or config.worker_addresses
         _join_data_plane(args, config)
     if not args.split:

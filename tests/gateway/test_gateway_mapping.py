@@ -48,6 +48,26 @@ def test_extensions_and_edge_values_map_to_core() -> None:
     assert sent.kv_cache == "turboquant"
 
 
+def test_the_speculative_switch_reaches_core_only_when_sent() -> None:
+    from services.gateway.anthropic_mapping import build_messages_request
+    from services.gateway.anthropic_schema import MessagesRequest
+    from services.gateway.completions_schema import CompletionRequest
+    from services.gateway.generate_mapping import build_completion_request
+
+    assert not build_generate_request(request(), "r").HasField("speculative")
+    sent = build_generate_request(request(speculative=False), "r")
+    assert sent.HasField("speculative") and sent.speculative is False
+    completion = CompletionRequest.model_validate({"prompt": "a", "speculative": False})
+    assert build_completion_request(completion, "r").HasField("speculative")
+    message = MessagesRequest.model_validate(
+        {"model": "m", "max_tokens": 4, "messages": USER, "speculative": False}
+    )
+    built = build_messages_request(message, "r")
+    assert built.HasField("speculative") and not built.speculative
+    with pytest.raises(ValidationError):
+        request(speculative="no")  # a switch, not a string
+
+
 def test_content_parts_are_joined() -> None:
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     sent = build_generate_request(request(messages=[{"role": "user", "content": parts}]), "r")
