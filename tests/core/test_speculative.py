@@ -294,3 +294,22 @@ def test_vllm_draft_model_config():
         speculative_config(None, None, '{"method": "draft_model"}')
     with pytest.raises(ValueError, match="method must be one of"):
         speculative_config("draft:", None, None)
+
+
+def test_a_model_with_recurrent_state_is_refused_by_name(tiny_models):
+    from services.core.speculative import make_drafter
+
+    hybrid, tokenizer = mlx_lm.load(str(tiny_models.checkpoint("qwen3_5_moe", None)))
+    with pytest.raises(ValueError, match="qwen3_5_moe keeps ArraysCache"):
+        make_drafter(SpeculativeConfig(), tokenizer, hybrid)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "mixtral", "olmoe", "phimoe", "granitemoe", "phixtral"])
+def test_every_family_with_trimmable_caches_keeps_greedy_tokens(tiny_models, arch):
+    family, _ = mlx_lm.load(str(tiny_models.checkpoint(arch, None)))
+    reference, _, plain_steps, _ = generate(family, "fp16", None)
+    full = [p + r for p, r in zip(PROMPTS, reference, strict=True)]
+    decoder = SpeculativeDecoder(SpeculativeConfig(), SpeculativeCounters(), drafter=OracleDrafter(full, 3))
+    tokens, _, steps, moved = generate(family, "fp16", decoder)
+    assert tokens == reference
+    assert steps < plain_steps and moved > 0

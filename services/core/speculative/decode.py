@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from services.core.sampling import FilteredSampler
@@ -28,7 +29,14 @@ Response = GenerationBatch.Response
 
 def make_drafter(config: SpeculativeConfig, tokenizer, model):
     """What drafts for `config`: prompt lookup, or the draft model (loaded now, checked against
-    the served model's tokenizer)."""
+    the served model's tokenizer). Refused for a model whose caches cannot drop rejected tokens."""
+    kept = {type(c).__name__ for c in make_prompt_cache(model) if type(c) is not KVCache}
+    if kept:
+        model_type = getattr(getattr(model, "args", None), "model_type", type(model).__module__)
+        raise ValueError(
+            f"speculative decoding needs KV caches that can drop rejected tokens; {model_type} keeps "
+            f"{', '.join(sorted(kept))} (recurrent state or a sliding window)"
+        )
     if config.draft_model is None:
         return NgramDrafter(config.prompt_lookup_max, config.prompt_lookup_min)
     from services.core.speculative.draft_model import load_draft_model
