@@ -31,7 +31,8 @@ def cores():
     draft = f"draft:{ensure_demo_model(dense=True, progress=False)}"  # the dense model it was made from
     configs = {
         "off": off,
-        "ngram": [*off, "--speculative", "ngram", "--num-speculative-tokens", "4"],
+        # with the prefix cache: caches whose slots speculation moved are reused from it
+        "ngram": ["--prefix-cache-gb", "1", "--speculative", "ngram", "--num-speculative-tokens", "4"],
         "draft": [*off, "--speculative-config", json.dumps({"method": draft, "num_speculative_tokens": 3})],
     }
     with running(resolve_split(None), configs) as started:
@@ -105,3 +106,67 @@ async def test_stop_strings_end_the_text_where_they_do_without_speculation(cores
     text = lambda chunks: "".join(c.text for c in chunks)  # noqa: E731
     assert text(got[1]) == text(want[1])
     assert got[1][-1].finish_reason == want[1][-1].finish_reason
+
+
+def token_request(ids: list[int], max_tokens: int, **kwargs) -> core_pb2.GenerateRequest:
+    stopping = core_pb2.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True)
+    return core_pb2.GenerateRequest(
+        token_ids=core_pb2.TokenIds(ids=ids), sampling=GREEDY, stopping=stopping, **kwargs
+    )
+
+
+async def test_a_prefix_cached_answer_resumes_midway_with_the_same_tokens(cores):
+    """Two sequences drafted side by side (their KV slots realigned as they accept differently)
+    go to the prefix cache when they finish; a follow-up sharing the start of an answer starts from
+    a trimmed copy of it, which holds the right tokens only if the slots came back in order."""
+    import mlx_lm
+
+    off, ngram, _ = cores
+    _, tokenizer = mlx_lm.load(str(ensure_demo_model(progress=False)), lazy=True)
+    prompts = [tokenizer.encode(CODE_EDIT), tokenizer.encode(QUESTION)]
+    first, _ = await generate(ngram, *(token_request(p, 32) for p in prompts))
+    follow_ups = [
+        token_request(p + answer[:4] + tokenizer.encode(" Then"), 12)
+        for p, (answer, _) in zip(prompts, first, strict=True)
+    ]
+    want, _ = await generate(off, *follow_ups)
+    for follow_up, (want_tokens, _) in zip(follow_ups, want, strict=True):
+        (got,), _ = await generate(ngram, follow_up)  # one at a time: each starts from its cached prefix
+        tokens, chunks = got
+        assert tokens == want_tokens
+        assert chunks[-1].usage.cached_prompt_tokens >= len(follow_up.token_ids.ids) - 3
+
+
+async def test_constrained_and_seeded_requests_behave_as_without_speculation(cores):
+    off, ngram, _ = cores
+    schema = {"type": "object", "properties": {"colours": {"type": "array", "items": {"type": "string"}}}}
+    constrained = request(QUESTION, 24)
+    constrained.response_format.type = core_pb2.ResponseFormat.JSON_SCHEMA
+    constrained.response_format.schema_json = json.dumps(schema)
+    (want,), _ = await generate(off, constrained)
+    (got,), _ = await generate(ngram, constrained)
+    assert got[0] == want[0]
+    seeded = core_pb2.GenerateRequest(
+        prompt=CODE_EDIT,
+        sampling=core_pb2.SamplingParams(temperature=0.7, seed=11),
+        stopping=core_pb2.StoppingCriteria(max_tokens=24, ignore_eos=True),
+    )
+    (once,), _ = await generate(ngram, seeded)
+    (again,), _ = await generate(ngram, seeded)
+    assert once[0] == again[0] and len(once[0]) == 24
+
+
+async def test_a_cancelled_drafting_request_frees_its_sequence(cores):
+    _, ngram, _ = cores
+    async with grpc.aio.insecure_channel(ngram.address) as channel:
+        stub = core_pb2_grpc.CoreStub(channel)
+        call = stub.Generate(request(CODE_EDIT, 200), timeout=600)
+        async for _ in call:
+            break
+        call.cancel()
+        for _ in range(100):
+            stats = await stub.GetStats(core_pb2.GetStatsRequest())
+            if stats.running_requests == 0 and stats.kv_cache_bytes == 0:
+                break
+            await asyncio.sleep(0.1)
+    assert (stats.running_requests, stats.kv_cache_bytes) == (0, 0)
