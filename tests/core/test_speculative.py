@@ -11,11 +11,11 @@ import mlx_lm
 import pytest
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import greedy_sampler
+from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
 from services.core.batch_step import GeneratorStep
 from services.core.kv import make_kv_cache
-from services.core.sampling import FilteredSampler
+from services.core.sampling import FilteredSampler, logit_bias_processor
 from services.core.speculative import (
     SpeculativeConfig,
     SpeculativeCounters,
@@ -57,7 +57,14 @@ class OracleDrafter:
         return []
 
 
-def generate(model, kind: str, decoder: SpeculativeDecoder | None, samplers=None, max_tokens=MAX_TOKENS):
+def generate(
+    model,
+    kind: str,
+    decoder: SpeculativeDecoder | None,
+    samplers=None,
+    max_tokens=MAX_TOKENS,
+    processors=None,
+):
     """Each prompt's tokens and finished (cache, tokens), and the steps taken."""
     generator = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
     uids = generator.insert(
@@ -65,6 +72,7 @@ def generate(model, kind: str, decoder: SpeculativeDecoder | None, samplers=None
         max_tokens=max_tokens,
         samplers=samplers or [greedy_sampler] * len(PROMPTS),
         caches=[make_kv_cache(model, kind) for _ in PROMPTS],
+        logits_processors=processors,
     )
     tokens = {uid: [] for uid in uids}
     finished, steps, moved = {}, 0, 0
@@ -98,6 +106,25 @@ def test_greedy_tokens_equal_decoding_without_drafts(model, kind, wrong):
     assert [len(t) for t in tokens] == MAX_TOKENS and all(f[2] == "length" for f in finished)
     if kind == "fp16" and wrong in (3, 7):
         assert moved > 0  # rows dropped different counts: their slots were moved
+
+
+def test_rows_with_logits_processors_draft_and_keep_their_tokens(model):
+    """Penalties and logit_bias see each kept token before the next position is processed, as
+    one token per step would show it to them; rows without processors share the step."""
+
+    def follows_context(tokens: mx.array, logits: mx.array) -> mx.array:
+        """Picks a token from the whole context, so a context missing a kept token shows."""
+        return logits.at[..., (int(tokens[-1].item()) * 7 + tokens.size) % 64].add(50.0)
+
+    no_repeats = make_logits_processors(repetition_penalty=1.5, frequency_penalty=0.5)
+    processors = [[*no_repeats, follows_context], [logit_bias_processor({7: 5.0, 9: -100.0}, 64)], []]
+    reference, _, plain_steps, _ = generate(model, "fp16", None, processors=processors)
+    full = [p + r for p, r in zip(PROMPTS, reference, strict=True)]
+    counters = SpeculativeCounters()
+    decoder = SpeculativeDecoder(SpeculativeConfig(), counters, drafter=OracleDrafter(full, 3))
+    tokens, _, steps, _ = generate(model, "fp16", decoder, processors=processors)
+    assert tokens == reference
+    assert 9 not in tokens[1] and steps < plain_steps and counters.accepted_tokens > 0
 
 
 def test_finished_caches_hold_their_tokens_in_order(model):

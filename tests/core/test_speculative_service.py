@@ -144,8 +144,10 @@ async def test_constrained_and_seeded_requests_behave_as_without_speculation(cor
     constrained.response_format.type = core_pb2.ResponseFormat.JSON_SCHEMA
     constrained.response_format.schema_json = json.dumps(schema)
     (want,), _ = await generate(off, constrained)
-    (got,), _ = await generate(ngram, constrained)
+    _, before = await generate(ngram)
+    (got,), after = await generate(ngram, constrained)
     assert got[0] == want[0]
+    assert after.speculative.drafts > before.speculative.drafts  # the grammar's row drafted
     seeded = core_pb2.GenerateRequest(
         prompt=CODE_EDIT,
         sampling=core_pb2.SamplingParams(temperature=0.7, seed=11),

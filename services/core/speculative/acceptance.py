@@ -31,3 +31,22 @@ def accept_sampled(drafts: list[int], logprobs: mx.array, sampler: FilteredSampl
         residual = target[j].at[draft].add(-mx.inf)  # p without the draft
         return j, int(sampler.categorical(residual).item())
     return len(drafts), int(sampler.categorical(target[len(drafts)]).item())
+
+
+def accept_one(sampler, draft: int, logprobs: mx.array) -> tuple[bool, int | None]:
+    """One position's check, for rows whose logits processors must see each kept token before
+    the next position is processed. `logprobs` [1, vocab], processed. -> (kept, token if not)."""
+    if isinstance(sampler, FilteredSampler):
+        target = sampler.target_logprobs(logprobs)[0]
+        p = mx.exp(target[draft]).item()
+        if sampler.uniform() < p or p >= 1.0 - 1e-6:
+            return True, None
+        return False, int(sampler.categorical(target.at[draft].add(-mx.inf)).item())
+    best = int(mx.argmax(logprobs[0]).item())  # greedy
+    return (True, None) if best == draft else (False, best)
+
+
+def sample_one(sampler, logprobs: mx.array) -> int:
+    if isinstance(sampler, FilteredSampler):
+        return int(sampler.categorical(sampler.target_logprobs(logprobs)[0]).item())
+    return int(mx.argmax(logprobs[0]).item())

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from services.core.sampling import FilteredSampler
-from services.core.speculative.acceptance import accept_greedy, accept_sampled
+from services.core.speculative.acceptance import accept_greedy, accept_one, accept_sampled, sample_one
 from services.core.speculative.config import SpeculativeConfig
 from services.core.speculative.metrics import SpeculativeCounters
 from services.core.speculative.ngram import NgramDrafter, NgramIndex
@@ -94,7 +94,6 @@ class SpeculativeDecoder:
             sampler = batch.samplers[i]
             drafting = (
                 left > 0
-                and not batch.logits_processors[i]  # penalties and grammars see one token at a time
                 and (sampler is greedy_sampler or isinstance(sampler, FilteredSampler))
                 and self.wants(uid)
             )
@@ -106,7 +105,6 @@ class SpeculativeDecoder:
         width = 1 + max(len(d) for d in drafts)
         rows = [[p, *d] + [p] * (width - 1 - len(d)) for p, d in zip(pending, drafts, strict=True)]
         logits = batch.model(mx.array(rows, dtype=batch._next_tokens.dtype), cache=batch.prompt_cache)
-        logits = _process_first(batch, pending, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         targets = mx.argmax(logprobs, axis=-1)
         mx.eval(logprobs, targets)
@@ -117,16 +115,20 @@ class SpeculativeDecoder:
         following: list[int] = []
         drop = []
         for i, (uid, draft) in enumerate(zip(batch.uids, drafts, strict=True)):
-            kept, token = self._accept(batch.samplers[i], draft, targets[i], logprobs[i])
+            if batch.logits_processors[i]:
+                kept, token, scores = _verify_processed(batch, i, pending[i], draft, logits[i])
+            else:
+                kept, token = self._accept(batch.samplers[i], draft, targets[i], logprobs[i])
+                scores = [logprobs[i, j] for j in range(kept + 1)]
             if draft:
                 self._rows[uid][1].observe(len(draft), kept)
                 self.counters.record(len(draft), kept)
-            row = [(pending[i], batch._next_logprobs[i])] + [(draft[j], logprobs[i, j]) for j in range(kept)]
+            row = [(pending[i], batch._next_logprobs[i])] + [(draft[j], scores[j]) for j in range(kept)]
             row, reason = _until_finished(batch, i, row)
             batch.tokens[i].extend(t for t, _ in row)
             emitted.append(row)
             reasons.append(reason)
-            following.append((token, logprobs[i, kept]))
+            following.append((token, scores[kept]))
             drop.append(width - len(row))
         trim_rows(batch.prompt_cache, drop, batch.uids, self.order)
 
@@ -164,22 +166,32 @@ class SpeculativeDecoder:
         return response
 
 
-def _process_first(batch: GenerationBatch, pending: list[int], logits: mx.array) -> mx.array:
-    """Logits processors on the first position of the rows that have them (those rows draft
-    nothing), exactly as GenerationBatch._step applies them."""
-    if not any(batch.logits_processors):
-        return logits
-    first = []
-    for e, processors in enumerate(batch.logits_processors):
-        row = logits[e : e + 1, 0]
-        if processors:
-            context = batch._token_context[e].update_and_fetch(
-                mx.array(pending[e : e + 1], dtype=batch._next_tokens.dtype)
-            )
-            for processor in processors:
-                row = processor(context, row)
-        first.append(row)
-    return mx.concatenate([mx.concatenate(first, axis=0)[:, None], logits[:, 1:]], axis=1)
+def _verify_processed(
+    batch: GenerationBatch, i: int, pending: int, draft: list[int], logits: mx.array
+) -> tuple[int, int, list[mx.array]]:
+    """Row i's draft checked one position at a time, as GenerationBatch._step would process each
+    token: its logits processors (penalties, logit_bias, a grammar) see the context with every
+    kept token and never a rejected one, so a grammar's state stays that of the emitted text.
+    -> (drafts kept, next token, the processed logprobs [1, vocab] of positions 0..kept)."""
+    processors = batch.logits_processors[i]
+    context_buffer = batch._token_context[i]
+    sampler = batch.samplers[i]
+    dtype = batch._next_tokens.dtype
+
+    def processed(position: int, fed: int) -> mx.array:
+        context = context_buffer.update_and_fetch(mx.array([fed], dtype=dtype))
+        row = logits[position : position + 1]
+        for processor in processors:
+            row = processor(context, row)
+        return row - mx.logsumexp(row, axis=-1, keepdims=True)
+
+    scores = [processed(0, pending)]
+    for j, token in enumerate(draft):
+        kept, instead = accept_one(sampler, token, scores[j])
+        if not kept:
+            return j, instead, scores
+        scores.append(processed(j + 1, token))
+    return len(draft), sample_one(sampler, scores[-1]), scores
 
 
 def _until_finished(batch: GenerationBatch, i: int, row: list) -> tuple[list, str | None]:
