@@ -164,16 +164,20 @@ def monolithic(path: Path, prompt: list[int], tokens: int, synced: str = "") -> 
     return (len(stamps) - 1) / (stamps[-1] - stamps[0]), out
 
 
+def greedy_token_request(prompt: list[int], max_tokens: int) -> core_pb2.GenerateRequest:
+    return core_pb2.GenerateRequest(
+        token_ids=core_pb2.TokenIds(ids=prompt),
+        sampling=core_pb2.SamplingParams(temperature=0),
+        stopping=core_pb2.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True),
+    )
+
+
 def timed_decode(core_address: str, prompt: list[int], tokens: int) -> tuple[list[int], list[float], object]:
     """Greedy decode of `tokens` tokens from Core.Generate after a warm-up: (token ids, arrival
     times, core's LayerCallStats over the decode steps only)."""
     with grpc.insecure_channel(core_address) as channel:
         stub = core_pb2_grpc.CoreStub(channel)
-        request = core_pb2.GenerateRequest(
-            token_ids=core_pb2.TokenIds(ids=prompt),
-            sampling=core_pb2.SamplingParams(temperature=0),
-            stopping=core_pb2.StoppingCriteria(max_tokens=4, ignore_eos=True),
-        )
+        request = greedy_token_request(prompt, 4)
         list(stub.Generate(request, timeout=600))  # warm-up
         request.stopping.max_tokens = tokens
         out, stamps = [], []

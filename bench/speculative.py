@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx_lm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.decode import checkpoint, log, spin_as_up, split_system
+from bench.decode import checkpoint, greedy_token_request, log, spin_as_up, split_system
 from bench.workdir import bench_workdir
 from services.common.manifest import Manifest
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
@@ -63,11 +63,7 @@ def decode(address: str, prompt: list[int], tokens: int) -> dict:
     """One greedy generation after a warm-up: tokens, decode tok/s, layer calls, spec counters."""
     with grpc.insecure_channel(address) as channel:
         stub = core_pb2_grpc.CoreStub(channel)
-        request = core_pb2.GenerateRequest(
-            token_ids=core_pb2.TokenIds(ids=prompt),
-            sampling=core_pb2.SamplingParams(temperature=0),
-            stopping=core_pb2.StoppingCriteria(max_tokens=4, ignore_eos=True),
-        )
+        request = greedy_token_request(prompt, 4)
         list(stub.Generate(request, timeout=600))  # warm-up
         before = stub.GetStats(core_pb2.GetStatsRequest()).speculative
         request.stopping.max_tokens = tokens

@@ -123,6 +123,16 @@ def chat(question: str, system: str | None = None, **kwargs) -> core_pb2.Generat
     )
 
 
+async def wait_idle(stub, seconds: float = 10.0) -> core_pb2.CoreStats:
+    """Core's stats once nothing runs and no KV is held, or the last seen after `seconds`."""
+    for _ in range(int(seconds / 0.1)):
+        stats = await stub.GetStats(core_pb2.GetStatsRequest())
+        if stats.running_requests == 0 and stats.kv_cache_bytes == 0:
+            break
+        await asyncio.sleep(0.1)
+    return stats
+
+
 async def run(stub, request) -> tuple[list[int], list]:
     tokens, chunks = [], []
     async for chunk in stub.Generate(request, timeout=600):
@@ -334,11 +344,7 @@ async def test_core_reports_kv_bytes_in_use_and_turboquant_holds_fewer(tiny_core
                 await call.read()
             in_use[kind] = (await stub.GetStats(core_pb2.GetStatsRequest())).kv_cache_bytes
             call.cancel()
-        for _ in range(100):
-            stats = await stub.GetStats(core_pb2.GetStatsRequest())
-            if stats.running_requests == 0 and stats.kv_cache_bytes == 0:
-                break
-            await asyncio.sleep(0.1)
+        stats = await wait_idle(stub)
     assert in_use["fp16"] > 0 and 0 < in_use["turboquant"] < 0.7 * in_use["fp16"], in_use
     # no step runs after the last cancel: the cancel itself brings the gauges back to zero
     assert stats.running_requests == 0 and stats.kv_cache_bytes == 0, stats

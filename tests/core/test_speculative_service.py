@@ -13,7 +13,7 @@ import pytest
 from services.common.demo_model import ensure_demo_model
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 from services.up import resolve_split
-from tests.core.test_batching import GREEDY, run, running
+from tests.core.test_batching import GREEDY, run, running, wait_idle
 
 CODE_EDIT = (
     "def area(width, height):\n    return width * height\n\n"
@@ -166,9 +166,5 @@ async def test_a_cancelled_drafting_request_frees_its_sequence(cores):
         async for _ in call:
             break
         call.cancel()
-        for _ in range(100):
-            stats = await stub.GetStats(core_pb2.GetStatsRequest())
-            if stats.running_requests == 0 and stats.kv_cache_bytes == 0:
-                break
-            await asyncio.sleep(0.1)
+        stats = await wait_idle(stub)
     assert (stats.running_requests, stats.kv_cache_bytes) == (0, 0)
