@@ -106,6 +106,8 @@ def stats_text(event: dict) -> str:
         f"running {event.get('running', 0)}, waiting {event.get('waiting', 0)}, KV {pct('kv_cache_pct')}, "
         f"prefix hits {pct('prefix_cache_hit_pct')}"
     )
+    if "draft_acceptance_pct" in event:
+        text += f", drafts accepted {pct('draft_acceptance_pct')}"
     if "hop_p50_us" in event:
         text += f", hop p50 {event['hop_p50_us']} us"
     if "ssd_gb_s" in event:

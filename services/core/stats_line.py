@@ -1,7 +1,7 @@
 """The periodic stats line, as vLLM prints it: every 10 s while core is busy, one `stats` log
 event with prompt and generation throughput, running and waiting requests, KV cache use, the
-prefix cache's hit rate, the expert hop's p50, and the workers' expert cache hit rate and SSD
-read rate over that interval. `moe-mesh up` shows it on its terminal; `--quiet` turns it off."""
+prefix cache's hit rate, drafted tokens accepted (with --speculative), the expert hop's p50, and
+the workers' expert cache hit rate and SSD read rate over that interval. `moe-mesh up` shows it on its terminal; `--quiet` turns it off."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ class _Totals:
     cache_hits: int
     cache_misses: int
     bytes_read: int
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     @classmethod
     def of(cls, stats: core_pb2.CoreStats, at: float) -> _Totals:
@@ -40,6 +42,8 @@ class _Totals:
             sum(w.cache_hits for w in workers),
             sum(w.cache_misses for w in workers),
             sum(w.bytes_read for w in workers),
+            stats.speculative.draft_tokens,
+            stats.speculative.accepted_tokens,
         )
 
 
@@ -60,6 +64,10 @@ def stats_fields(stats: core_pb2.CoreStats, now: _Totals, before: _Totals) -> di
         "kv_cache_pct": round(100 * stats.kv_cache_bytes / capacity, 1) if capacity else None,
         "prefix_cache_hit_pct": round(100 * hits / lookups, 1) if lookups else None,
     }
+    drafted = now.draft_tokens - before.draft_tokens
+    if stats.speculative.method:
+        accepted = now.accepted_tokens - before.accepted_tokens
+        fields["draft_acceptance_pct"] = round(100 * accepted / drafted, 1) if drafted else None
     latencies = sorted(entry.p50_us for entry in stats.layer_latency)
     if latencies:
         fields["hop_p50_us"] = round(latencies[len(latencies) // 2])

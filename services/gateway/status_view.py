@@ -88,7 +88,17 @@ def core_json(stats: core_pb2.CoreStats | None, health: str, address: str) -> di
     else:
         state = "serving" if health == "SERVING" and not stats.problems else "not_serving"
     prefix = stats.prefix_cache
+    spec = stats.speculative
     return {
+        "speculative": {
+            "method": spec.method,
+            "drafts": spec.drafts,
+            "draft_tokens": spec.draft_tokens,
+            "accepted_tokens": spec.accepted_tokens,
+            "acceptance_rate": _ratio(spec.accepted_tokens, spec.draft_tokens),
+        }
+        if spec.method
+        else None,
         "state": state,
         "address": address,
         "problems": list(stats.problems),

@@ -16,7 +16,7 @@ from services.core.stats_line import _Totals, stats_fields
 from services.gateway.app import create_app
 from services.proto.moemesh.v1 import core_pb2
 from services.status_cli import render
-from services.up_console import LogRelay, new_log_dir, prune_log_dirs, readable
+from services.up_console import LogRelay, new_log_dir, prune_log_dirs, readable, stats_text
 
 
 def test_relay_prints_progress_stats_and_errors_not_chatter(tmp_path):
@@ -117,6 +117,12 @@ def test_stats_line_reports_the_interval_and_stays_quiet_when_idle():
         "workers_down": ["expert-1"],
     }
     assert stats_fields(core_pb2.CoreStats(), before, before) is None  # idle: no line
+    assert "draft_acceptance_pct" not in fields  # core does not speculate
+    stats.speculative.method = "ngram"
+    now.draft_tokens, now.accepted_tokens = 40, 30
+    fields = stats_fields(stats, now, before)
+    assert fields["draft_acceptance_pct"] == 75.0
+    assert "drafts accepted 75.0%" in stats_text({"event": "stats", **fields})
 
 
 def test_log_format_follows_the_terminal_unless_told():

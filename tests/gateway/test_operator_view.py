@@ -72,6 +72,7 @@ def test_status_json_maps_the_cluster_and_times_each_layer(stack):
     assert reply.status_code == 200, reply.text
     status = stack.status()
     assert status["core"]["state"] == "serving" and status["core"]["problems"] == []
+    assert status["core"]["speculative"] is None  # this core does not speculate
     assert status["core"]["generation_tokens_total"] >= 1
     assert 0 < status["core"]["kv_cache_capacity_bytes"]
     workers = {w["address"]: w for w in status["workers"]}
@@ -203,3 +204,20 @@ def test_a_stalled_core_ends_the_request_at_the_gateways_deadline(stack):
         assert httpx.post(gateway.url + "/v1/chat/completions", json=CHAT, timeout=60).status_code == 200
     finally:
         gateway.stop()
+
+
+def test_status_json_carries_speculation_when_core_drafts():
+    from services.gateway.status_view import core_json
+    from services.proto.moemesh.v1 import core_pb2
+
+    stats = core_pb2.CoreStats()
+    stats.speculative.method = "ngram"
+    stats.speculative.drafts, stats.speculative.draft_tokens, stats.speculative.accepted_tokens = 3, 8, 6
+    spec = core_json(stats, "SERVING", "unix:/core")["speculative"]
+    assert spec == {
+        "method": "ngram",
+        "drafts": 3,
+        "draft_tokens": 8,
+        "accepted_tokens": 6,
+        "acceptance_rate": 0.75,
+    }
