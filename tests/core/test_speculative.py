@@ -340,3 +340,25 @@ def test_every_family_with_trimmable_caches_keeps_greedy_tokens(tiny_models, arc
     tokens, _, steps, moved = generate(family, "fp16", decoder)
     assert tokens == reference
     assert steps < plain_steps and moved > 0
+
+
+def test_up_passes_speculation_to_core_and_refuses_a_bad_method_before_starting():
+    import subprocess
+    import sys
+
+    from services.cli import _serving_cli_args, build_parser
+
+    vllm = '{"method": "ngram", "prompt_lookup_max": 3}'
+    up = build_parser().parse_args(["up", "--speculative-config", vllm, "--num-speculative-tokens", "3"])
+    core = build_parser().parse_args(["core", *_serving_cli_args(up)])
+    config = speculative_config(core.speculative, core.num_speculative_tokens, core.speculative_config)
+    assert config == SpeculativeConfig("ngram", 3, prompt_lookup_max=3)
+    assert "--speculative" not in _serving_cli_args(build_parser().parse_args(["up"]))
+    refused = subprocess.run(
+        [sys.executable, "-m", "services.cli", "up", "--speculative", "bogus"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 1 and "speculative method must be one of" in refused.stderr
