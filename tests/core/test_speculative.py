@@ -64,8 +64,10 @@ def generate(
     samplers=None,
     max_tokens=MAX_TOKENS,
     processors=None,
+    shapes: set | None = None,
 ):
-    """Each prompt's tokens and finished (cache, tokens), and the steps taken."""
+    """Each prompt's tokens and finished (cache, tokens), and the steps taken; `shapes` collects
+    the shapes of the responses' logprobs."""
     generator = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
     uids = generator.insert(
         PROMPTS,
@@ -84,6 +86,8 @@ def generate(
             moved = max(moved, len(decoder.order._slots))
         for response in responses:
             tokens[response.uid].append(response.token)
+            if shapes is not None:
+                shapes.add(tuple(response.logprobs.shape))
             if response.finish_reason:
                 finished[response.uid] = (response.prompt_cache, response.all_tokens, response.finish_reason)
     generator.close()
@@ -122,9 +126,10 @@ def test_rows_with_logits_processors_draft_and_keep_their_tokens(model):
     full = [p + r for p, r in zip(PROMPTS, reference, strict=True)]
     counters = SpeculativeCounters()
     decoder = SpeculativeDecoder(SpeculativeConfig(), counters, drafter=OracleDrafter(full, 3))
-    tokens, _, steps, _ = generate(model, "fp16", decoder, processors=processors)
+    tokens, _, steps, _ = generate(model, "fp16", decoder, processors=processors, shapes=(shapes := set()))
     assert tokens == reference
     assert 9 not in tokens[1] and steps < plain_steps and counters.accepted_tokens > 0
+    assert shapes == {(model.args.vocab_size,)}  # every token's logprobs as GenerationBatch gives them
 
 
 def test_finished_caches_hold_their_tokens_in_order(model):

@@ -116,7 +116,8 @@ class SpeculativeDecoder:
         drop = []
         for i, (uid, draft) in enumerate(zip(batch.uids, drafts, strict=True)):
             if batch.logits_processors[i]:
-                kept, token, scores = _verify_processed(batch, i, pending[i], draft, logits[i])
+                kept, token, processed = _verify_processed(batch, i, pending[i], draft, logits[i])
+                scores = [row[0] for row in processed]  # [vocab] each, as GenerationBatch keeps them
             else:
                 kept, token = self._accept(batch.samplers[i], draft, targets[i], logprobs[i])
                 scores = [logprobs[i, j] for j in range(kept + 1)]
