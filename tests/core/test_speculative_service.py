@@ -140,7 +140,7 @@ async def test_a_prefix_cached_answer_resumes_midway_with_the_same_tokens(cores)
 async def test_constrained_and_seeded_requests_behave_as_without_speculation(cores):
     off, ngram, _ = cores
     schema = {"type": "object", "properties": {"colours": {"type": "array", "items": {"type": "string"}}}}
-    constrained = request(QUESTION, 24)
+    constrained = request(QUESTION, 24, logprobs=True, top_logprobs=2)
     constrained.response_format.type = core_pb2.ResponseFormat.JSON_SCHEMA
     constrained.response_format.schema_json = json.dumps(schema)
     (want,), _ = await generate(off, constrained)
@@ -148,6 +148,11 @@ async def test_constrained_and_seeded_requests_behave_as_without_speculation(cor
     (got,), after = await generate(ngram, constrained)
     assert got[0] == want[0]
     assert after.speculative.drafts > before.speculative.drafts  # the grammar's row drafted
+    got_lp = [lp for chunk in got[1] for lp in chunk.logprobs]
+    want_lp = [lp for chunk in want[1] for lp in chunk.logprobs]
+    assert [lp.token_id for lp in got_lp] == got[0]
+    for a, b in zip(got_lp, want_lp, strict=True):
+        assert abs(a.logprob - b.logprob) < 1e-3 and len(a.top) == 2
     seeded = core_pb2.GenerateRequest(
         prompt=CODE_EDIT,
         sampling=core_pb2.SamplingParams(temperature=0.7, seed=11),
