@@ -106,7 +106,7 @@ def test_qk_unpermutation_matches_gguf_rope_layout(dense_dir: Path, dense, moe) 
 
 
 def test_ensure_is_cached_and_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def boom(out_dir: Path, progress: bool = True) -> Path:
+    def boom(out_dir: Path, progress: bool = True, dense: bool = False) -> Path:
         (Path(out_dir) / "config.json").write_text("{}")  # a half-written build
         raise KeyboardInterrupt
 
@@ -115,10 +115,10 @@ def test_ensure_is_cached_and_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyP
         dm.ensure_demo_model(tmp_path)
     assert list(tmp_path.iterdir()) == []  # neither the final folder nor the temp one
 
-    calls: list[Path] = []
+    calls: list[tuple[Path, bool]] = []
 
-    def fake(out_dir: Path, progress: bool = True) -> Path:
-        calls.append(out_dir)
+    def fake(out_dir: Path, progress: bool = True, dense: bool = False) -> Path:
+        calls.append((out_dir, dense))
         (Path(out_dir) / "config.json").write_text("{}")
         return out_dir
 
@@ -126,8 +126,11 @@ def test_ensure_is_cached_and_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("MOE_MESH_CACHE", str(tmp_path))
     assert dm.ensure_demo_model() == tmp_path / dm.CACHE_SUBDIR
     assert dm.ensure_demo_model() == tmp_path / dm.CACHE_SUBDIR
-    assert len(calls) == 1
+    assert len(calls) == 1 and calls[0][1] is False
     assert [p.name for p in tmp_path.iterdir()] == [dm.CACHE_SUBDIR]
+    # the dense model the demo is made from (a draft model) has a folder of its own
+    assert dm.ensure_demo_model(dense=True) == tmp_path / dm.DENSE_CACHE_SUBDIR
+    assert len(calls) == 2 and calls[1][1] is True
 
 
 def test_missing_package_error(monkeypatch: pytest.MonkeyPatch) -> None:
