@@ -65,11 +65,14 @@ class FilteredSampler:
         self._key, subkey = mx.random.split(self._key)
         return subkey
 
-    def target_logprobs(self, logprobs: mx.array) -> mx.array:
-        """The log-distribution this sampler draws from: filtered, scaled, normalised."""
+    def _scaled(self, logprobs: mx.array) -> mx.array:
         for apply in self.filters:
             logprobs = apply(logprobs)
-        scaled = logprobs * (1.0 / self.temperature)
+        return logprobs * (1.0 / self.temperature)
+
+    def target_logprobs(self, logprobs: mx.array) -> mx.array:
+        """The log-distribution this sampler draws from: filtered, scaled, normalised."""
+        scaled = self._scaled(logprobs)
         return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
 
     def categorical(self, scaled: mx.array) -> mx.array:
@@ -79,9 +82,7 @@ class FilteredSampler:
         return mx.random.uniform(key=self._subkey()).item()
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        for apply in self.filters:
-            logprobs = apply(logprobs)
-        return self.categorical(logprobs * (1.0 / self.temperature))
+        return self.categorical(self._scaled(logprobs))
 
 
 MAX_LOGIT_BIAS_ENTRIES = 1024

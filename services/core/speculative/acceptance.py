@@ -26,11 +26,17 @@ def accept_sampled(drafts: list[int], logprobs: mx.array, sampler: FilteredSampl
     target = sampler.target_logprobs(logprobs[: len(drafts) + 1])
     probs = mx.exp(target[mx.arange(len(drafts)), mx.array(drafts)]).tolist() if drafts else []
     for j, draft in enumerate(drafts):
-        if sampler.uniform() < probs[j] or probs[j] >= 1.0 - 1e-6:  # p(d) ~ 1: no residual left
-            continue
-        residual = target[j].at[draft].add(-mx.inf)  # p without the draft
-        return j, int(sampler.categorical(residual).item())
+        instead = _keep_or_resample(sampler, target[j], draft, probs[j])
+        if instead is not None:
+            return j, instead
     return len(drafts), int(sampler.categorical(target[len(drafts)]).item())
+
+
+def _keep_or_resample(sampler: FilteredSampler, target: mx.array, draft: int, p: float) -> int | None:
+    """None: the draft is kept (with probability p(d)); else the token drawn from p without d."""
+    if sampler.uniform() < p or p >= 1.0 - 1e-6:  # p(d) ~ 1: no residual left
+        return None
+    return int(sampler.categorical(target.at[draft].add(-mx.inf)).item())
 
 
 def accept_one(sampler, draft: int, logprobs: mx.array) -> tuple[bool, int | None]:
@@ -38,10 +44,8 @@ def accept_one(sampler, draft: int, logprobs: mx.array) -> tuple[bool, int | Non
     the next position is processed. `logprobs` [1, vocab], processed. -> (kept, token if not)."""
     if isinstance(sampler, FilteredSampler):
         target = sampler.target_logprobs(logprobs)[0]
-        p = mx.exp(target[draft]).item()
-        if sampler.uniform() < p or p >= 1.0 - 1e-6:
-            return True, None
-        return False, int(sampler.categorical(target.at[draft].add(-mx.inf)).item())
+        instead = _keep_or_resample(sampler, target, draft, mx.exp(target[draft]).item())
+        return instead is None, instead
     best = int(mx.argmax(logprobs[0]).item())  # greedy
     return (True, None) if best == draft else (False, best)
 

@@ -68,8 +68,10 @@ class SpeculativeDecoder:
         if not batch.uids:
             return []
         self._forget(batch.uids)
+        if not can_trim_rows(batch.prompt_cache):
+            return [self._in_token_order(r) for r in batch.next()]
         pending = batch._next_tokens.tolist()
-        drafts = self._drafts(batch, pending) if can_trim_rows(batch.prompt_cache) else []
+        drafts = self._drafts(batch, pending)
         if not any(drafts):
             return [self._in_token_order(r) for r in batch.next()]
         return self._verify(batch, pending, drafts)
@@ -87,9 +89,9 @@ class SpeculativeDecoder:
     def _drafts(self, batch: GenerationBatch, pending: list[int]) -> list[list[int]]:
         drafts = []
         for i, uid in enumerate(batch.uids):
-            index, policy = self._rows.get(uid) or self._rows.setdefault(
-                uid, (self._drafter.index(), DraftPolicy(self.config.num_speculative_tokens))
-            )
+            if uid not in self._rows:  # a draft model's index holds a KV cache: made once per sequence
+                self._rows[uid] = (self._drafter.index(), DraftPolicy(self.config.num_speculative_tokens))
+            index, policy = self._rows[uid]
             left = batch.max_tokens[i] - batch._num_tokens[i] - 1  # the pending token is one
             sampler = batch.samplers[i]
             drafting = (

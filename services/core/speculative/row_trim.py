@@ -54,11 +54,11 @@ class RowOrder:
         slots = self._slots.get(uid)
         if slots is None:
             return cache
+        moved = sorted(range(len(slots)), key=slots.__getitem__)
         for layer in cache:
             if isinstance(layer, KVCache) and layer.keys is not None:
                 length = layer.offset
-                order = sorted(range(len(slots)), key=slots.__getitem__) + list(range(len(slots), length))
-                index = mx.array(order[:length])
+                index = mx.array((moved + list(range(len(slots), length)))[:length])
                 layer.keys = mx.take(layer.keys[..., :length, :], index, axis=2)
                 layer.values = mx.take(layer.values[..., :length, :], index, axis=2)
         return cache
@@ -68,36 +68,34 @@ def trim_rows(caches: list, drop: list[int], uids: list[int], order: RowOrder) -
     """Drop the newest `drop[i]` tokens of row i in every layer's cache."""
     if not any(drop):
         return
-    least = min(drop)
+    plain = [c for c in caches if type(c) is BatchKVCache]
     for cache in caches:
         if type(cache) is BatchTurboQuantKVCache:
             for row, n in zip(cache.rows, drop, strict=True):
                 row.trim(n)
-            continue
+    if not plain:
+        return
+    least = min(drop)
+    extra = [n - least for n in drop]
+    pads = plain[0].left_padding.tolist()  # every layer shares one padding and one write index
+    for cache in plain:
         if least:
             cache.trim(least)
-        _realign(cache, [n - least for n in drop])
-    lengths = _lengths(caches[0]) if type(caches[0]) is BatchKVCache else None
-    for i, uid in enumerate(uids):
-        if type(caches[0]) is not BatchKVCache:
-            continue
-        extra = drop[i] - least
-        if extra:
-            valid = lengths[i]  # after the move: the row's tokens
-            order.moved(uid, valid + extra, extra, min(extra, valid))
+        _realign(cache, pads, extra)
+    end = plain[0]._idx
+    for uid, pad, more in zip(uids, pads, extra, strict=True):
+        valid = end - pad - more  # the row's tokens, after the move
+        if more:
+            order.moved(uid, valid + more, more, min(more, valid))
         else:
-            order.trimmed(uid, lengths[i])
+            order.trimmed(uid, valid)
 
 
-def _lengths(cache: BatchKVCache) -> list[int]:
-    return (cache._idx - cache.left_padding).tolist()
-
-
-def _realign(cache: BatchKVCache, extra: list[int]) -> None:
-    """Rows with `extra[i]` dropped slots at the end: fill them with the row's oldest slots."""
+def _realign(cache: BatchKVCache, pads: list[int], extra: list[int]) -> None:
+    """Rows with `extra[i]` dropped slots at the end: fill them with the row's oldest slots
+    (`pads`: each row's left padding before the move)."""
     if not any(extra):
         return
-    pads = cache.left_padding.tolist()
     end = cache._idx
     for i, garbage in enumerate(extra):
         if not garbage:
