@@ -194,6 +194,7 @@ def timed_decode(core_address: str, prompt: list[int], tokens: int) -> tuple[lis
 SPLIT_VARIANTS = {
     "local_experts": (0, [], []),
     "workers_1": (1, [], []),
+    "workers_1_unstaged": (1, [], []),  # host staging off (PROCESS_ENV): fresh arrays per call on CUDA
     "workers_1_two_gpus": (1, [], []),  # core on GPU 0, the worker on GPU 1 (GPU_PLACEMENT)
     "workers_2": (2, [], []),
     "workers_1_grpc": (1, ["--no-expert-frames"], []),
@@ -212,6 +213,10 @@ SPLIT_VARIANTS = {
 GPU_PLACEMENT = {
     "workers_1_two_gpus": ({"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}),
     "workers_1_two_gpus_nccl": ({}, {}),  # data_plane_envs puts rank r on GPU r
+}
+# Variants that differ only in their processes' environment: name -> (core's env, each worker's env).
+PROCESS_ENV = {
+    "workers_1_unstaged": ({"MOE_MESH_HOST_STAGING": "off"}, {"MOE_MESH_HOST_STAGING": "off"}),
 }
 
 
@@ -369,7 +374,7 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str, variants: list[
             if variant not in SPLIT_VARIANTS:
                 continue
             workers, core_flags, worker_flags = SPLIT_VARIANTS[variant]
-            placement = GPU_PLACEMENT.get(variant, ({}, {}))
+            placement = GPU_PLACEMENT.get(variant) or PROCESS_ENV.get(variant, ({}, {}))
             log(f"{step} moe-mesh {variant} {' '.join([*core_flags, *worker_flags])}")
             run = split_run(split, workdir, workers, prompt, tokens, core_flags, worker_flags, placement)
             run["tokens_match_monolithic"] = run["tokens"] == reference
@@ -433,7 +438,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--variants",
-        default=",".join(v for v in VARIANTS if v not in GPU_PLACEMENT),
+        default=",".join(v for v in VARIANTS if v not in GPU_PLACEMENT and v not in PROCESS_ENV),
         help=f"which to run beside monolithic mlx-lm (comma-separated): {', '.join(VARIANTS)}",
     )
     parser.add_argument("--tokens", type=int, default=48)

@@ -45,7 +45,7 @@ from bench.decode import checkpoint
 from bench.grpc_echo import EchoLink, start_echo_server
 from bench.timing import percentiles, timed
 from bench.workdir import bench_workdir
-from services.common import tensor_codec
+from services.common import host_staging, tensor_codec
 from services.common.manifest import Manifest
 from services.core.expert_link.dispatcher import ExpertDispatcher
 from services.experts.compute import ExpertCompute
@@ -87,13 +87,26 @@ def compute_steps(compute: ExpertCompute, layer: int, hidden: mx.array, ids: mx.
         mx.eval(out)
         return np.asarray(out)
 
-    return {
+    def unstaged(step):
+        def run():
+            with host_staging.plain_arrays():
+                return step()
+
+        return run
+
+    steps = {
         "device_inputs": timed(lambda: mx.eval(module(hidden, ids)), calls),
         "device_inputs_compiled": timed(lambda: mx.eval(compiled(hidden, ids)), calls),
         "host_inputs": timed(lambda: mx.eval(host_inputs()), calls),
         "host_inputs_host_output": timed(host_both_ways, calls),
         "compute_rows": timed(lambda: compute.compute_rows(layer, host_hidden, host_ids), calls),
     }
+    if host_staging.staging() is not None:  # the same, each input a fresh array (MLX CUDA)
+        steps["host_inputs_unstaged"] = timed(unstaged(lambda: mx.eval(host_inputs())), calls)
+        steps["compute_rows_unstaged"] = timed(
+            unstaged(lambda: compute.compute_rows(layer, host_hidden, host_ids)), calls
+        )
+    return steps
 
 
 def main() -> None:

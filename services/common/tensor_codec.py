@@ -12,6 +12,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from services.common import host_staging
 from services.proto.moemesh.v1 import tensor_pb2
 
 DType = tensor_pb2.DType
@@ -157,7 +158,8 @@ def to_mlx_with_ids(host: np.ndarray, ids: np.ndarray) -> tuple[mx.array, mx.arr
     packed = np.empty(ids.nbytes + host.nbytes, dtype=np.uint8)
     packed[: ids.nbytes] = ids.reshape(-1).view(np.uint8)
     packed[ids.nbytes :] = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
-    device = mx.array(packed)
+    stage = host_staging.staging()
+    device = mx.array(packed) if stage is None else stage.upload(packed)
     dtype = hidden_dtype_of(host)
     device_ids = device[: ids.nbytes].view(mx.int32).reshape(ids.shape)
     device_hidden = device[ids.nbytes :].view(dtype).reshape(host.shape)
@@ -165,6 +167,9 @@ def to_mlx_with_ids(host: np.ndarray, ids: np.ndarray) -> tuple[mx.array, mx.arr
 
 
 def _as_mlx(host: np.ndarray, dtype: mx.Dtype) -> mx.array:
+    stage = host_staging.staging()
+    if stage is not None and host.size:
+        return stage.upload(host).view(dtype).reshape(host.shape)
     array = mx.array(host)  # bf16 arrives as its uint16 bits
     return array.view(mx.bfloat16) if dtype == mx.bfloat16 else array
 

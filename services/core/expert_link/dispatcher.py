@@ -303,9 +303,9 @@ class ExpertDispatcher(RoutingMixin, FramePathMixin, GrpcPathMixin):
                     out[np.flatnonzero(mask)] = rows
         array = None
         if slot is None:
-            array = mx.array((results[0][1] if out is None else out).reshape(tokens, k, hidden_size))
-            if pending.dtype == mx.bfloat16:
-                array = array.view(mx.bfloat16)
+            array = tensor_codec.to_mlx(
+                (results[0][1] if out is None else out).reshape(tokens, k, hidden_size)
+            )
         stats = [r[2] for r in results]
         worker_us = max(s.decode_us + s.compute_us + s.encode_us for s in stats)
         compute_us = max(s.compute_us for s in stats)
