@@ -35,6 +35,7 @@ _MAX_STAGED_BYTES = 64 << 20  # uploads larger than this take the plain path
 _ADVISE_PREFERRED_LOCATION = 3
 _ADVISE_ACCESSED_BY = 5
 _LOCATION_DEVICE, _LOCATION_HOST = 1, 2
+_ERROR_INVALID_CONTEXT = 201
 
 
 class _MemLocation(ctypes.Structure):
@@ -49,6 +50,25 @@ class MemoryAdvisor:
         self._advise = self._cuda.cuMemAdvise_v2
         self._advise.argtypes = [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int, _MemLocation]
         self._advise.restype = ctypes.c_int
+        self._memcpy = self._cuda.cuMemcpyDtoH_v2
+        self._memcpy.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
+        self._memcpy.restype = ctypes.c_int
+        self._cuda.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+        self._cuda.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+
+    def copy_to_host(self, destination: int, source: int, nbytes: int) -> bool:
+        """cuMemcpyDtoH: the copy engine moves the bytes, where a read through the pointer would
+        fault the pages over one by one. False when the driver refuses (no context here)."""
+        status = self._memcpy(destination, source, nbytes)
+        if status == _ERROR_INVALID_CONTEXT and self._make_context_current():
+            status = self._memcpy(destination, source, nbytes)
+        return status == 0
+
+    def _make_context_current(self) -> bool:
+        context = ctypes.c_void_p()
+        if self._cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), 0) != 0:
+            return False
+        return self._cuda.cuCtxSetCurrent(context) == 0
 
     def host_resident_device_mapped(self, address: int, nbytes: int) -> None:
         """Pages stay in host memory; the GPU reads them in place."""
@@ -109,6 +129,17 @@ class HostStaging:
         staged = buffer.array[:nbytes]
         buffer.last_copy = mx.bitwise_or(staged, staged)  # a device copy: the graph never reads the buffer
         return buffer.last_copy
+
+    def download(self, array: mx.array) -> np.ndarray:
+        """An evaluated array's bytes on the host (bf16 arrays in wire form: see tensor_codec).
+        On CUDA a new host array filled by the copy engine; elsewhere a view, as np.asarray."""
+        view = np.asarray(array)  # a view over the array's memory: no page is read yet
+        if self._advisor is None or not view.flags.c_contiguous or view.nbytes == 0:
+            return view
+        host = np.empty_like(view)
+        if not self._advisor.copy_to_host(host.ctypes.data, view.ctypes.data, view.nbytes):
+            return view
+        return host
 
     def _next_buffer(self, size: int) -> _Buffer:
         rings = getattr(self._local, "rings", None)

@@ -57,7 +57,8 @@ def wire_form(array: mx.array) -> mx.array:
 
 
 def numpy_view(array: mx.array) -> np.ndarray:
-    """A numpy view of an MLX array's bytes (no copy for contiguous arrays); bf16 shows as uint16.
+    """A numpy view of an MLX array's bytes (no copy for contiguous arrays; on MLX's CUDA backend a
+    copy made by the copy engine: see host_staging); bf16 shows as uint16.
 
     The wire form is evaluated here, explicitly (a no-op when it already is): reading a lazy
     array through the buffer protocol does not wait for the GPU on MLX's CUDA backend, and
@@ -65,7 +66,8 @@ def numpy_view(array: mx.array) -> np.ndarray:
     """
     wire = wire_form(array)
     mx.eval(wire)
-    return np.asarray(wire)
+    stage = host_staging.staging()
+    return np.asarray(wire) if stage is None else stage.download(wire)
 
 
 def nan_of(dtype: mx.Dtype) -> np.generic:

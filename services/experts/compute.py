@@ -230,9 +230,8 @@ class ExpertCompute:
             out = module(hidden, pair_ids).reshape(-1, hidden_size)
         # replies come in the dtype the call came in: core's model computes in it (mlx-lm
         # promotes bf16 states through float32 norms to float32, for instance)
-        wire = tensor_codec.wire_form(out.astype(hidden.dtype))
-        mx.eval(wire)  # the one synchronisation of the call on the worker side
-        return np.asarray(wire)
+        # the one synchronisation of the call on the worker side
+        return tensor_codec.numpy_view(out.astype(hidden.dtype))
 
     def _run_kernel(self, kernel, layer, hidden, ids, asked, pairs, groups) -> np.ndarray:
         """The asked pairs' rows, in call order, from the CPU kernel, one planned group at a time."""
