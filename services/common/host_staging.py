@@ -30,6 +30,8 @@ log = structlog.get_logger()
 _MIN_BYTES = 4096
 _BUFFERS_PER_SIZE = 2
 _MAX_STAGED_BYTES = 64 << 20  # uploads larger than this take the plain path
+# Below this a read faulting its few pages over beats the copy engine's fixed cost.
+_MIN_COPY_ENGINE_BYTES = 16384
 
 # CUmem_advise values and CUmemLocationType, from cuda.h
 _ADVISE_PREFERRED_LOCATION = 3
@@ -134,7 +136,7 @@ class HostStaging:
         """An evaluated array's bytes on the host (bf16 arrays in wire form: see tensor_codec).
         On CUDA a new host array filled by the copy engine; elsewhere a view, as np.asarray."""
         view = np.asarray(array)  # a view over the array's memory: no page is read yet
-        if self._advisor is None or not view.flags.c_contiguous or view.nbytes == 0:
+        if self._advisor is None or not view.flags.c_contiguous or view.nbytes < _MIN_COPY_ENGINE_BYTES:
             return view
         host = np.empty_like(view)
         if not self._advisor.copy_to_host(host.ctypes.data, view.ctypes.data, view.nbytes):

@@ -229,7 +229,7 @@ class ExpertDispatcher(RoutingMixin, FramePathMixin, GrpcPathMixin):
 
     def _start(self, layer: int, hidden: mx.array, expert_ids: mx.array) -> PendingCall:
         started = time.perf_counter()
-        ids = np.asarray(expert_ids)  # evaluated int32 (RemoteExperts made it so): a view, no sync
+        ids = tensor_codec.numpy_view(expert_ids)  # evaluated int32 (RemoteExperts made it so)
         host_hidden = tensor_codec.numpy_view(hidden)
         dtype = tensor_codec.hidden_dtype_of(host_hidden)
         if self.overlap and tensor_codec.has_nan(host_hidden, dtype):
