@@ -10,7 +10,9 @@ SmolLM2-135M the demo MoE is made from), on two greedy prompts: a code edit whos
 much of the prompt, and free chat. `hops_per_token` is core's layer calls over the decode divided by
 MoE layers and decoded tokens: the steps each token costs (1.0 without drafts). `acceptance_length`
 is 1 + accepted drafted tokens per verified draft: the tokens a drafting step yields. Greedy tokens
-with speculation must equal those without (`tokens_match_off`). With random weights (the synthetic
+with speculation must equal those without (`tokens_match_off`); where they do not,
+`first_difference` gives the first differing step and the gap between the top two logprobs there
+without speculation (a near tie when small). With random weights (the synthetic
 shapes) a prompt's meaning is lost: what their figures show is the mechanism's cost and the hop
 count, not real acceptance.
 """
@@ -91,6 +93,29 @@ def decode(address: str, prompt: list[int], tokens: int) -> dict:
     }
 
 
+def top2_gaps(address: str, prompt: list[int], tokens: int) -> tuple[list[int], list[float]]:
+    """A greedy generation without speculation, with each step's gap between its top two logprobs:
+    where another run's greedy tokens part from these, the gap says whether that step was a near tie."""
+    with grpc.insecure_channel(address) as channel:
+        stub = core_pb2_grpc.CoreStub(channel)
+        request = greedy_token_request(prompt, tokens)
+        request.logprobs, request.top_logprobs = True, 2
+        out, gaps = [], []
+        for chunk in stub.Generate(request, timeout=3600):
+            out.extend(chunk.token_ids)
+            for step in chunk.logprobs:
+                top = sorted((t.logprob for t in step.top), reverse=True)
+                gaps.append(round(top[0] - top[1], 5) if len(top) > 1 else None)
+    return out, gaps
+
+
+def first_difference(tokens: list[int], reference: list[int], gaps: list[float]) -> dict | None:
+    step = next((i for i, (a, b) in enumerate(zip(tokens, reference, strict=False)) if a != b), None)
+    if step is None:
+        return None
+    return {"step": step, "top2_logprob_gap": gaps[step] if step < len(gaps) else None}
+
+
 def bench_model(name: str, methods: list[str], tokens: int, rounds: int, dtype: str, k: int) -> dict:
     path = checkpoint(name, dtype)
     split = resolve_split(str(path))
@@ -107,6 +132,8 @@ def bench_model(name: str, methods: list[str], tokens: int, rounds: int, dtype: 
         flags = [] if mode == "off" else ["--speculative", method, "--num-speculative-tokens", str(k)]
         log(f"{name}: core + 1 worker, speculation {mode}")
         with split_system(split, workdir, 1, spin_as_up(1), flags) as (address, _):
+            if mode == "off":
+                references = {key: top2_gaps(address, prompt, tokens) for key, prompt in prompts.items()}
             for key, prompt in prompts.items():
                 for round_index in range(rounds):
                     log(f"{name}: {mode} {key} round {round_index + 1}/{rounds}")
@@ -130,6 +157,9 @@ def bench_model(name: str, methods: list[str], tokens: int, rounds: int, dtype: 
                 "acceptance_rate": best["acceptance_rate"],
                 "tokens_match_off": all(r["tokens"] == off["tokens"] for r in runs[method][key]),
             }
+            reference, gaps = references[key]
+            if reference == off["tokens"]:  # the logprobs run decoded as the timed one did
+                entry[method]["first_difference"] = first_difference(best["tokens"], reference, gaps)
         report["prompts"][key] = entry
     return report
 
