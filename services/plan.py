@@ -130,6 +130,8 @@ def memory_plan(
                 "streamed_bytes": shard - resident,
                 "resident_fraction": round(fraction, 4),
                 "expected_ssd_bytes_per_token": int(reads),
+                # its resident experts and its MLX buffer-cache limit (`expert --mlx-cache-gb`)
+                "bound_bytes": resident + int(mlx_cache_gb * GIB),
             }
         )
     kv_per_token, kv_note = kv_bytes_per_token(config, kv_element_bytes)
@@ -179,13 +181,14 @@ def format_plan(plan: dict) -> str:
         f"{plan['kv']['seqs']} seqs = {gb(plan['kv']['budget_bytes'])} ({plan['kv']['estimate']})",
         f"core at most {gb(plan['core_memory']['bound_bytes'])}: weights + KV cache + prefix cache "
         f"{gib(plan['core_memory']['prefix_cache_bytes'])} + MLX buffer cache {gib(plan['core_memory']['mlx_cache_bytes'])}",
-        f"per worker, budget {gb(plan['memory_budget_bytes_per_worker'])}:",
+        f"per worker, budget {gb(plan['memory_budget_bytes_per_worker'])}, at most its resident experts + "
+        f"MLX buffer cache {gib(plan['core_memory']['mlx_cache_bytes'])}:",
     ]
     for w in plan["workers"]:
         lines.append(
             f"  worker {w['worker']} (experts {w['experts']}): shard {gb(w['shard_bytes'])}, resident "
             f"{gb(w['resident_bytes'])} ({w['resident_fraction']:.0%}), streamed {gb(w['streamed_bytes'])}, "
-            f"~{w['expected_ssd_bytes_per_token'] / 1e6:.1f} MB/token from SSD"
+            f"~{w['expected_ssd_bytes_per_token'] / 1e6:.1f} MB/token from SSD, at most {gb(w['bound_bytes'])}"
         )
     lines.append(
         f"expected SSD reads: {plan['expected_ssd_bytes_per_token'] / 1e6:.1f} MB per token ({plan['assumption']})"

@@ -52,7 +52,7 @@ def add_streaming_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_compute_flags(parser: argparse.ArgumentParser) -> None:
-    """`moe-mesh expert` flags: --expert-kernel, --compute-threads."""
+    """`moe-mesh expert` flags: --expert-kernel, --compute-threads, --mlx-cache-gb."""
     parser.add_argument(
         "--expert-kernel",
         choices=KERNELS,
@@ -68,10 +68,22 @@ def add_compute_flags(parser: argparse.ArgumentParser) -> None:
         help="threads the CPU kernel may use for a large call (prefill); one-token calls use one "
         "(default: the CPUs this process may run on)",
     )
+    from services.cluster import CoreConfig
+
+    parser.add_argument(
+        "--mlx-cache-gb",
+        type=non_negative_float,
+        default=CoreConfig.mlx_cache_gb,
+        help="GiB of freed MLX buffers this worker keeps for reuse (streamed experts come and go)",
+    )
 
 
 def compute_kwargs(args: argparse.Namespace) -> dict:
-    return dict(expert_kernel=args.expert_kernel, compute_threads=args.compute_threads)
+    return dict(
+        expert_kernel=args.expert_kernel,
+        compute_threads=args.compute_threads,
+        mlx_cache_bytes=int(args.mlx_cache_gb * (1 << 30)),
+    )
 
 
 def streaming_kwargs(args: argparse.Namespace) -> dict:
@@ -121,7 +133,7 @@ def add_storage_commands(sub) -> None:
         "--mlx-cache-gb",
         type=non_negative_float,
         default=CoreConfig.mlx_cache_gb,
-        help="core's MLX buffer-cache limit",
+        help="MLX buffer-cache limit of core and of each worker",
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_plan)

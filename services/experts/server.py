@@ -8,6 +8,8 @@ import socket
 import time
 from pathlib import Path
 
+import mlx.core as mx
+
 from services.common.frames import frames_path_for
 from services.common.grpc_util import (
     install_uvloop,
@@ -153,6 +155,10 @@ async def serve_expert_worker(
     await running.serve_until_signal(on_stop, grace_s=1.0)
 
 
-def run_expert_worker(**kwargs) -> None:
+def run_expert_worker(mlx_cache_bytes: int | None = None, **kwargs) -> None:
+    """`mlx_cache_bytes`: MLX's cache of freed buffers is held under this, so a worker's memory is
+    its resident experts and this (what `moe-mesh plan` states)."""
+    if mlx_cache_bytes is not None:
+        mx.set_cache_limit(mlx_cache_bytes)
     install_uvloop()
     asyncio.run(serve_expert_worker(**kwargs))

@@ -47,10 +47,13 @@ def test_plan_splits_experts_between_ram_and_disk(tiny_models, capsys):
     assert bounded["core_memory"]["bound_bytes"] == plan["core_bytes"] + plan["kv"]["budget_bytes"] + (
         3 << 28
     )
+    # a worker: its resident experts and its MLX buffer cache
+    for worker in bounded["workers"]:
+        assert worker["bound_bytes"] == worker["resident_bytes"] + (1 << 28)
 
     run_cli("plan", "--model", str(split), "--memory-gb", str(budget_gb), "--workers", "2")
     text = capsys.readouterr().out
-    assert "worker 1 (experts 4-7)" in text and "MB per token" in text
+    assert "worker 1 (experts 4-7)" in text and "MB per token" in text and "at most" in text
     checkpoint_plan = memory_plan(tiny_models.checkpoint("qwen3_moe", 4), memory_gb=budget_gb, workers=2)
     assert checkpoint_plan["expert_bytes"] == plan["expert_bytes"]  # same numbers from shapes alone
 
