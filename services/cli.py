@@ -117,6 +117,7 @@ def _up(args) -> None:
             model_name=(args.served_model_name or [None])[0],
             log_format=args.log_format,
             replicas=args.replicas,
+            mlx_cache_gb=args.mlx_cache_gb,
         )
     )
 

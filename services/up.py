@@ -228,13 +228,15 @@ def run_up(
     model_name: str | None = None,
     log_format: str = "auto",
     replicas: int = 1,
+    mlx_cache_gb: float | None = None,
 ) -> int:
     """`frame_spin_us`: how long core's and the workers' frame reads poll (None: poll when the
     machine has a core for each of them, services.common.frames.spin_for); `local_experts`: no
     worker processes, core computes every expert itself (services/core/expert_link/local.py);
     `distributed`: core and the workers form an in-graph data plane on this backend; `model_name`:
     the name core serves the model under (core_args carry it), for the ready line; `replicas`:
-    workers holding each expert (expert_ranges). Logs go to `workdir`, else to a new folder under
+    workers holding each expert (expert_ranges); `mlx_cache_gb`: the workers' MLX buffer-cache
+    limit (core's comes with core_args). Logs go to `workdir`, else to a new folder under
     $MOE_MESH_CACHE/logs that stays after the run."""
     from services.common.frames import spin_for
     from services.common.manifest import Manifest
@@ -298,6 +300,8 @@ def run_up(
         for i in range(experts):
             # Each worker keeps at most expert_memory_gb of its experts in RAM, streams the rest.
             budget = ["--memory-gb", str(expert_memory_gb)] if expert_memory_gb else []
+            if mlx_cache_gb is not None:
+                budget += ["--mlx-cache-gb", str(mlx_cache_gb)]
             cluster.start(
                 f"expert-{i}",
                 "expert",

@@ -1,6 +1,7 @@
-"""Core's memory stays within what it was given under load: streaming clients that disconnect at
-random for a while, then idle. Its RSS may grow from its idle start by at most its prefix-cache and
-MLX buffer-cache budgets (plus the KV of the sequences running at the moment, none once idle)."""
+"""Core's and the workers' memory stays within what they were given under load: streaming clients
+that disconnect at random for a while, then idle. Core's RSS may grow from its idle start by at most
+its prefix-cache and MLX buffer-cache budgets (plus the KV of the sequences running at the moment,
+none once idle); a worker's, whose experts are resident from the start, by its MLX buffer cache."""
 
 from __future__ import annotations
 
@@ -54,7 +55,10 @@ def test_core_memory_stays_within_its_budgets_under_load(tmp_path):
     )
     try:
         core = service_pids(proc.pid, "core")[0]
+        workers = service_pids(proc.pid, "expert")
+        assert workers and any("--mlx-cache-gb" in open(f"/proc/{w}/cmdline").read() for w in workers)
         idle = rss_mb(core)
+        workers_idle = {w: rss_mb(w) for w in workers}
 
         async def load():
             stop_at = time.monotonic() + 15
@@ -65,6 +69,13 @@ def test_core_memory_stays_within_its_budgets_under_load(tmp_path):
         grown = rss_mb(core) - idle
         print(f"core idle {idle:.0f} MB, grown {grown:.0f} MB")
         assert grown <= 2 * BUDGET_GB * 1024 + SLACK_MB, f"core grew {grown:.0f} MB from {idle:.0f} MB idle"
+        for (
+            worker,
+            was,
+        ) in workers_idle.items():  # its experts are resident from the start: only its cache grows
+            worker_grown = rss_mb(worker) - was
+            print(f"worker idle {was:.0f} MB, grown {worker_grown:.0f} MB")
+            assert worker_grown <= BUDGET_GB * 1024 + SLACK_MB, f"a worker grew {worker_grown:.0f} MB"
     finally:
         proc.terminate()
         proc.wait(timeout=60)
