@@ -29,7 +29,9 @@ log = structlog.get_logger()
 
 _MIN_BYTES = 4096
 _BUFFERS_PER_SIZE = 2
-_MAX_STAGED_BYTES = 64 << 20  # uploads larger than this take the plain path
+# Uploads larger than this take the plain path: there the migration is small beside the compute
+# they feed (a prefill chunk), and every thread that uploads keeps its own buffers.
+_MAX_STAGED_BYTES = 4 << 20
 # Below this a read faulting its few pages over beats the copy engine's fixed cost.
 _MIN_COPY_ENGINE_BYTES = 16384
 

@@ -34,7 +34,7 @@ def test_lazy_readers_keep_their_bytes_when_the_buffers_are_reused(staged):
 
 
 def test_sizes_and_the_plain_path(staged):
-    for nbytes in (1, 4095, 4096, 4097, 100_000):
+    for nbytes in (1, 4095, 4096, 4097, 100_000, (4 << 20) + 1):  # the last: over the cap, plain
         host = np.arange(nbytes, dtype=np.uint8)
         assert np.array_equal(np.array(staged.upload(host)), host)
     assert np.array(staged.upload(np.zeros(0, np.uint8))).size == 0
