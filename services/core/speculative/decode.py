@@ -101,7 +101,10 @@ class SpeculativeDecoder:
             )
             k = min(policy.budget(), left) if drafting else 0
             drafts.append(index.propose(batch.tokens[i] + [pending[i]], k) if k else [])
-        return drafts
+        on_device = [d for d in drafts if isinstance(d, mx.array)]  # a draft model's: one sync for all
+        if on_device:
+            mx.eval(on_device)
+        return [d.tolist() if isinstance(d, mx.array) else d for d in drafts]
 
     def _verify(self, batch: GenerationBatch, pending: list[int], drafts: list[list[int]]) -> list[Response]:
         width = 1 + max(len(d) for d in drafts)

@@ -44,7 +44,10 @@ def load_draft_model(path: str, tokenizer, vocab_size: int) -> DraftModelDrafter
 
 
 class DraftSequence:
-    """One sequence's draft-model state; `propose(context, k)` with the same, growing context."""
+    """One sequence's draft-model state; `propose(context, k)` with the same, growing context.
+
+    The k drafts come back as a lazy [k] array: each draft token feeds the next forward on the
+    device, so the caller evaluates every sequence's drafts of a step together, in one sync."""
 
     def __init__(self, model, vocab_size: int):
         self.model = model
@@ -52,25 +55,36 @@ class DraftSequence:
         self.cache = make_prompt_cache(model)
         self.fed: list[int] = []  # the tokens in `cache`
         self._sure = 0  # a prefix length `fed` and every later context share
+        self._unread: tuple[list[int], mx.array] | None = None  # fed, and drafts fed but for the last
 
-    def propose(self, context: list[int], k: int) -> list[int]:
+    def propose(self, context: list[int], k: int) -> mx.array | list[int]:
         if k <= 0:
             return []
         self._cut_to(context)
         todo = context[len(self.fed) :]  # at least the context's last token, never yet fed
+        inputs = mx.array([todo])
         drafts = []
         for _ in range(k):
-            logits = self.model(mx.array([todo]), cache=self.cache)[0, -1, : self.vocab_size]
-            self.fed += todo
-            token = int(mx.argmax(logits).item())
+            logits = self.model(inputs, cache=self.cache)[0, -1, : self.vocab_size]
+            token = mx.argmax(logits)
             drafts.append(token)
-            todo = [token]
+            inputs = token.reshape(1, 1)
+        self._unread = (todo, mx.stack(drafts))
         self._sure = len(context)
-        return drafts
+        return self._unread[1]
+
+    def _read_drafts(self) -> None:
+        """Record as fed what the last proposal fed: its new context tokens and every draft but
+        the last (read once the caller has evaluated them)."""
+        if self._unread is not None:
+            todo, drafts = self._unread
+            self._unread = None
+            self.fed += todo + drafts.tolist()[:-1]
 
     def _cut_to(self, context: list[int]) -> None:
         """Drop from the draft cache what the context does not share (rejected drafts), and the
         context's last token, which the next forward feeds."""
+        self._read_drafts()
         shared = self._sure
         limit = min(len(self.fed), len(context) - 1)
         while shared < limit and self.fed[shared] == context[shared]:
