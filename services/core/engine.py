@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import grpc
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, generation_stream
+from mlx_lm.generate import generation_stream
 
 from services.common.heap import trim_heap
 from services.common.logging import get_logger
@@ -33,14 +33,14 @@ from services.core.engine_config import EngineConfig, EngineCounters
 from services.core.engine_metrics import ENGINE_FORWARDS, ENGINE_STEPS
 from services.core.expert_link.links import BATCH_REQUEST_IDS
 from services.core.expert_link.step_merge import run_side_by_side
-from services.core.kv import KV_CACHE_KINDS, make_kv_cache
+from services.core.kind_batches import KindBatches
+from services.core.kv import KV_CACHE_KINDS
 from services.core.logprobs import LogprobWriter
 from services.core.prefill_pacer import PrefillPacer
 from services.core.prefix_cache import PrefixCache
 from services.core.request_prep import PreparedRequest
 from services.core.sequence import EngineError, Outbox, Sequence, step_failure
 from services.core.sequence_output import SequenceOutput
-from services.core.speculative import SpeculativeDecoder, make_drafter
 from services.core.step_budget import share_step_budget
 from services.core.text_output import TextEmitter
 from services.core.token_bytes import TokenBytes
@@ -85,11 +85,7 @@ class Engine:
         self.closers: list[Callable[[], None]] = []  # run by stop(), after the step loop ends
         self.step_failure = step_failure  # (error) -> (status, message) for the step's requests
         self.step_started: float | None = None  # perf_counter() of the step in progress, if any
-        # One batch per KV cache kind: a batch's caches merge into one batched cache, so kinds
-        # cannot share one. Their forwards still share each step's expert calls (step_merge).
-        self._generators: dict[str, BatchGenerator] = {}
-        self._decoders: dict[str, SpeculativeDecoder] = {}  # per kind, when speculation is on
-        self._drafter = None  # what drafts tokens, made once the model is loaded
+        self.batches = KindBatches(config, self.counters, self._speculates)
         self._thread = threading.Thread(target=releasing_mlx(self._run), name="engine", daemon=True)
 
     # ---- called from other threads ---------------------------------------------------------
@@ -149,40 +145,14 @@ class Engine:
 
     # ---- the engine thread -----------------------------------------------------------------
 
-    def _generator(self, kind: str) -> BatchGenerator:
-        if kind not in self._generators:
-            self._generators[kind] = BatchGenerator(
-                self.model,
-                completion_batch_size=self.config.max_num_seqs,
-                prefill_batch_size=self.config.max_num_seqs,
-                prefill_step_size=self.config.max_num_batched_tokens,
-            )
-        return self._generators[kind]
-
-    def _decoder(self, kind: str) -> SpeculativeDecoder | None:
-        if self.config.speculative is None:
-            return None
-        if kind not in self._decoders:
-            self._decoders[kind] = SpeculativeDecoder(
-                self.config.speculative,
-                self.counters.speculative,
-                lambda uid: self._speculates(kind, uid),
-                self._drafter,
-            )
-        return self._decoders[kind]
-
     def _speculates(self, kind: str, uid: int) -> bool:
         sequence = self._active.get((kind, uid))
         return sequence is not None and sequence.request.speculative
 
-    def _new_cache(self, kind: str) -> list:
-        return make_kv_cache(self.model, kind, self.config.kv_settings)
-
     def _run(self) -> None:
         try:
             self.model, self.probe_workers, self.layer_call_timings = self._loader()
-            if self.config.speculative is not None:
-                self._drafter = make_drafter(self.config.speculative, self.tokenizer, self.model)
+            self.batches.use_model(self.model, self.tokenizer)
         except BaseException as error:  # reported by the server, which then exits
             self.load_error = error
             log.exception("model_load_failed")
@@ -250,9 +220,9 @@ class Engine:
             cache, cached = self.prefix_cache.lookup(sequence.kind, request.prompt)
         try:
             if cache is None:
-                cache = self._new_cache(sequence.kind)
+                cache = self.batches.new_cache(sequence.kind)
             cuts = [cached, *(at for at in request.snapshot_at if at > cached), len(request.prompt)]
-            (sequence.uid,) = self._generator(sequence.kind).insert_segments(
+            (sequence.uid,) = self.batches.generator(sequence.kind).insert_segments(
                 [[request.prompt[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]],
                 max_tokens=[request.max_tokens],
                 caches=[cache],
@@ -277,7 +247,7 @@ class Engine:
         try:
             with mx.stream(generation_stream):
                 working = {kind for kind, _ in self._active}
-                busy = {kind: g for kind, g in self._generators.items() if kind in working}
+                busy = {kind: g for kind, g in self.batches.generators.items() if kind in working}
                 decoding, self._in_batch = share_step_budget(
                     list(busy.values()),
                     self.config.max_num_seqs,
@@ -286,7 +256,7 @@ class Engine:
                 )
                 steps = {}
                 for kind, generator in busy.items():
-                    decoder = self._decoder(kind)
+                    decoder = self.batches.decoder(kind)
                     decode = None if decoder is None else decoder.decode
                     steps[kind] = GeneratorStep(generator, self._scoring(kind), decode)
                 # Every forward of the step (decode, prompts joining, prefill chunks, of every
@@ -315,7 +285,9 @@ class Engine:
                     seconds=round(seconds, 3),
                 )
         for kind, outcome in outcomes.items():
-            self.output.deliver(kind, self._generators[kind], steps[kind], outcome, self._active, started)
+            self.output.deliver(
+                kind, self.batches.generators[kind], steps[kind], outcome, self._active, started
+            )
         self._refresh_gauges()
         now = time.monotonic()
         for sequence in list(self._active.values()):
@@ -339,22 +311,15 @@ class Engine:
         self._release(sequence)
         self._active.pop(sequence.key, None)
         if remove:
-            generator = self._generators[sequence.kind]
             keep = keep_prefix and self.prefix_cache.enabled
-            caches = generator.remove([sequence.uid], return_prompt_caches=keep)
-            decoder = self._decoders.get(sequence.kind)
-            for uid, (cache, tokens) in caches.items():
-                # speculation may have moved its slots
-                ordered = cache if decoder is None else decoder.in_token_order(uid, cache)
-                self.prefix_cache.store(sequence.kind, tokens[:], ordered)
+            for tokens, cache in self.batches.remove(sequence.kind, sequence.uid, keep):
+                self.prefix_cache.store(sequence.kind, tokens, cache)
             self._refresh_gauges()  # a cancel between steps: no step follows to do it
 
     def _refresh_gauges(self) -> None:
         """KV bytes and sequences in the batches, as GetStats and /metrics report them."""
-        self.kv_cache_bytes = sum(g.prompt_cache_nbytes for g in self._generators.values())
-        self._in_batch = sum(
-            len(g._generation_batch) + len(g._prompt_batch) for g in self._generators.values()
-        )
+        self.kv_cache_bytes = self.batches.kv_bytes()
+        self._in_batch = self.batches.sequences()
 
     def _fail_all(self, code: grpc.StatusCode, message: str) -> None:
         """A step failed midway: every sequence in flight is lost; start clean batches."""
@@ -363,10 +328,7 @@ class Engine:
             self._release(sequence)
             sequence.send(EngineError(code, message))
         self._active.clear()
-        for generator in self._generators.values():
-            generator.close()
-        self._generators.clear()
-        self._decoders.clear()
+        self.batches.reset()
         self.kv_cache_bytes = 0
         self._in_batch = 0
         self._probe()

@@ -1,0 +1,82 @@
+"""The engine's running batches: one mlx-lm `BatchGenerator` per KV cache kind, and that kind's
+`SpeculativeDecoder` when core speculates.
+
+A batch's caches merge into one batched cache, so kinds cannot share a batch; their forwards still
+share each step's expert calls (step_merge). Everything here runs on the engine thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from mlx_lm.generate import BatchGenerator
+
+from services.core.engine_config import EngineConfig
+from services.core.kv import make_kv_cache
+from services.core.speculative import SpeculativeDecoder, make_drafter
+
+
+class KindBatches:
+    def __init__(self, config: EngineConfig, counters, speculates: Callable[[str, int], bool]):
+        """`speculates(kind, uid)`: whether that sequence's request allows drafts."""
+        self.config = config
+        self._counters = counters
+        self._speculates = speculates
+        self.model = None
+        self._drafter = None  # what drafts tokens, made once the model is loaded
+        self.generators: dict[str, BatchGenerator] = {}
+        self._decoders: dict[str, SpeculativeDecoder] = {}
+
+    def use_model(self, model, tokenizer) -> None:
+        self.model = model
+        if self.config.speculative is not None:
+            self._drafter = make_drafter(self.config.speculative, tokenizer, model)
+
+    def new_cache(self, kind: str) -> list:
+        return make_kv_cache(self.model, kind, self.config.kv_settings)
+
+    def generator(self, kind: str) -> BatchGenerator:
+        if kind not in self.generators:
+            self.generators[kind] = BatchGenerator(
+                self.model,
+                completion_batch_size=self.config.max_num_seqs,
+                prefill_batch_size=self.config.max_num_seqs,
+                prefill_step_size=self.config.max_num_batched_tokens,
+            )
+        return self.generators[kind]
+
+    def decoder(self, kind: str) -> SpeculativeDecoder | None:
+        if self.config.speculative is None:
+            return None
+        if kind not in self._decoders:
+            self._decoders[kind] = SpeculativeDecoder(
+                self.config.speculative,
+                self._counters.speculative,
+                lambda uid: self._speculates(kind, uid),
+                self._drafter,
+            )
+        return self._decoders[kind]
+
+    def remove(self, kind: str, uid: int, keep_prompt_cache: bool) -> list[tuple[list[int], list]]:
+        """Take a sequence out of its batch, freeing its KV cache; with `keep_prompt_cache`, its
+        (tokens, cache) in token order (speculation may have moved its slots)."""
+        caches = self.generators[kind].remove([uid], return_prompt_caches=keep_prompt_cache)
+        decoder = self._decoders.get(kind)
+        return [
+            (tokens[:], cache if decoder is None else decoder.in_token_order(uid, cache))
+            for uid, (cache, tokens) in caches.items()
+        ]
+
+    def kv_bytes(self) -> int:
+        return sum(g.prompt_cache_nbytes for g in self.generators.values())
+
+    def sequences(self) -> int:
+        """Sequences decoding or prefilling in every batch."""
+        return sum(len(g._generation_batch) + len(g._prompt_batch) for g in self.generators.values())
+
+    def reset(self) -> None:
+        """Close every batch (a failed step lost them); the next requests start new ones."""
+        for generator in self.generators.values():
+            generator.close()
+        self.generators.clear()
+        self._decoders.clear()
