@@ -21,23 +21,13 @@ import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from services.common.host_staging import (
-    _ADVISE_ACCESSED_BY,
-    _ADVISE_PREFERRED_LOCATION,
-    _LOCATION_DEVICE,
-    _LOCATION_HOST,
-    MemoryAdvisor,
-    _MemLocation,
-)
+from services.common.host_staging import MemoryAdvisor
 
 MODES = ("fresh", "persist", "pref_cpu", "accessed", "pref_cpu_accessed", "device")
-ADVICE = {
-    "pref_cpu": [(_ADVISE_PREFERRED_LOCATION, _LOCATION_HOST)],
-    "accessed": [(_ADVISE_ACCESSED_BY, _LOCATION_DEVICE)],
-    "pref_cpu_accessed": [
-        (_ADVISE_PREFERRED_LOCATION, _LOCATION_HOST),
-        (_ADVISE_ACCESSED_BY, _LOCATION_DEVICE),
-    ],
+ADVICE = {  # mode -> (host_resident, device_mapped)
+    "pref_cpu": (True, False),
+    "accessed": (False, True),
+    "pref_cpu_accessed": (True, True),
 }
 
 
@@ -45,10 +35,8 @@ def persistent(shape, mode: str, advisor: MemoryAdvisor):
     array = mx.zeros(shape, dtype=mx.float32)
     mx.eval(array)
     view = np.frombuffer(memoryview(array), dtype=np.float32).reshape(shape)
-    for advice, kind in ADVICE.get(mode, []):
-        status = advisor._advise(view.ctypes.data, view.nbytes, advice, _MemLocation(kind, 0))
-        if status != 0:
-            raise OSError(f"cuMemAdvise({advice}) returned {status}")
+    if mode in ADVICE:
+        advisor.advise(view.ctypes.data, view.nbytes, *ADVICE[mode])
     return array, view
 
 

@@ -74,12 +74,17 @@ class MemoryAdvisor:
             return False
         return self._cuda.cuCtxSetCurrent(context) == 0
 
-    def host_resident_device_mapped(self, address: int, nbytes: int) -> None:
-        """Pages stay in host memory; the GPU reads them in place."""
-        for advice, location in (
-            (_ADVISE_PREFERRED_LOCATION, _MemLocation(_LOCATION_HOST, 0)),
-            (_ADVISE_ACCESSED_BY, _MemLocation(_LOCATION_DEVICE, 0)),
+    def advise(
+        self, address: int, nbytes: int, host_resident: bool = True, device_mapped: bool = True
+    ) -> None:
+        """`host_resident`: the pages prefer host memory; `device_mapped`: the GPU maps them and
+        reads them in place rather than migrating them. Both: what the staging buffers get."""
+        for advice, location, wanted in (
+            (_ADVISE_PREFERRED_LOCATION, _MemLocation(_LOCATION_HOST, 0), host_resident),
+            (_ADVISE_ACCESSED_BY, _MemLocation(_LOCATION_DEVICE, 0), device_mapped),
         ):
+            if not wanted:
+                continue
             status = self._advise(address, nbytes, advice, location)
             if status != 0:
                 raise OSError(f"cuMemAdvise({advice}) returned CUDA error {status}")
@@ -109,7 +114,7 @@ class _Buffer:
         mx.eval(self.array)
         self.host = np.frombuffer(memoryview(self.array), dtype=np.uint8)
         if advisor is not None:
-            advisor.host_resident_device_mapped(self.host.ctypes.data, nbytes)
+            advisor.advise(self.host.ctypes.data, nbytes)
         self.last_copy: mx.array | None = None
 
 
@@ -120,16 +125,20 @@ class HostStaging:
         self._advisor = advisor
         self._local = threading.local()
 
-    def upload(self, host: np.ndarray) -> mx.array:
-        """A uint8 MLX array holding `host`'s bytes, computed on the device (lazily)."""
-        raw = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
-        nbytes = raw.nbytes
+    def upload(self, *parts: np.ndarray) -> mx.array:
+        """A uint8 MLX array holding the parts' bytes one after another, computed on the device
+        (lazily). The parts are written straight into the buffer: no packing copy first."""
+        raws = [np.ascontiguousarray(part).reshape(-1).view(np.uint8) for part in parts]
+        nbytes = sum(raw.nbytes for raw in raws)
         if nbytes == 0 or nbytes > _MAX_STAGED_BYTES:
-            return mx.array(raw)
+            return mx.array(np.concatenate(raws) if len(raws) > 1 else raws[0])
         buffer = self._next_buffer(max(_MIN_BYTES, 1 << (nbytes - 1).bit_length()))
         if buffer.last_copy is not None:
             mx.eval(buffer.last_copy)  # its copy out has run (a no-op once a consumer evaluated it)
-        buffer.host[:nbytes] = raw
+        start = 0
+        for raw in raws:
+            buffer.host[start : start + raw.nbytes] = raw
+            start += raw.nbytes
         staged = buffer.array[:nbytes]
         buffer.last_copy = mx.bitwise_or(staged, staged)  # a device copy: the graph never reads the buffer
         return buffer.last_copy

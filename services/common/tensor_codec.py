@@ -157,11 +157,14 @@ def to_mlx_with_ids(host: np.ndarray, ids: np.ndarray) -> tuple[mx.array, mx.arr
     each array made from host memory pays an allocation and a page migration of its own, so a
     call's two inputs travel as one (ids first: 4-byte aligned, whatever the states' dtype)."""
     ids = np.ascontiguousarray(ids, dtype=np.int32)
-    packed = np.empty(ids.nbytes + host.nbytes, dtype=np.uint8)
-    packed[: ids.nbytes] = ids.reshape(-1).view(np.uint8)
-    packed[ids.nbytes :] = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
     stage = host_staging.staging()
-    device = mx.array(packed) if stage is None else stage.upload(packed)
+    if stage is not None:
+        device = stage.upload(ids, host)
+    else:
+        packed = np.empty(ids.nbytes + host.nbytes, dtype=np.uint8)
+        packed[: ids.nbytes] = ids.reshape(-1).view(np.uint8)
+        packed[ids.nbytes :] = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
+        device = mx.array(packed)
     dtype = hidden_dtype_of(host)
     device_ids = device[: ids.nbytes].view(mx.int32).reshape(ids.shape)
     device_hidden = device[ids.nbytes :].view(dtype).reshape(host.shape)
