@@ -70,6 +70,7 @@ def _core(args) -> None:
             max_step_seconds=args.max_step_seconds,
             prefix_cache_bytes=int(args.prefix_cache_gb * (1 << 30)),
             max_model_len=args.max_model_len,
+            micro_batches=args.micro_batches,
             speculative=speculative_config(
                 args.speculative, args.num_speculative_tokens, args.speculative_config
             ),
@@ -128,6 +129,7 @@ SERVING_FLAGS = (
     "max_queue",
     "max_num_batched_tokens",
     "max_step_seconds",
+    "micro_batches",
     "prefix_cache_gb",
     "mlx_cache_gb",
     "max_model_len",
@@ -157,6 +159,13 @@ def _add_serving_flags(p: argparse.ArgumentParser) -> None:
         type=non_negative_float,
         default=1.0,
         help="while sequences decode, cut the prefill chunk to what fits this step time (0: tokens only)",
+    )
+    p.add_argument(
+        "--micro-batches",
+        type=positive_int,
+        default=CoreConfig.micro_batches,
+        help="batches the running sequences are split into; with 2, one batch's attention runs "
+        "while the other's experts compute on the workers (ping-pong)",
     )
     p.add_argument(
         "--prefix-cache-gb",

@@ -45,6 +45,18 @@ def spin_seconds(flag_us: int | None) -> float:
     return flag_us / 1e6
 
 
+# Asked of each frame connection so that a decode call, or its answer, fits whole in the send
+# buffer while the other side is busy (ping-pong micro-batches); the system may grant less.
+SEND_BUFFER_BYTES = 1 << 20
+
+
+def enlarge_send_buffer(sock: socket.socket) -> None:
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+    except OSError:
+        pass  # the system's limit stands
+
+
 class FrameError(ConnectionError):
     """The stream broke, timed out (`timed_out`) or carried something that is not a frame."""
 

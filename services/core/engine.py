@@ -32,8 +32,8 @@ from services.core.batch_step import GeneratorStep
 from services.core.engine_config import EngineConfig, EngineCounters
 from services.core.engine_metrics import ENGINE_FORWARDS, ENGINE_STEPS
 from services.core.expert_link.links import BATCH_REQUEST_IDS
-from services.core.expert_link.step_merge import run_side_by_side
-from services.core.kind_batches import KindBatches
+from services.core.expert_link.micro_batches import run_in_lanes
+from services.core.kind_batches import BatchKey, KindBatches
 from services.core.kv import KV_CACHE_KINDS
 from services.core.logprobs import LogprobWriter
 from services.core.prefill_pacer import PrefillPacer
@@ -77,7 +77,7 @@ class Engine:
         self._inbox: queue.Queue = queue.Queue()
         self._admitted = 0  # submitted and not yet finished: bounded by max_num_seqs + max_queue
         self._admitted_lock = threading.Lock()
-        self._active: dict[tuple[str, int], Sequence] = {}
+        self._active: dict[tuple[BatchKey, int], Sequence] = {}
         self.output = SequenceOutput(self.logprobs, self.counters, self.prefix_cache, self._finish)
         self._outbox = Outbox()  # a step's chunks go to their event loops together, at its end
         self._stop = threading.Event()
@@ -145,8 +145,8 @@ class Engine:
 
     # ---- the engine thread -----------------------------------------------------------------
 
-    def _speculates(self, kind: str, uid: int) -> bool:
-        sequence = self._active.get((kind, uid))
+    def _speculates(self, batch: BatchKey, uid: int) -> bool:
+        sequence = self._active.get((batch, uid))
         return sequence is not None and sequence.request.speculative
 
     def _run(self) -> None:
@@ -222,7 +222,8 @@ class Engine:
             if cache is None:
                 cache = self.batches.new_cache(sequence.kind)
             cuts = [cached, *(at for at in request.snapshot_at if at > cached), len(request.prompt)]
-            (sequence.uid,) = self.batches.generator(sequence.kind).insert_segments(
+            sequence.batch = self.batches.place(sequence.kind)
+            (sequence.uid,) = self.batches.generator(sequence.batch).insert_segments(
                 [[request.prompt[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]],
                 max_tokens=[request.max_tokens],
                 caches=[cache],
@@ -246,8 +247,8 @@ class Engine:
         BATCH_REQUEST_IDS.set(tuple(s.request.request_id for s in self._active.values()))
         try:
             with mx.stream(generation_stream):
-                working = {kind for kind, _ in self._active}
-                busy = {kind: g for kind, g in self.batches.generators.items() if kind in working}
+                working = {batch for batch, _ in self._active}
+                busy = {batch: g for batch, g in self.batches.generators.items() if batch in working}
                 decoding, self._in_batch = share_step_budget(
                     list(busy.values()),
                     self.config.max_num_seqs,
@@ -255,17 +256,18 @@ class Engine:
                     self.pacer,
                 )
                 steps = {}
-                for kind, generator in busy.items():
-                    decoder = self.batches.decoder(kind)
+                for batch, generator in busy.items():
+                    decoder = self.batches.decoder(batch)
                     decode = None if decoder is None else decoder.decode
-                    steps[kind] = GeneratorStep(generator, self._scoring(kind), decode)
-                # Every forward of the step (decode, prompts joining, prefill chunks, of every
-                # KV kind) shares one expert call per worker per layer.
+                    steps[batch] = GeneratorStep(generator, self._scoring(batch), decode)
+                # Every forward of a lane (decode, prompts joining, prefill chunks, of every KV
+                # kind) shares one expert call per worker per layer; lanes pipeline theirs.
                 tasks = [task for step in steps.values() for task in step.tasks]
-                results = run_side_by_side(tasks)
+                lanes = [batch[1] for batch, step in steps.items() for _ in step.tasks]
+                results = run_in_lanes(tasks, lanes)
                 outcomes, start = {}, 0
-                for kind, step in steps.items():
-                    outcomes[kind] = step.finish(results[start : start + len(step.tasks)])
+                for batch, step in steps.items():
+                    outcomes[batch] = step.finish(results[start : start + len(step.tasks)])
                     start += len(step.tasks)
         except Exception as error:  # noqa: BLE001 -- one bad step must not take the server down; step_failure logs it
             self._fail_all(*self.step_failure(error))
@@ -284,9 +286,9 @@ class Engine:
                     decoding=decoding,
                     seconds=round(seconds, 3),
                 )
-        for kind, outcome in outcomes.items():
+        for batch, outcome in outcomes.items():
             self.output.deliver(
-                kind, self.batches.generators[kind], steps[kind], outcome, self._active, started
+                batch, self.batches.generators[batch], steps[batch], outcome, self._active, started
             )
         self._refresh_gauges()
         now = time.monotonic()
@@ -295,9 +297,9 @@ class Engine:
                 sequence.send(EngineError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"))
                 self._finish(sequence, remove=True)
 
-    def _scoring(self, kind: str) -> frozenset[int]:
+    def _scoring(self, batch: BatchKey) -> frozenset[int]:
         return frozenset(
-            uid for (k, uid), s in self._active.items() if k == kind and s.request.prompt_logprobs
+            uid for (b, uid), s in self._active.items() if b == batch and s.request.prompt_logprobs
         )
 
     def _release(self, sequence: Sequence) -> None:
@@ -312,7 +314,7 @@ class Engine:
         self._active.pop(sequence.key, None)
         if remove:
             keep = keep_prefix and self.prefix_cache.enabled
-            for tokens, cache in self.batches.remove(sequence.kind, sequence.uid, keep):
+            for tokens, cache in self.batches.remove(sequence.batch, sequence.uid, keep):
                 self.prefix_cache.store(sequence.kind, tokens, cache)
             self._refresh_gauges()  # a cancel between steps: no step follows to do it
 

@@ -24,9 +24,11 @@ class EngineConfig:
     max_model_len: int | None = None  # the context a request may fill; None: the model's own
     idle_probe_s: float = 2.0
     speculative: object | None = None  # services.core.speculative.SpeculativeConfig; None: off
+    # Batches per KV kind whose expert calls the step pipelines (services/core/kind_batches.py)
+    micro_batches: int = 1
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "micro_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be at least 1")
         if self.max_queue < 0 or self.prefix_cache_bytes < 0:

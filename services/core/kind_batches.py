@@ -1,8 +1,11 @@
-"""The engine's running batches: one mlx-lm `BatchGenerator` per KV cache kind, and that kind's
-`SpeculativeDecoder` when core speculates.
+"""The engine's running batches: one mlx-lm `BatchGenerator` per KV cache kind and micro-batch,
+and its `SpeculativeDecoder` when core speculates.
 
 A batch's caches merge into one batched cache, so kinds cannot share a batch; their forwards still
-share each step's expert calls (step_merge). Everything here runs on the engine thread.
+share each step's expert calls (step_merge). With `--micro-batches 2` every kind runs in two
+batches (lanes) and a new sequence joins the smaller one: the engine step then pipelines the
+lanes' expert calls (one lane's attention runs while the other's experts compute). A batch is
+named by its key, (kind, lane). Everything here runs on the engine thread.
 """
 
 from __future__ import annotations
@@ -15,17 +18,19 @@ from services.core.engine_config import EngineConfig
 from services.core.kv import make_kv_cache
 from services.core.speculative import SpeculativeDecoder, make_drafter
 
+BatchKey = tuple[str, int]  # (KV cache kind, micro-batch lane)
+
 
 class KindBatches:
     def __init__(self, config: EngineConfig, counters, speculates: Callable[[str, int], bool]):
-        """`speculates(kind, uid)`: whether that sequence's request allows drafts."""
+        """`speculates(batch, uid)`: whether that sequence's request allows drafts."""
         self.config = config
         self._counters = counters
         self._speculates = speculates
         self.model = None
         self._drafter = None  # what drafts tokens, made once the model is loaded
-        self.generators: dict[str, BatchGenerator] = {}
-        self._decoders: dict[str, SpeculativeDecoder] = {}
+        self.generators: dict[BatchKey, BatchGenerator] = {}
+        self._decoders: dict[BatchKey, SpeculativeDecoder] = {}
 
     def use_model(self, model, tokenizer) -> None:
         self.model = model
@@ -35,33 +40,50 @@ class KindBatches:
     def new_cache(self, kind: str) -> list:
         return make_kv_cache(self.model, kind, self.config.kv_settings)
 
-    def generator(self, kind: str) -> BatchGenerator:
-        if kind not in self.generators:
-            self.generators[kind] = BatchGenerator(
+    def place(self, kind: str) -> BatchKey:
+        """The batch a new sequence of `kind` joins: the lane with the fewest sequences."""
+        return min(((kind, lane) for lane in range(self.config.micro_batches)), key=self._size)
+
+    def _size(self, batch: BatchKey) -> int:
+        generator = self.generators.get(batch)
+        if generator is None:
+            return 0
+        return sum(
+            len(part)
+            for part in (
+                generator._generation_batch,
+                generator._prompt_batch,
+                generator._unprocessed_sequences,
+            )
+        )
+
+    def generator(self, batch: BatchKey) -> BatchGenerator:
+        if batch not in self.generators:
+            self.generators[batch] = BatchGenerator(
                 self.model,
                 completion_batch_size=self.config.max_num_seqs,
                 prefill_batch_size=self.config.max_num_seqs,
                 prefill_step_size=self.config.max_num_batched_tokens,
             )
-        return self.generators[kind]
+        return self.generators[batch]
 
-    def decoder(self, kind: str) -> SpeculativeDecoder | None:
+    def decoder(self, batch: BatchKey) -> SpeculativeDecoder | None:
         if self.config.speculative is None:
             return None
-        if kind not in self._decoders:
-            self._decoders[kind] = SpeculativeDecoder(
+        if batch not in self._decoders:
+            self._decoders[batch] = SpeculativeDecoder(
                 self.config.speculative,
                 self._counters.speculative,
-                lambda uid: self._speculates(kind, uid),
+                lambda uid: self._speculates(batch, uid),
                 self._drafter,
             )
-        return self._decoders[kind]
+        return self._decoders[batch]
 
-    def remove(self, kind: str, uid: int, keep_prompt_cache: bool) -> list[tuple[list[int], list]]:
+    def remove(self, batch: BatchKey, uid: int, keep_prompt_cache: bool) -> list[tuple[list[int], list]]:
         """Take a sequence out of its batch, freeing its KV cache; with `keep_prompt_cache`, its
         (tokens, cache) in token order (speculation may have moved its slots)."""
-        caches = self.generators[kind].remove([uid], return_prompt_caches=keep_prompt_cache)
-        decoder = self._decoders.get(kind)
+        caches = self.generators[batch].remove([uid], return_prompt_caches=keep_prompt_cache)
+        decoder = self._decoders.get(batch)
         return [
             (tokens[:], cache if decoder is None else decoder.in_token_order(uid, cache))
             for uid, (cache, tokens) in caches.items()

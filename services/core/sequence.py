@@ -74,8 +74,9 @@ class Sequence:
     loop: asyncio.AbstractEventLoop
     emitter: TextEmitter
     outbox: Outbox
-    kind: str = ""  # KV cache kind, which is also the batch it runs in
-    uid: int | None = None  # the uid its generator gave it
+    kind: str = ""  # KV cache kind
+    batch: tuple[str, int] = ("", 0)  # the batch it runs in: (kind, micro-batch lane)
+    uid: int | None = None  # the uid its batch's generator gave it
     generated: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     # with request.prompt_logprobs: one entry per prompt token scored so far, sent on the first chunk
@@ -86,8 +87,8 @@ class Sequence:
     first_token_at: float | None = None
 
     @property
-    def key(self) -> tuple[str, int | None]:
-        return (self.kind, self.uid)
+    def key(self) -> tuple[tuple[str, int], int | None]:
+        return (self.batch, self.uid)
 
     def send(self, item) -> None:
         self.outbox.put(self.loop, self.out, item)

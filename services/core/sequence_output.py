@@ -36,29 +36,29 @@ class SequenceOutput:
         self._finish_sequence = finish_sequence
 
     def deliver(
-        self, kind: str, generator: BatchGenerator, step, outcome, active: dict, started: float
+        self, batch: tuple[str, int], generator: BatchGenerator, step, outcome, active: dict, started: float
     ) -> None:
-        """What one generator's step (batch_step.GeneratorStep) produced, for the sequences in
-        `active` ((kind, uid) -> Sequence): prompt scores, finished prefills, decoded tokens."""
+        """What one batch's step (batch_step.GeneratorStep) produced, for the sequences in
+        `active` ((batch, uid) -> Sequence): prompt scores, finished prefills, decoded tokens."""
         prompt_responses, responses = outcome
         for uid, rows in step.prompt_logprobs.items():
-            sequence = active.get((kind, uid))
+            sequence = active.get((batch, uid))
             if sequence is not None:
                 self.prompt_scores(sequence, rows)
-        self._after_prefill(kind, generator, prompt_responses, active, started)
+        self._after_prefill(batch, generator, prompt_responses, active, started)
         for response in responses:
-            sequence = active.get((kind, response.uid))
+            sequence = active.get((batch, response.uid))
             if sequence is not None:
                 if sequence.prefill_started_at is None:
                     sequence.prefill_started_at = started
                 self.token(sequence, response)
 
-    def _after_prefill(self, kind: str, generator: BatchGenerator, prompt_responses, active, started) -> None:
+    def _after_prefill(self, batch, generator: BatchGenerator, prompt_responses, active, started) -> None:
         """Note when each sequence's prefill began, and keep the KV of every prompt whose
         prefill just finished, so requests that share the prefix skip it."""
         finished = []
         for response in prompt_responses:
-            sequence = active.get((kind, response.uid))
+            sequence = active.get((batch, response.uid))
             if sequence is None:
                 continue
             if sequence.prefill_started_at is None:
@@ -67,7 +67,7 @@ class SequenceOutput:
                 finished.append(response.uid)
         if finished and self.prefix_cache.enabled:
             for cache, tokens in generator.extract_cache(finished).values():
-                self.prefix_cache.store(kind, tokens[:], cache)
+                self.prefix_cache.store(batch[0], tokens[:], cache)
 
     def token(self, sequence: Sequence, response) -> None:
         """One generated token of `sequence` (mlx-lm's response), as its chunk."""

@@ -99,6 +99,11 @@ def build_engine(
             "give --worker addresses, or serve them locally (--worker local)"
         )
 
+    if distributed and engine_config.micro_batches > 1:
+        # In-graph calls are evaluated when the graph is, in an order no lane controls, and every
+        # member must issue its collectives in the same order.
+        raise ValueError("--micro-batches above 1 needs the frame or gRPC data path, not --distributed")
+
     def loader():
         local_modules, dispatcher, plane = {}, None, None
         if local_layers:

@@ -22,7 +22,7 @@ import time
 
 from google.protobuf.message import DecodeError
 
-from services.common.frames import HEADER, FrameError, frame, frame_length, receive_exact
+from services.common.frames import HEADER, FrameError, enlarge_send_buffer, frame, frame_length, receive_exact
 from services.common.logging import get_logger
 from services.common.mlx_threads import releasing_mlx
 from services.common.unix_sockets import claim_socket_path
@@ -89,6 +89,7 @@ class FrameServer:
                     connection.close()  # core then calls over gRPC
                     continue
                 self._connections.add(connection)
+                enlarge_send_buffer(connection)
                 thread = threading.Thread(
                     target=releasing_mlx(self._serve), args=(connection,), name="frames-conn", daemon=True
                 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from pathlib import Path
 
@@ -97,19 +98,30 @@ def running(split: Path, configs: dict[str, list[str]]):
 
 
 @pytest.fixture(scope="module")
-def demo_core():
-    """The demo model (real weights: greedy margins are real, not random-weight ties)."""
-    with running(resolve_split(None), {"plain": ["--prefix-cache-gb", "0"]}) as cores:
-        yield cores["plain"]
+def demo_cores():
+    """The demo model (real weights: greedy margins are real, not random-weight ties), served
+    by a core with one batch and one with two micro-batches in ping-pong, over the same workers."""
+    configs = {
+        "plain": ["--prefix-cache-gb", "0"],
+        "pingpong": ["--prefix-cache-gb", "0", "--micro-batches", "2"],
+    }
+    with running(resolve_split(None), configs) as cores:
+        yield cores
+
+
+@pytest.fixture(scope="module")
+def demo_core(demo_cores):
+    return demo_cores["plain"]
 
 
 @pytest.fixture(scope="module")
 def tiny_cores(tiny_models):
     """A tiny qwen3_moe with the real Qwen3 tokenizer: long prompts prefill in seconds on a CPU
-    (the demo model's 2K-token prefill takes minutes here)."""
+    (the demo model's 2K-token prefill takes minutes here). The core with the prefix cache also
+    runs two micro-batches, so prefix reuse and prompt scoring are checked across them."""
     configs = {
         "plain": ["--prefix-cache-gb", "0", "--max-num-batched-tokens", "64"],
-        "cached": ["--prefix-cache-gb", "1", "--max-num-batched-tokens", "64"],
+        "cached": ["--prefix-cache-gb", "1", "--max-num-batched-tokens", "64", "--micro-batches", "2"],
     }
     with running(tiny_models.split("qwen3_moe", None), configs) as cores:
         yield cores["plain"], cores["cached"]
@@ -167,17 +179,29 @@ def run_alone_with_mlx_lm(requests: list[core_pb2.GenerateRequest]) -> list[list
     return out
 
 
-async def test_sixteen_concurrent_requests_match_each_run_alone(demo_core):
+@functools.cache
+def demo_tokens_alone() -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(tokens) for tokens in run_alone_with_mlx_lm(requests_for_batch()))
+
+
+@pytest.mark.parametrize("name", ["plain", "pingpong"])
+async def test_sixteen_concurrent_requests_match_each_run_alone(demo_cores, name):
+    core = demo_cores[name]
     requests = requests_for_batch()
-    async with grpc.aio.insecure_channel(demo_core.address) as channel:
+    pipelined = "moe_mesh_expert_layer_calls_pipelined_total"
+    before = core.metrics().get(pipelined, 0.0)
+    async with grpc.aio.insecure_channel(core.address) as channel:
         stub = core_pb2_grpc.CoreStub(channel)
         batch = await asyncio.gather(*(run(stub, r) for r in requests))
-        stats = await stub.GetStats(core_pb2.GetStatsRequest())
-    alone = run_alone_with_mlx_lm(requests)
+        stats = await wait_idle(stub)
+    alone = demo_tokens_alone()
     for i, ((batched_tokens, _), alone_tokens) in enumerate(zip(batch, alone, strict=True)):
-        assert batched_tokens == alone_tokens, f"request {i} ({QUESTIONS[i]!r}) differs when batched"
+        assert batched_tokens == list(alone_tokens), f"request {i} ({QUESTIONS[i]!r}) differs when batched"
         assert len(alone_tokens) == 4 + i % 3
-    assert stats.running_requests == 0 and stats.waiting_requests == 0
+    assert stats.running_requests == 0 and stats.waiting_requests == 0 and stats.kv_cache_bytes == 0
+    calls = core.metrics()[pipelined] - before
+    # with two micro-batches, layer calls go out while the other batch's are computing
+    assert calls > 0 if name == "pingpong" else calls == 0
 
 
 async def test_a_request_behind_an_abandoned_long_prompt_starts_within_seconds(demo_core):

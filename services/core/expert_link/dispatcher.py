@@ -227,6 +227,21 @@ class ExpertDispatcher(RoutingMixin, FramePathMixin, GrpcPathMixin):
         IN_FLIGHT.call = pending
         return slot
 
+    def start_call(self, layer: int, hidden: mx.array, expert_ids: mx.array) -> PendingCall:
+        """Send a layer call (inputs as for `call`) and return at once; `finish(pending)` reads
+        its answer. Calls started one after another are answered in the order they were sent."""
+        settle_pending()
+        return self._start(layer, hidden, expert_ids)
+
+    def queues_behind(self, earlier: PendingCall, nbytes: int) -> bool:
+        """Whether a call of about `nbytes` may be sent while `earlier` is still unanswered. Only
+        over frame sockets whose send buffers take it whole: a worker reads its next call only
+        after writing the last answer, which nobody reads while core is still sending. A gRPC
+        call is waited for first (one call at a time per stream)."""
+        if earlier.frame_calls is None:
+            return False
+        return all(self.links[part.link].frames.room() >= 2 * nbytes for part in earlier.plan)
+
     def _start(self, layer: int, hidden: mx.array, expert_ids: mx.array) -> PendingCall:
         started = time.perf_counter()
         ids = tensor_codec.numpy_view(expert_ids)  # evaluated int32 (RemoteExperts made it so)

@@ -13,7 +13,14 @@ import time
 
 from google.protobuf.message import DecodeError
 
-from services.common.frames import HEADER, FrameError, frame, frame_length, receive_exact
+from services.common.frames import (
+    HEADER,
+    FrameError,
+    enlarge_send_buffer,
+    frame,
+    frame_length,
+    receive_exact,
+)
 from services.proto.moemesh.v1 import expert_pb2
 
 MAX_FAILED_CONNECTS = 3  # then the link is left to gRPC until the worker is described again
@@ -34,6 +41,12 @@ class FrameLink:
         """False once connecting failed again and again (a socket path core cannot reach, e.g.
         another container's): calls then go straight to gRPC instead of failing over each time."""
         return self.failed_connects < MAX_FAILED_CONNECTS
+
+    def room(self) -> int:
+        """Bytes the connection's send buffer takes while the worker reads nothing (0: not connected)."""
+        if self._socket is None:
+            return 0
+        return self._socket.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
 
     def send(self, call: expert_pb2.ExpertCall, deadline: float) -> None:
         try:
@@ -75,6 +88,7 @@ class FrameLink:
                 self.failed_connects += 1
                 raise
             self.failed_connects = 0
+            enlarge_send_buffer(sock)
             self._socket = sock
         return self._socket
 

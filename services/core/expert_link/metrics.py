@@ -40,3 +40,7 @@ LAYER_CALL_FAILURES = Counter(
     "Layer calls that failed after every replica was tried",
     ["code"],
 )
+LAYER_CALLS_PIPELINED = Counter(
+    "moe_mesh_expert_layer_calls_pipelined_total",
+    "Layer calls sent while another micro-batch's call was still computing (--micro-batches)",
+)

@@ -26,15 +26,15 @@ from greenlet import greenlet
 
 from services.core.expert_link.in_flight import drop_pending
 
-_START = object()
+START = object()  # what a forward that has not run yet is resumed with
 
 
-class _Forward(greenlet):
+class Forward(greenlet):
     """A greenlet whose expert calls go to the step's hub instead of straight out."""
 
 
 @dataclass
-class _Waiting:
+class Waiting:
     dispatcher: object
     layer: int
     hidden: mx.array
@@ -47,8 +47,8 @@ def expert_call(dispatcher, layer: int, hidden: mx.array, expert_ids: mx.array) 
     `needs_evaluated_inputs` is False. Inside `run_side_by_side` the call joins the layer's merged
     call; anywhere else it is a plain `dispatcher.call_overlapped`."""
     current = greenlet.getcurrent()
-    if isinstance(current, _Forward):
-        return current.parent.switch(_Waiting(dispatcher, layer, hidden, expert_ids))
+    if isinstance(current, Forward):
+        return current.parent.switch(Waiting(dispatcher, layer, hidden, expert_ids))
     return dispatcher.call_overlapped(layer, hidden, expert_ids)
 
 
@@ -66,20 +66,15 @@ def run_side_by_side(tasks: Sequence[Callable[[], object]]) -> list:
 def _run_side_by_side(tasks: Sequence[Callable[[], object]]) -> list:
     if len(tasks) <= 1:
         return [task() for task in tasks]
-    forwards = [_Forward(task) for task in tasks]
+    forwards = [Forward(task) for task in tasks]
     results: list = [None] * len(tasks)
-    resume: dict[int, object] = {index: _START for index in range(len(tasks))}  # index -> value to send
-    waiting: dict[int, _Waiting] = {}
+    resume: dict[int, object] = {index: START for index in range(len(tasks))}  # index -> value to send
+    waiting: dict[int, Waiting] = {}
     try:
         while resume:
             for index, value in resume.items():
-                if value is _START:
-                    outcome = forwards[index].switch()
-                elif isinstance(value, BaseException):
-                    outcome = forwards[index].throw(value)
-                else:
-                    outcome = forwards[index].switch(value)
-                if isinstance(outcome, _Waiting) and not forwards[index].dead:
+                outcome = resume_forward(forwards[index], value)
+                if isinstance(outcome, Waiting) and not forwards[index].dead:
                     waiting[index] = outcome
                 else:
                     results[index] = outcome
@@ -94,23 +89,51 @@ def _run_side_by_side(tasks: Sequence[Callable[[], object]]) -> list:
     return results
 
 
-def _merged_call(waiting: dict[int, _Waiting]) -> dict[int, object]:
+def resume_forward(forward: Forward, value) -> object:
+    """Run `forward` until it waits at an expert call (returns that `Waiting`) or ends (returns
+    its result); `value` is START, the rows it waited for, or the error to raise inside it."""
+    if value is START:
+        return forward.switch()
+    if isinstance(value, BaseException):
+        return forward.throw(value)
+    return forward.switch(value)
+
+
+def _merged_call(waiting: dict[int, Waiting]) -> dict[int, object]:
     """Serve the forwards waiting at the lowest layer with one call; they resume with their
     own rows (or the call's error, raised inside each of them)."""
-    first = min(waiting.values(), key=lambda w: w.layer)
-    group = [i for i, w in waiting.items() if w.layer == first.layer and w.dispatcher is first.dispatcher]
-    parts = [waiting.pop(i) for i in group]
-    if len(parts) == 1:
-        hidden, expert_ids = parts[0].hidden, parts[0].expert_ids
-    else:
-        hidden = mx.concatenate([p.hidden for p in parts])
-        expert_ids = mx.concatenate([p.expert_ids for p in parts])
-        if getattr(first.dispatcher, "needs_evaluated_inputs", True):
-            mx.eval(hidden, expert_ids)  # of evaluated inputs: each forward settled before its own eval
+    group, parts = take_lowest_layer(waiting)
+    first = parts[0]
+    hidden, expert_ids = merged_inputs(parts)
     try:
         out = first.dispatcher.call_overlapped(first.layer, hidden, expert_ids)
     except Exception as error:  # noqa: BLE001 - raised again inside each forward of the call
-        return {i: error for i in group}
+        out = error
+    return split_answer(group, parts, out)
+
+
+def take_lowest_layer(waiting: dict[int, Waiting]) -> tuple[list[int], list[Waiting]]:
+    """Remove from `waiting` the forwards that wait at its lowest layer on one dispatcher."""
+    first = min(waiting.values(), key=lambda w: w.layer)
+    group = [i for i, w in waiting.items() if w.layer == first.layer and w.dispatcher is first.dispatcher]
+    return group, [waiting.pop(i) for i in group]
+
+
+def merged_inputs(parts: list[Waiting]) -> tuple[mx.array, mx.array]:
+    """One call's hidden states and expert ids: every part's, in order."""
+    if len(parts) == 1:
+        return parts[0].hidden, parts[0].expert_ids
+    hidden = mx.concatenate([p.hidden for p in parts])
+    expert_ids = mx.concatenate([p.expert_ids for p in parts])
+    if getattr(parts[0].dispatcher, "needs_evaluated_inputs", True):
+        mx.eval(hidden, expert_ids)  # of evaluated inputs: each forward settled before its own eval
+    return hidden, expert_ids
+
+
+def split_answer(group: list[int], parts: list[Waiting], out) -> dict[int, object]:
+    """Each forward's rows of a merged call's answer (or the call's error, for each of them)."""
+    if isinstance(out, BaseException):
+        return {i: out for i in group}
     resume, start = {}, 0
     for i, part in zip(group, parts, strict=True):
         rows = part.hidden.shape[0]
