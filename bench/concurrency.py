@@ -13,9 +13,10 @@ first request sent to the last token received. TTFT is per request, from send to
 over the time from the last stream's first token to the last token. `--core-flags` passes more
 `moe-mesh core` flags (e.g. `--prefix-cache-gb 0`).
 `--variants`: `workers_N` (N worker processes, the default `workers_2`) and `local_experts` (core
-alone, `--worker local`). `--baseline` adds mlx-lm's own `BatchGenerator` serving the monolithic
-checkpoint in this process with the same prompts and token counts (`mlx_lm_batch_generator`), and
-each variant's `ratio_vs_mlx_lm` per level.
+alone, `--worker local`); a `_pingpong` suffix runs core with two micro-batches
+(`--micro-batches 2`). `--baseline` adds mlx-lm's own `BatchGenerator` serving the monolithic
+checkpoint in this process with the same prompts and token counts (`mlx_lm_batch_generator`),
+and each variant's `ratio_vs_mlx_lm` per level.
 
 Two more figures for the demo model, from the issue's checks:
 - long_prompt: a ~2K-token prompt arrives while 4 streams decode; the largest gap between
@@ -247,9 +248,15 @@ def mlx_lm_baseline(path: Path, tokens: int, rounds: int, budget: int, concurren
     return {"levels": levels}
 
 
+PINGPONG = "_pingpong"
+
+
 def variant_system(split: Path, variant: str, budget: int, core_flags: str = ""):
     flags = ["--max-num-seqs", "16", "--max-num-batched-tokens", str(budget), *core_flags.split()]
-    workers = 0 if variant == "local_experts" else int(variant.removeprefix("workers_"))
+    base = variant.removesuffix(PINGPONG)
+    if base != variant:
+        flags += ["--micro-batches", "2"]
+    workers = 0 if base == "local_experts" else int(base.removeprefix("workers_"))
     return split_system(split, bench_workdir("mm-bench-"), workers, spin_as_up(max(workers, 1)), flags)
 
 
