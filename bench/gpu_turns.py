@@ -100,7 +100,9 @@ def main() -> None:
         },
     }
     pair = result["p50_us_per_pair"]
-    result["turn_taking_cost_us"] = round(pair["two_processes"] - pair["one_process"] - pair["socket_only"], 1)
+    result["turn_taking_cost_us"] = round(
+        pair["two_processes"] - pair["one_process"] - pair["socket_only"], 1
+    )
     print(json.dumps(result, indent=2))
 
 

@@ -119,6 +119,7 @@ def _up(args) -> None:
             log_format=args.log_format,
             replicas=args.replicas,
             mlx_cache_gb=args.mlx_cache_gb,
+            mps=args.mps,
         )
     )
 
@@ -424,6 +425,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_float,
         default=None,
         help="each worker's expert RAM budget (default: all)",
+    )
+    p.add_argument(
+        "--mps",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="run the services as clients of an NVIDIA MPS daemon of their own, so core and the "
+        "workers stop switching GPU contexts at every layer call (auto: on NVIDIA GPUs when "
+        "worker processes share them)",
     )
     _add_serving_flags(p)
     add_kv_cache_flags(p)

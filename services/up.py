@@ -31,6 +31,7 @@ from services.cluster import LOCAL_ADDRESS, local_cluster_toml
 from services.common.frames import frames_path_for
 from services.common.logging import get_logger, renders_console
 from services.common.ranges import format_ranges
+from services.gpu_sharing import MpsDaemon, mps_for_cluster
 from services.up_console import LogRelay, new_log_dir
 
 log = get_logger(__name__)
@@ -116,6 +117,7 @@ class Cluster:
         self._args: dict[str, tuple[str, ...]] = {}
         self._env: dict[str, dict[str, str] | None] = {}
         self._restarts: dict[str, list[float]] = {}
+        self.base_env: dict[str, str] = {}  # given to every service, restarts included (MPS)
 
     def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:
         """Start service `name` (`env`: variables added to this process's environment)."""
@@ -126,7 +128,7 @@ class Cluster:
             # our own CLI (sys.executable -m services.cli) with our flags, no shell
             proc = subprocess.Popen(  # nosec B603
                 command,
-                env={**os.environ, **env} if env else None,
+                env={**os.environ, **self.base_env, **(env or {})} if env or self.base_env else None,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -229,6 +231,7 @@ def run_up(
     log_format: str = "auto",
     replicas: int = 1,
     mlx_cache_gb: float | None = None,
+    mps: str = "auto",
 ) -> int:
     """`frame_spin_us`: how long core's and the workers' frame reads poll (None: poll when the
     machine has a core for each of them, services.common.frames.spin_for); `local_experts`: no
@@ -236,7 +239,8 @@ def run_up(
     `distributed`: core and the workers form an in-graph data plane on this backend; `model_name`:
     the name core serves the model under (core_args carry it), for the ready line; `replicas`:
     workers holding each expert (expert_ranges); `mlx_cache_gb`: the workers' MLX buffer-cache
-    limit (core's comes with core_args). Logs go to `workdir`, else to a new folder under
+    limit (core's comes with core_args); `mps`: NVIDIA's MPS daemon for the services (auto, on,
+    off: services/gpu_sharing.py). Logs go to `workdir`, else to a new folder under
     $MOE_MESH_CACHE/logs that stays after the run."""
     from services.common.frames import spin_for
     from services.common.manifest import Manifest
@@ -296,7 +300,12 @@ def run_up(
     threads = ["--compute-threads", str(worker_compute_threads(experts))]
     plane_envs = data_plane_envs(work, distributed, experts + 1) if distributed and experts else None
     plane = ["--distributed", distributed] if plane_envs else []
+    daemon = None
     try:
+        daemon = mps_for_cluster(mps, work, experts + 1, gpu_count() if mps != "off" else 0)
+        if daemon is not None:
+            _start_mps(daemon, required=mps == "on")
+            cluster.base_env = daemon.env if daemon.started else {}
         for i in range(experts):
             # Each worker keeps at most expert_memory_gb of its experts in RAM, streams the rest.
             budget = ["--memory-gb", str(expert_memory_gb)] if expert_memory_gb else []
@@ -370,6 +379,8 @@ def run_up(
     finally:
         print("stopping moe-mesh", file=sys.stderr)
         cluster.stop()
+        if daemon is not None and daemon.started:
+            daemon.stop()
         relay.stop()
         for address in [*worker_sockets, core_socket]:
             Path(address.removeprefix("unix:")).unlink(missing_ok=True)
@@ -414,6 +425,16 @@ def gpu_count() -> int:
     except (OSError, subprocess.TimeoutExpired):
         return 0
     return sum(line.startswith("GPU ") for line in listing.stdout.splitlines())
+
+
+def _start_mps(daemon: MpsDaemon, required: bool) -> None:
+    """Start the daemon; with `auto` a daemon that will not start is logged and left out."""
+    try:
+        daemon.start()
+    except (OSError, subprocess.SubprocessError) as error:
+        if required:
+            raise SystemExit(f"moe-mesh up: --mps on: the MPS daemon did not start: {error}") from None
+        print(f"moe-mesh up: serving without MPS (its daemon did not start: {error})", file=sys.stderr)
 
 
 def _report_death(name: str, code: int, log_path: Path) -> int:
