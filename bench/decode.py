@@ -62,6 +62,7 @@ from services.common.manifest import Manifest
 from services.common.model_build import expert_modules, replace_modules
 from services.common.synthetic_model import QWEN3_30B_A3B_SHAPE, build_random_checkpoint
 from services.common.tensor_codec import numpy_view, to_mlx
+from services.gpu_sharing import mps_for_cluster
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 from services.up import (
     cache_root,
@@ -195,6 +196,7 @@ SPLIT_VARIANTS = {
     "local_experts": (0, [], []),
     "workers_1": (1, [], []),
     "workers_1_unstaged": (1, [], []),  # host staging off (PROCESS_ENV): fresh arrays per call on CUDA
+    "workers_1_no_mps": (1, [], []),  # no MPS daemon (NO_MPS), where `up` would start one
     "workers_1_two_gpus": (1, [], []),  # core on GPU 0, the worker on GPU 1 (GPU_PLACEMENT)
     "workers_2": (2, [], []),
     "workers_1_grpc": (1, ["--no-expert-frames"], []),
@@ -218,6 +220,8 @@ GPU_PLACEMENT = {
 PROCESS_ENV = {
     "workers_1_unstaged": ({"MOE_MESH_HOST_STAGING": "off"}, {"MOE_MESH_HOST_STAGING": "off"}),
 }
+# Variants run without the MPS daemon that `moe-mesh up` starts on NVIDIA GPUs (services/gpu_sharing.py).
+NO_MPS = {"workers_1_no_mps"}
 
 
 @contextlib.contextmanager
@@ -253,11 +257,12 @@ def split_system(
     core_flags: list[str] = (),
     worker_flags: list[str] = (),
     placement: tuple[dict, dict] = ({}, {}),
+    mps: str = "auto",
 ):
     """`workers` expert workers (experts divided between them) and a core, as real processes on
     Unix sockets in `workdir`, all reading frames with `spin_us` of polling; yields (core address,
     core process) once core serves, stops everything on exit. `placement`: (core's, the workers')
-    extra environment, e.g. the GPU each sees."""
+    extra environment, e.g. the GPU each sees; `mps`: NVIDIA's MPS daemon as `up --mps` runs it."""
     manifest = Manifest.load(split)
     spin = ["--frame-spin-us", str(spin_us)]
     ranges = expert_ranges(manifest.num_experts, workers) if workers else []
@@ -266,6 +271,10 @@ def split_system(
     flags = list(core_flags)
     backend = flags[flags.index("--distributed") + 1] if "--distributed" in flags else None
     envs = data_plane_envs(workdir, backend, workers + 1) if backend else [{}] * (workers + 1)
+    daemon = mps_for_cluster(mps, workdir, workers + 1, gpu_count() if mps != "off" else 0)
+    if daemon is not None:
+        daemon.start()
+        envs = [{**daemon.env, **env} for env in envs]
     started = time.monotonic()
     with environment(placement[1]):
         pool = Workers(
@@ -291,6 +300,8 @@ def split_system(
     finally:
         stop([core])
         pool.stop()
+        if daemon is not None:
+            daemon.stop()
 
 
 def split_run(
@@ -302,9 +313,10 @@ def split_run(
     core_flags: list[str],
     worker_flags: list[str],
     placement: tuple[dict, dict] = ({}, {}),
+    mps: str = "auto",
 ) -> dict:
     spin_us = spin_as_up(workers)
-    system = split_system(split, workdir, workers, spin_us, core_flags, worker_flags, placement)
+    system = split_system(split, workdir, workers, spin_us, core_flags, worker_flags, placement, mps)
     with system as (address, _):
         out, stamps, calls = timed_decode(address, prompt, tokens)
     layer = {
@@ -376,7 +388,8 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str, variants: list[
             workers, core_flags, worker_flags = SPLIT_VARIANTS[variant]
             placement = GPU_PLACEMENT.get(variant) or PROCESS_ENV.get(variant, ({}, {}))
             log(f"{step} moe-mesh {variant} {' '.join([*core_flags, *worker_flags])}")
-            run = split_run(split, workdir, workers, prompt, tokens, core_flags, worker_flags, placement)
+            mps = "off" if variant in NO_MPS else "auto"
+            run = split_run(split, workdir, workers, prompt, tokens, core_flags, worker_flags, placement, mps)
             run["tokens_match_monolithic"] = run["tokens"] == reference
             run["tokens_match_mlx_lm_batched"] = run["tokens"] == batched
             results[variant].append(run)
