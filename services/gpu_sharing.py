@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess  # nosec B404 - runs NVIDIA's control binary with fixed arguments
+import subprocess
+import sys  # nosec B404 - runs NVIDIA's control binary with fixed arguments
 from pathlib import Path
 
 from services.common.logging import get_logger
@@ -21,6 +22,8 @@ log = get_logger(__name__)
 
 CONTROL = "nvidia-cuda-mps-control"
 MPS_SETTINGS = ("auto", "on", "off")
+# What a client of the daemon must be able to do: MLX computing one array on the default device.
+CLIENT_PROBE = (sys.executable, "-c", "import mlx.core as mx; mx.eval(mx.ones(4) + 1)")
 
 
 class MpsDaemon:
@@ -40,6 +43,24 @@ class MpsDaemon:
         self._run("-d")
         self.started = True
         log.info("mps_daemon_started", pipe=self.env["CUDA_MPS_PIPE_DIRECTORY"])
+
+    def client_problem(self) -> str | None:
+        """Run CLIENT_PROBE as a client of the daemon: None when it works, else what went wrong (a
+        GPU that refuses MPS fails its clients, and the services must not be the first to find out)."""
+        try:
+            done = subprocess.run(  # nosec B603 - this interpreter, fixed code
+                CLIENT_PROBE,
+                check=False,
+                env={**os.environ, **self.env},
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+        except (OSError, subprocess.TimeoutExpired) as error:
+            return str(error)
+        if done.returncode != 0:
+            return (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        return None
 
     def stop(self) -> None:
         """Ask the daemon to quit (it waits for its clients, which `up` has stopped by then)."""

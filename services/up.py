@@ -428,13 +428,21 @@ def gpu_count() -> int:
 
 
 def _start_mps(daemon: MpsDaemon, required: bool) -> None:
-    """Start the daemon; with `auto` a daemon that will not start is logged and left out."""
+    """Start the daemon and check that a client works; with `auto` a daemon that fails either is
+    reported and left out, and the services run without it."""
     try:
         daemon.start()
+        problem = daemon.client_problem()
     except (OSError, subprocess.SubprocessError) as error:
-        if required:
-            raise SystemExit(f"moe-mesh up: --mps on: the MPS daemon did not start: {error}") from None
-        print(f"moe-mesh up: serving without MPS (its daemon did not start: {error})", file=sys.stderr)
+        problem = f"its daemon did not start: {error}"
+    if problem is None:
+        return
+    if daemon.started:
+        daemon.stop()
+        daemon.started = False
+    if required:
+        raise SystemExit(f"moe-mesh up: --mps on: {problem}")
+    print(f"moe-mesh up: serving without MPS ({problem})", file=sys.stderr)
 
 
 def _report_death(name: str, code: int, log_path: Path) -> int:

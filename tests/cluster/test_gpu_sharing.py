@@ -88,3 +88,35 @@ def test_every_service_and_its_restart_run_as_a_client(tmp_path, monkeypatch):
     cluster.procs[0][1].wait(timeout=30)
     relay.stop()
     assert seen.read_text().splitlines() == ["/tmp/pipe-of-this-cluster"] * 2
+
+
+@pytest.mark.parametrize("required", [False, True], ids=["auto", "on"])
+def test_a_daemon_whose_client_fails_is_stopped_and_left_out(
+    control, tmp_path, monkeypatch, capsys, required
+):
+    """A GPU that refuses MPS fails the daemon's clients: `up` finds out with a probe before any
+    service starts, stops the daemon, and serves without it (auto) or says why it cannot (on)."""
+    from services.up import _start_mps
+
+    monkeypatch.setattr(
+        "services.gpu_sharing.CLIENT_PROBE",
+        (sys.executable, "-c", "import sys; sys.exit('MPS client failed to connect')"),
+    )
+    daemon = mps_for_cluster("on" if required else "auto", tmp_path, gpu_processes=2, gpus=1)
+    if required:
+        with pytest.raises(SystemExit, match="--mps on: MPS client failed to connect"):
+            _start_mps(daemon, required=True)
+    else:
+        _start_mps(daemon, required=False)
+        assert "serving without MPS (MPS client failed to connect)" in capsys.readouterr().err
+    assert not daemon.started
+    assert [run.split(" pipe=")[0] for run in control.read_text().splitlines()] == ["args=-d", "args="]
+
+
+def test_a_working_client_keeps_the_daemon(control, tmp_path):
+    from services.up import _start_mps
+
+    daemon = mps_for_cluster("auto", tmp_path, gpu_processes=2, gpus=1)
+    _start_mps(daemon, required=False)  # the real probe: MLX on this machine's default device
+    assert daemon.started
+    daemon.stop()

@@ -31,8 +31,12 @@ def cores():
     draft = f"draft:{ensure_demo_model(dense=True, progress=False)}"  # the dense model it was made from
     configs = {
         "off": off,
-        # with the prefix cache: caches whose slots speculation moved are reused from it
-        "ngram": ["--prefix-cache-gb", "1", "--speculative", "ngram", "--num-speculative-tokens", "4"],
+        # with the prefix cache: caches whose slots speculation moved are reused from it; and two
+        # micro-batches, so requests sent together draft and verify in lanes of their own
+        "ngram": [
+            *["--prefix-cache-gb", "1", "--speculative", "ngram", "--num-speculative-tokens", "4"],
+            *["--micro-batches", "2"],
+        ],
         "draft": [*off, "--speculative-config", json.dumps({"method": draft, "num_speculative_tokens": 3})],
     }
     with running(resolve_split(None), configs) as started:
