@@ -327,26 +327,9 @@ class ExpertDispatcher(RoutingMixin, FramePathMixin, GrpcPathMixin):
         finished = time.perf_counter()
         elapsed = finished - pending.started
         self.timings.record(elapsed * 1e6, worker_us, compute_us, pending.layer)
-        self._record_parts(pending, stats, one_clock, arrived, arrived_ns, finished)
+        self.timings.record_call_parts(pending, stats, one_clock, arrived, arrived_ns, finished)
         self._layer_seconds[pending.layer].observe(elapsed)
         return array
-
-    def _record_parts(
-        self, pending: PendingCall, stats, one_clock: bool, arrived, arrived_ns, finished
-    ) -> None:
-        """The call's parts (LayerCallTimings): the slowest worker's where several answered."""
-        parts = {
-            "encode": (pending.sent - pending.started) * 1e6,
-            "core_decode": (finished - arrived) * 1e6,
-            **{
-                f"worker_{n}": max(getattr(s, f"{n}_us") for s in stats)
-                for n in ("decode", "compute", "encode")
-            },
-        }
-        if one_clock and all(s.started_ns for s in stats):
-            parts["send"] = (max(s.started_ns for s in stats) - pending.sent_ns) / 1e3
-            parts["reply"] = (arrived_ns - max(s.finished_ns for s in stats)) / 1e3
-        self.timings.record_parts(parts)
 
     def abandon(self, pending: PendingCall) -> None:
         """Forget a call nobody will read (its forward failed). A frame answer still on its way

@@ -93,6 +93,23 @@ class LayerCallTimings:
                     values = self._parts[name] = deque(maxlen=self._window)
                 values.append(microseconds)
 
+    def record_call_parts(self, pending, stats, one_clock: bool, arrived, arrived_ns, finished) -> None:
+        """A finished layer call's parts (`pending` a PendingCall, `stats` each worker's CallStats;
+        the slowest worker's where several answered). Send and reply need `one_clock`: core and
+        worker on one host, reading one monotonic clock."""
+        parts = {
+            "encode": (pending.sent - pending.started) * 1e6,
+            "core_decode": (finished - arrived) * 1e6,
+            **{
+                f"worker_{n}": max(getattr(s, f"{n}_us") for s in stats)
+                for n in ("decode", "compute", "encode")
+            },
+        }
+        if one_clock and all(s.started_ns for s in stats):
+            parts["send"] = (max(s.started_ns for s in stats) - pending.sent_ns) / 1e3
+            parts["reply"] = (arrived_ns - max(s.finished_ns for s in stats)) / 1e3
+        self.record_parts(parts)
+
     def snapshot(self, reset: bool = False) -> np.ndarray:
         """[n, 3] array of (total, worker, compute) microseconds."""
         return self.snapshot_all(reset)[0]
