@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys  # nosec B404 - runs NVIDIA's control binary with fixed arguments
+import subprocess  # nosec B404 - runs NVIDIA's control binary and this interpreter, fixed arguments
+import sys
 from pathlib import Path
 
 from services.common.logging import get_logger

@@ -304,7 +304,8 @@ def run_up(
     try:
         daemon = mps_for_cluster(mps, work, experts + 1, gpu_count() if mps != "off" else 0)
         if daemon is not None:
-            _start_mps(daemon, required=mps == "on")
+            if (problem := _start_mps(daemon, required=mps == "on")) is not None:
+                print(f"moe-mesh up: serving without MPS ({problem})", file=sys.stderr)
             cluster.base_env = daemon.env if daemon.started else {}
         for i in range(experts):
             # Each worker keeps at most expert_memory_gb of its experts in RAM, streams the rest.
@@ -427,22 +428,22 @@ def gpu_count() -> int:
     return sum(line.startswith("GPU ") for line in listing.stdout.splitlines())
 
 
-def _start_mps(daemon: MpsDaemon, required: bool) -> None:
+def _start_mps(daemon: MpsDaemon, required: bool) -> str | None:
     """Start the daemon and check that a client works; with `auto` a daemon that fails either is
-    reported and left out, and the services run without it."""
+    stopped and left out, and what went wrong is returned (the services run without it)."""
     try:
         daemon.start()
         problem = daemon.client_problem()
     except (OSError, subprocess.SubprocessError) as error:
         problem = f"its daemon did not start: {error}"
     if problem is None:
-        return
+        return None
     if daemon.started:
         daemon.stop()
         daemon.started = False
     if required:
         raise SystemExit(f"moe-mesh up: --mps on: {problem}")
-    print(f"moe-mesh up: serving without MPS ({problem})", file=sys.stderr)
+    return problem
 
 
 def _report_death(name: str, code: int, log_path: Path) -> int:
