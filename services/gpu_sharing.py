@@ -64,6 +64,7 @@ class MpsDaemon:
 
     def stop(self) -> None:
         """Ask the daemon to quit (it waits for its clients, which `up` has stopped by then)."""
+        self.started = False
         try:
             self._run(stdin="quit\n")
         except (OSError, subprocess.SubprocessError) as error:
@@ -91,14 +92,11 @@ def mps_for_cluster(setting: str, workdir: Path, gpu_processes: int, gpus: int) 
     if setting == "off":
         return None
     control = shutil.which(CONTROL)
-    missing = [
-        reason
-        for reason, absent in (
-            ("no NVIDIA GPU (nvidia-smi lists none)", gpus == 0),
-            (f"{CONTROL} is not on PATH", control is None),
-        )
-        if absent
-    ]
+    missing = []
+    if gpus == 0:
+        missing.append("no NVIDIA GPU (nvidia-smi lists none)")
+    if control is None:
+        missing.append(f"{CONTROL} is not on PATH")
     if setting == "on" and missing:
         raise ValueError(f"--mps on: {'; '.join(missing)}")
     if missing or (setting == "auto" and (gpu_processes < 2 or "CUDA_MPS_PIPE_DIRECTORY" in os.environ)):

@@ -440,7 +440,6 @@ def _start_mps(daemon: MpsDaemon, required: bool) -> str | None:
         return None
     if daemon.started:
         daemon.stop()
-        daemon.started = False
     if required:
         raise SystemExit(f"moe-mesh up: --mps on: {problem}")
     return problem

@@ -161,10 +161,8 @@ def to_mlx_with_ids(host: np.ndarray, ids: np.ndarray) -> tuple[mx.array, mx.arr
     if stage is not None:
         device = stage.upload(ids, host)
     else:
-        packed = np.empty(ids.nbytes + host.nbytes, dtype=np.uint8)
-        packed[: ids.nbytes] = ids.reshape(-1).view(np.uint8)
-        packed[ids.nbytes :] = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
-        device = mx.array(packed)
+        raws = (ids.reshape(-1).view(np.uint8), np.ascontiguousarray(host).reshape(-1).view(np.uint8))
+        device = mx.array(np.concatenate(raws))
     dtype = hidden_dtype_of(host)
     device_ids = device[: ids.nbytes].view(mx.int32).reshape(ids.shape)
     device_hidden = device[ids.nbytes :].view(dtype).reshape(host.shape)

@@ -32,7 +32,7 @@ from services.core.batch_step import GeneratorStep
 from services.core.engine_config import EngineConfig, EngineCounters
 from services.core.engine_metrics import ENGINE_FORWARDS, ENGINE_STEPS
 from services.core.expert_link.links import BATCH_REQUEST_IDS
-from services.core.expert_link.micro_batches import run_in_lanes
+from services.core.expert_link.step_merge import run_side_by_side
 from services.core.kind_batches import BatchKey, KindBatches
 from services.core.kv import KV_CACHE_KINDS
 from services.core.logprobs import LogprobWriter
@@ -264,7 +264,7 @@ class Engine:
                 # kind) shares one expert call per worker per layer; lanes pipeline theirs.
                 tasks = [task for step in steps.values() for task in step.tasks]
                 lanes = [batch[1] for batch, step in steps.items() for _ in step.tasks]
-                results = run_in_lanes(tasks, lanes)
+                results = run_side_by_side(tasks, lanes)
                 outcomes, start = {}, 0
                 for batch, step in steps.items():
                     outcomes[batch] = step.finish(results[start : start + len(step.tasks)])

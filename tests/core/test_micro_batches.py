@@ -1,12 +1,12 @@
-"""micro_batches: two lanes pipeline their layer calls (ping-pong) and every forward still gets
-exactly the rows it would have got calling alone."""
+"""Micro-batches (step_merge with lanes): two lanes pipeline their layer calls (ping-pong) and
+every forward still gets exactly the rows it would have got calling alone."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from services.core.expert_link.micro_batches import run_in_lanes
+from services.core.expert_link.step_merge import run_side_by_side
 from tests.core.test_step_merge import LAYERS, RecordingDispatcher, forward
 
 
@@ -54,7 +54,7 @@ def test_lanes_send_behind_each_other_and_every_forward_gets_its_own_rows():
 
     dispatcher = PipeliningDispatcher()
     tasks = [forward(dispatcher, tokens, seed) for seed, (tokens, _) in enumerate(SHAPES)]
-    got = run_in_lanes(tasks, [lane for _, lane in SHAPES])
+    got = run_side_by_side(tasks, [lane for _, lane in SHAPES])
     for mine, reference in zip(got, expected, strict=True):
         np.testing.assert_array_equal(mine, reference)
     # Lane 0 carries 1 + 3 tokens, lane 1 2 + 4. Each call goes out before the other lane's
@@ -69,14 +69,14 @@ def test_lanes_send_behind_each_other_and_every_forward_gets_its_own_rows():
 
 def test_where_a_call_cannot_queue_the_earlier_answer_is_read_first():
     dispatcher = PipeliningDispatcher(queues=False)
-    run_in_lanes([forward(dispatcher, 2, 0), forward(dispatcher, 3, 1)], [0, 1])
+    run_side_by_side([forward(dispatcher, 2, 0), forward(dispatcher, 3, 1)], [0, 1])
     assert [entry[0] for entry in dispatcher.log] == ["send", "read"] * LAYERS * 2
 
 
 def test_a_dispatcher_without_start_call_answers_each_call_at_once():
     dispatcher = RecordingDispatcher()
     alone = [forward(RecordingDispatcher(), tokens, seed)() for seed, tokens in enumerate((2, 5))]
-    got = run_in_lanes([forward(dispatcher, 2, 0), forward(dispatcher, 5, 1)], [0, 1])
+    got = run_side_by_side([forward(dispatcher, 2, 0), forward(dispatcher, 5, 1)], [0, 1])
     for mine, reference in zip(got, alone, strict=True):
         np.testing.assert_array_equal(mine, reference)
     assert dispatcher.calls == [(layer, tokens) for layer in range(LAYERS) for tokens in (2, 5)]
@@ -84,7 +84,7 @@ def test_a_dispatcher_without_start_call_answers_each_call_at_once():
 
 def test_one_lane_merges_as_before():
     dispatcher = PipeliningDispatcher()
-    run_in_lanes([forward(dispatcher, 2, 0), forward(dispatcher, 3, 1)], [1, 1])
+    run_side_by_side([forward(dispatcher, 2, 0), forward(dispatcher, 3, 1)], [1, 1])
     assert dispatcher.calls == [(layer, 5) for layer in range(LAYERS)]
     assert dispatcher.log == []  # merged calls take the plain path
 
@@ -94,7 +94,7 @@ def test_a_failed_call_unwinds_both_lanes_and_leaves_no_answer_unread():
     unwound: list[int] = []
     tasks = [forward(dispatcher, 2, seed, unwound) for seed in range(4)]
     with pytest.raises(RuntimeError, match="worker down at layer 2"):
-        run_in_lanes(tasks, [0, 0, 1, 1])
+        run_side_by_side(tasks, [0, 0, 1, 1])
     assert sorted(unwound) == [0, 1, 2, 3]
     assert dispatcher.unread == 0
     assert ("abandon", 2, 4) in dispatcher.log  # the other lane's call in flight was dropped
