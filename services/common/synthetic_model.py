@@ -18,6 +18,8 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
+from services.common.tiny_mtp import write_random_mtp_layers
+
 _COMMON = {
     "hidden_size": 64,
     "num_hidden_layers": 4,
@@ -169,6 +171,8 @@ TINY_CONFIGS.update(
         },
     }
 )
+# DeepSeek-V3 with the multi-token-prediction layer its checkpoints ship (`--speculative mtp`).
+TINY_CONFIGS["deepseek_v3_mtp"] = {**TINY_CONFIGS["deepseek_v3"], "num_nextn_predict_layers": 1}
 
 # Qwen3-30B-A3B's MoE shape with few layers: what the decode benchmark measures.
 QWEN3_30B_A3B_SHAPE: dict[str, Any] = {
@@ -238,6 +242,8 @@ def build_random_checkpoint(
     mx.eval(model.parameters())
     out_dir.mkdir(parents=True, exist_ok=True)
     save_model(out_dir, model)
+    if config.get("num_nextn_predict_layers"):
+        write_random_mtp_layers(out_dir, model, config, dtype)
     save_config(config, out_dir / "config.json")
     for path in qwen3_tokenizer_dir().iterdir():
         if path.is_file():

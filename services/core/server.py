@@ -28,6 +28,7 @@ from services.core.kv.metal_attention import kernel_backend
 from services.core.model_loader import load_core_model, load_core_tokenizer
 from services.core.request_prep import RequestPreparer
 from services.core.servicer import CoreServicer
+from services.core.speculative.mtp import check_mtp_servable, load_mtp
 from services.core.stats_line import log_stats_lines
 from services.core.structured_output import GrammarError
 from services.plan import kv_bytes_per_token
@@ -104,6 +105,10 @@ def build_engine(
         # member must issue its collectives in the same order.
         raise ValueError("--micro-batches above 1 needs the frame or gRPC data path, not --distributed")
 
+    drafts_with_mtp = engine_config.speculative is not None and engine_config.speculative.method == "mtp"
+    if drafts_with_mtp:
+        check_mtp_servable(split_dir, manifest.config)
+
     def loader():
         local_modules, dispatcher, plane = {}, None, None
         if local_layers:
@@ -131,6 +136,8 @@ def build_engine(
                 local_modules.update({layer: DistributedExperts(layer, plane) for layer in remote_layers})
         started = time.monotonic()
         model, on_kernel = load_core_model(split_dir, manifest, dispatcher, dense_kernel, local_modules)
+        if drafts_with_mtp:
+            model.mtp_draft = load_mtp(model, split_dir, manifest.config)  # core's own: never on workers
         log.info(
             "core_model_loaded",
             seconds=round(time.monotonic() - started, 2),

@@ -38,6 +38,7 @@ from services.common.progress import Progress
 from services.common.safetensors_header import check_safetensors
 from services.common.staging import remove_abandoned, staging_name
 from services.common.tensor_codec import dtype_name
+from services.core.speculative.mtp_weights import MTP_FILE, extract_mtp_weights
 from services.core.split_disk import GB, check_free_space, link_or_copy
 
 log = get_logger(__name__)
@@ -179,6 +180,10 @@ def _write_split(
 
     core_weights = {k: v for k, v in tree_flatten(model.parameters()) if k not in expert_paths}
     mx.save_safetensors(str(staging / "core" / "core.safetensors"), core_weights, metadata={"format": "mlx"})
+    mtp_weights = extract_mtp_weights(model_path, config, model)  # mlx-lm drops them; core drafts with them
+    if mtp_weights:
+        mx.save_safetensors(str(staging / "core" / MTP_FILE), mtp_weights, metadata={"format": "mlx"})
+        log.info("split_mtp_layers", tensors=len(mtp_weights))
     for name in sorted(core_weights):
         digest.update(name.encode())
     (staging / "core" / "config.json").write_text(json.dumps(config, indent=1, default=str))

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-METHODS = ("ngram", "draft:PATH")
-PLANNED = {"mtp": "multi-token-prediction layers are not served yet"}
+METHODS = ("ngram", "draft:PATH", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -25,11 +24,7 @@ class SpeculativeConfig:
 
     def __post_init__(self):
         name, _, path = self.method.partition(":")
-        if name in PLANNED:
-            raise ValueError(
-                f"speculative method {self.method!r}: {PLANNED[name]}; use one of {', '.join(METHODS)}"
-            )
-        if not (self.method == "ngram" or (name == "draft" and path)):
+        if not (self.method in ("ngram", "mtp") or (name == "draft" and path)):
             raise ValueError(f"speculative method must be one of {', '.join(METHODS)}, not {self.method!r}")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}]")

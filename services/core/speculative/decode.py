@@ -20,6 +20,7 @@ from services.core.sampling import FilteredSampler
 from services.core.speculative.acceptance import accept_greedy, accept_one, accept_sampled, sample_one
 from services.core.speculative.config import SpeculativeConfig
 from services.core.speculative.metrics import SpeculativeCounters
+from services.core.speculative.mtp import MtpDrafter
 from services.core.speculative.ngram import NgramDrafter, NgramIndex
 from services.core.speculative.policy import DraftPolicy
 from services.core.speculative.row_trim import RowOrder, can_trim_rows, trim_rows
@@ -37,11 +38,16 @@ def make_drafter(config: SpeculativeConfig, tokenizer, model):
             f"speculative decoding needs KV caches that can drop rejected tokens; {model_type} keeps "
             f"{', '.join(sorted(kept))} (recurrent state or a sliding window)"
         )
+    vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)
+    if config.method == "mtp":
+        layer = getattr(model, "mtp_draft", None)
+        if layer is None:
+            raise ValueError("--speculative mtp: the model was loaded without its MTP layer")
+        return MtpDrafter(model, layer, vocab_size)
     if config.draft_model is None:
         return NgramDrafter(config.prompt_lookup_max, config.prompt_lookup_min)
     from services.core.speculative.draft_model import load_draft_model
 
-    vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)
     return load_draft_model(config.draft_model, tokenizer, vocab_size)
 
 
@@ -61,6 +67,8 @@ class SpeculativeDecoder:
         self.order = RowOrder()
         self._drafter = drafter or NgramDrafter(config.prompt_lookup_max, config.prompt_lookup_min)
         self._rows: dict[int, tuple[NgramIndex, DraftPolicy]] = {}
+        # MTP drafts from the hidden states of each verify forward (`confirm`)
+        self._wants_hidden = getattr(self._drafter, "wants_hidden", False)
 
     def decode(self, batch: GenerationBatch) -> list[Response]:
         """One decode step of `batch`: GenerationBatch.next()'s responses, several per row when
@@ -72,7 +80,7 @@ class SpeculativeDecoder:
             return [self._in_token_order(r) for r in batch.next()]
         pending = batch._next_tokens.tolist()
         drafts = self._drafts(batch, pending)
-        if not any(drafts):
+        if not any(drafts) and not self._wants_hidden:  # a drafter fed by the forward always verifies
             return [self._in_token_order(r) for r in batch.next()]
         return self._verify(batch, pending, drafts)
 
@@ -102,6 +110,8 @@ class SpeculativeDecoder:
             k = min(policy.budget(), left) if drafting else 0
             drafts.append(index.propose(batch.tokens[i] + [pending[i]], k) if k else [])
         on_device = [d for d in drafts if isinstance(d, mx.array)]  # a draft model's: one sync for all
+        for index, _ in self._rows.values():
+            on_device.extend(index.state() if hasattr(index, "state") else ())
         if on_device:
             mx.eval(on_device)
         return [d.tolist() if isinstance(d, mx.array) else d for d in drafts]
@@ -110,6 +120,7 @@ class SpeculativeDecoder:
         width = 1 + max(len(d) for d in drafts)
         rows = [[p, *d] + [p] * (width - 1 - len(d)) for p, d in zip(pending, drafts, strict=True)]
         logits = batch.model(mx.array(rows, dtype=batch._next_tokens.dtype), cache=batch.prompt_cache)
+        hidden = self._drafter.last_hidden() if self._wants_hidden else None  # [B, width, H]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         targets = mx.argmax(logprobs, axis=-1)
         mx.eval(logprobs, targets)
@@ -129,6 +140,8 @@ class SpeculativeDecoder:
             if draft:
                 self._rows[uid][1].observe(len(draft), kept)
                 self.counters.record(len(draft), kept)
+            if hidden is not None:  # each confirmed position with the token that follows it
+                self._rows[uid][0].confirm(hidden[i : i + 1, : kept + 1], [*draft[:kept], token])
             row = [(pending[i], batch._next_logprobs[i])] + [(draft[j], scores[j]) for j in range(kept)]
             row, reason = _until_finished(batch, i, row)
             batch.tokens[i].extend(t for t, _ in row)

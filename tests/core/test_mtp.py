@@ -1,0 +1,137 @@
+"""`--speculative mtp`: split keeps a checkpoint's multi-token-prediction layer for core, the layer
+drafts from the hidden states of the main model's verify forwards, and greedy tokens stay those of
+decoding without it, in the engine and through a real core process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+
+from services.core.speculative import SpeculativeConfig, SpeculativeCounters, SpeculativeDecoder
+from services.core.speculative.mtp import MtpDrafter, load_mtp
+from services.core.speculative.mtp_weights import MTP_FILE, unsupported_reason
+from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
+from tests.core.test_batching import GREEDY, run, running
+from tests.core.test_speculative import PROMPTS, generate
+
+ARCH = "deepseek_v3_mtp"
+
+
+@pytest.fixture(scope="module")
+def split(tiny_models):
+    return tiny_models.split(ARCH, None)
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tiny_models, split):
+    model, _ = mlx_lm.load(str(tiny_models.checkpoint(ARCH, None)))
+    config = json.loads((split / "core" / "config.json").read_text())
+    return model, load_mtp(model, split, config)
+
+
+def test_split_keeps_the_mtp_layer_for_core_with_its_experts_stacked(split):
+    weights = mx.load(str(split / "core" / MTP_FILE))
+    names = set(weights)
+    assert {
+        "mtp.0.enorm.weight",
+        "mtp.0.hnorm.weight",
+        "mtp.0.eh_proj.weight",
+        "mtp.0.shared_head.norm.weight",
+    } <= names
+    assert weights["mtp.0.mlp.switch_mlp.gate_proj.weight"].shape[0] == 8  # 8 experts, one tensor
+    assert not any(".experts." in n or "embed_tokens" in n or "shared_head.head" in n for n in names)
+    manifest = json.loads((split / "manifest.json").read_text())
+    assert [layer["layer"] for layer in manifest["layers"]] == [1, 2, 3]  # workers get no MTP layer
+
+
+def reference_drafts(model, layer, context: list[int], k: int) -> list[int]:
+    """The drafts after `context`, from scratch: the main model's normed hidden states over the
+    whole context, each with the token that follows it, through the MTP layer without a cache of
+    earlier steps; then k-1 chained steps."""
+    inner = model.model
+    hidden = inner(mx.array([context]))  # [1, L, H], after the final norm
+    embedded = inner.embed_tokens(mx.array([context[1:]]))
+    cache = KVCache()
+    x = layer.eh_proj(mx.concatenate([layer.enorm(embedded), layer.hnorm(hidden[:, :-1])], axis=-1))
+    out = layer.shared_head["norm"](layer.block(x, create_attention_mask(x, cache, return_array=True), cache))
+    drafts = []
+    for _ in range(k):
+        token = mx.argmax(model.lm_head.head(out[:, -1:])[0, -1])
+        drafts.append(int(token.item()))
+        out = layer(inner.embed_tokens(token.reshape(1, 1)), out[:, -1:], cache)
+    return drafts
+
+
+def test_mtp_drafts_equal_the_layer_run_from_scratch_across_rejections(mtp_model):
+    """The sequence's cached MTP state after confirms of different lengths (drafted positions cut
+    off) drafts what the layer computes over the whole confirmed context at once."""
+    model, layer = mtp_model
+    drafter = MtpDrafter(model, layer, None)
+    sequence = drafter.index()
+    context = [5, 9, 17, 33, 2, 71, 8]
+    model(mx.array([context]))  # a prefill-like forward: its hidden states confirm positions 0..5
+    sequence.confirm(drafter.last_hidden()[:, :-1], context[1:])
+    for extra in ([40, 41, 42], [7], [90, 91]):
+        drafts = sequence.propose(context, 3)
+        mx.eval(drafts)
+        assert drafts.tolist()[:1] == reference_drafts(model, layer, context, 1)
+        assert drafts.tolist() == reference_drafts(model, layer, context, 3)
+        start = len(context) - 1
+        context = context + extra
+        model(mx.array([context]))
+        sequence.confirm(drafter.last_hidden()[:, start:-1], context[start + 1 :])
+
+
+def test_greedy_tokens_equal_decoding_without_mtp(mtp_model):
+    kind = "fp16"  # MLA keeps a latent cache, which TurboQuant does not compress
+    model, layer = mtp_model
+    reference, _, plain_steps, _ = generate(model, kind, None)
+    counters = SpeculativeCounters()
+    decoder = SpeculativeDecoder(
+        SpeculativeConfig(method="mtp", num_speculative_tokens=2),
+        counters,
+        drafter=MtpDrafter(model, layer, None),
+    )
+    tokens, _, steps, _ = generate(model, kind, decoder)
+    assert tokens == reference
+    assert counters.draft_tokens > len(PROMPTS)  # every row drafted, from its second step on
+    assert steps <= plain_steps
+
+
+def test_models_without_servable_mtp_layers_are_refused_by_name():
+    assert "num_nextn_predict_layers is 0" in unsupported_reason({"model_type": "deepseek_v3"})
+    assert "recurrent state" in unsupported_reason(
+        {"model_type": "qwen3_next", "num_nextn_predict_layers": 1}
+    )
+    assert "qwen3_moe has no multi-token-prediction" in unsupported_reason({"model_type": "qwen3_moe"})
+    assert unsupported_reason({"model_type": "glm4_moe", "num_nextn_predict_layers": 1}) is None
+
+
+@pytest.mark.slow
+async def test_a_core_drafting_with_mtp_gives_the_tokens_of_one_without(split, tiny_models):
+    configs = {
+        "off": ["--prefix-cache-gb", "0"],
+        "mtp": ["--prefix-cache-gb", "0", "--speculative", "mtp", "--num-speculative-tokens", "2"],
+    }
+    stopping = core_pb2.StoppingCriteria(max_tokens=24, ignore_eos=True)
+    requests = [
+        core_pb2.GenerateRequest(prompt=p, sampling=GREEDY, stopping=stopping)
+        for p in ("Hello there", "1 2 3 4")
+    ]
+    with running(split, configs) as cores:
+        answers = {}
+        for name, core in cores.items():
+            async with grpc.aio.insecure_channel(core.address) as channel:
+                stub = core_pb2_grpc.CoreStub(channel)
+                answers[name] = await asyncio.gather(*(run(stub, r) for r in requests))
+                answers[name + "_stats"] = await stub.GetStats(core_pb2.GetStatsRequest())
+    assert [tokens for tokens, _ in answers["mtp"]] == [tokens for tokens, _ in answers["off"]]
+    assert all(len(tokens) == 24 for tokens, _ in answers["mtp"])
+    assert answers["mtp_stats"].speculative.draft_tokens > 0
