@@ -192,7 +192,8 @@ def _add_serving_flags(p: argparse.ArgumentParser) -> None:
         "--speculative",
         metavar="METHOD",
         default=None,
-        help="draft tokens and verify them in one step: 'ngram' (prompt lookup; default off)",
+        help="draft tokens and verify them in one step: 'ngram' (prompt lookup), 'draft:PATH' (a small "
+        "model), 'mtp' (the checkpoint's multi-token-prediction layers); default off",
     )
     p.add_argument(
         "--num-speculative-tokens",
