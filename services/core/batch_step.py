@@ -39,11 +39,15 @@ class GeneratorStep:
         generator: BatchGenerator,
         scoring: frozenset[int] = frozenset(),
         decode: Callable[[GenerationBatch], list] | None = None,
+        prefill_sink: Callable[[list[int], list[list[int]]], None] | None = None,
     ):
         """`scoring`: uids of the sequences that want their prompt's logprobs; `decode`: runs the
         running batch's decode step (default `GenerationBatch.next`; speculative decoding's
-        `SpeculativeDecoder.decode` verifies drafts in it)."""
+        `SpeculativeDecoder.decode` verifies drafts in it). `prefill_sink(uids, tokens)` runs
+        right after each prompt forward returns, while the hidden states it left are its own (MTP
+        drafts from them): no forward switches in between its output head and its return."""
         self._decode = decode
+        self._prefill_sink = prefill_sink
         self.generator = generator
         self.tasks: list[Callable[[], object]] = []
         self._decode_task: int | None = None
@@ -91,7 +95,9 @@ class GeneratorStep:
             joining = gen._prompt_batch.split(split)
             for uid, p in zip(joining.uids, progress, strict=True):
                 self.prompt_responses.append(PromptProcessingBatch.Response(uid, p, True, True))
-            self._joining_task = self._add(lambda: joining.generate(last_inputs))
+            self._joining_task = self._add(
+                self._sinking(lambda: joining.generate(last_inputs), list(joining.uids), last_inputs)
+            )
 
         # The next chunk of every prompt still being prefilled.
         prompts = []
@@ -112,7 +118,25 @@ class GeneratorStep:
             prompt_batch = gen._prompt_batch
             self._scored_rows = {i: uid for i, uid in enumerate(prompt_batch.uids) if uid in scoring}
             rows = set(self._scored_rows)
-            self._prefill_task = self._add(lambda: prefill_keeping_logprobs(prompt_batch, prompts, rows))
+            self._prefill_task = self._add(
+                self._sinking(
+                    lambda: prefill_keeping_logprobs(prompt_batch, prompts, rows),
+                    list(prompt_batch.uids),
+                    prompts,
+                )
+            )
+
+    def _sinking(self, forward: Callable[[], object], uids: list[int], tokens: list[list[int]]):
+        """`forward`, handing its hidden states to the prefill sink right after it returns."""
+        if self._prefill_sink is None:
+            return forward
+
+        def run():
+            result = forward()
+            self._prefill_sink(uids, tokens)
+            return result
+
+        return run
 
     def finish(self, results: list) -> tuple[list, list]:
         gen = self.generator

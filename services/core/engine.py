@@ -258,8 +258,8 @@ class Engine:
                 steps = {}
                 for batch, generator in busy.items():
                     decoder = self.batches.decoder(batch)
-                    decode = None if decoder is None else decoder.decode
-                    steps[batch] = GeneratorStep(generator, self._scoring(batch), decode)
+                    decode, sink = (None, None) if decoder is None else (decoder.decode, decoder.prefill_sink)
+                    steps[batch] = GeneratorStep(generator, self._scoring(batch), decode, sink)
                 # Every forward of a lane (decode, prompts joining, prefill chunks, of every KV
                 # kind) shares one expert call per worker per layer; lanes pipeline theirs.
                 tasks = [task for step in steps.values() for task in step.tasks]

@@ -84,6 +84,8 @@ class KindBatches:
         (tokens, cache) in token order (speculation may have moved its slots)."""
         caches = self.generators[batch].remove([uid], return_prompt_caches=keep_prompt_cache)
         decoder = self._decoders.get(batch)
+        if decoder is not None:
+            decoder.forget(uid)
         return [
             (tokens[:], cache if decoder is None else decoder.in_token_order(uid, cache))
             for uid, (cache, tokens) in caches.items()

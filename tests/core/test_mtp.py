@@ -70,23 +70,25 @@ def reference_drafts(model, layer, context: list[int], k: int) -> list[int]:
 
 
 def test_mtp_drafts_equal_the_layer_run_from_scratch_across_rejections(mtp_model):
-    """The sequence's cached MTP state after confirms of different lengths (drafted positions cut
-    off) drafts what the layer computes over the whole confirmed context at once."""
+    """A sequence fed in pieces (a prefill chunk, then verify forwards of different lengths, with
+    drafted positions cut off, and a step that drafts nothing) drafts what the layer computes over
+    the whole context at once."""
     model, layer = mtp_model
     drafter = MtpDrafter(model, layer, None)
     sequence = drafter.index()
     context = [5, 9, 17, 33, 2, 71, 8]
-    model(mx.array([context]))  # a prefill-like forward: its hidden states confirm positions 0..5
-    sequence.confirm(drafter.last_hidden()[:, :-1], context[1:])
-    for extra in ([40, 41, 42], [7], [90, 91]):
-        drafts = sequence.propose(context, 3)
-        mx.eval(drafts)
-        assert drafts.tolist()[:1] == reference_drafts(model, layer, context, 1)
-        assert drafts.tolist() == reference_drafts(model, layer, context, 3)
-        start = len(context) - 1
+    fed = len(context) - 1  # the prompt but its last token, as a prefill chunk
+    model(mx.array([context[:fed]]))
+    sequence.feed(drafter.last_hidden(), context[:fed])
+    for extra, drafting in (([40, 41, 42], True), ([7], False), ([90, 91], True), ([3], True)):
+        if drafting:
+            drafts = sequence.propose(context, 3)
+            mx.eval(drafts)
+            assert drafts.tolist() == reference_drafts(model, layer, context, 3)
         context = context + extra
-        model(mx.array([context]))
-        sequence.confirm(drafter.last_hidden()[:, start:-1], context[start + 1 :])
+        model(mx.array([context[:-1]]))  # a verify forward: the pending token and kept drafts
+        sequence.feed(drafter.last_hidden()[:, fed:], context[fed:-1])
+        fed = len(context) - 1
 
 
 def test_greedy_tokens_equal_decoding_without_mtp(mtp_model):
@@ -99,9 +101,16 @@ def test_greedy_tokens_equal_decoding_without_mtp(mtp_model):
         counters,
         drafter=MtpDrafter(model, layer, None),
     )
+    fed = []
+    sink = decoder.prefill_sink
+    decoder.prefill_sink = lambda uids, chunks: (
+        fed.extend(t for chunk in chunks for t in chunk),
+        sink(uids, chunks),
+    )
     tokens, _, steps, _ = generate(model, kind, decoder)
     assert tokens == reference
-    assert counters.draft_tokens > len(PROMPTS)  # every row drafted, from its second step on
+    assert sorted(fed) == sorted(t for prompt in PROMPTS for t in prompt)  # every prompt token, once
+    assert counters.drafts >= len(PROMPTS) and counters.draft_tokens > len(PROMPTS)
     assert steps <= plain_steps
 
 

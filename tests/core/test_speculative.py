@@ -79,7 +79,11 @@ def generate(
     tokens = {uid: [] for uid in uids}
     finished, steps, moved = {}, 0, 0
     while len(finished) < len(uids):
-        step = GeneratorStep(generator, decode=None if decoder is None else decoder.decode)
+        step = GeneratorStep(
+            generator,
+            decode=None if decoder is None else decoder.decode,
+            prefill_sink=None if decoder is None else decoder.prefill_sink,
+        )
         _, responses = step.finish([task() for task in step.tasks])
         steps += 1
         if decoder is not None:
@@ -276,8 +280,9 @@ def test_flags_and_vllm_json_make_one_config():
             speculative_config(None, None, bad)
     with pytest.raises(ValueError, match="needs a method"):
         speculative_config(None, 4, None)
-    with pytest.raises(ValueError, match="mtp"):
-        speculative_config("mtp", None, None)
+    assert speculative_config(
+        None, None, '{"method": "mtp", "num_speculative_tokens": 1}'
+    ) == SpeculativeConfig(method="mtp", num_speculative_tokens=1)
 
 
 def test_counters_count_drafts_and_acceptance_by_position():

@@ -69,6 +69,8 @@ class SpeculativeDecoder:
         self._rows: dict[int, tuple[NgramIndex, DraftPolicy]] = {}
         # MTP drafts from the hidden states of each verify forward (`confirm`)
         self._wants_hidden = getattr(self._drafter, "wants_hidden", False)
+        self.prefill_sink = self.prefilled if self._wants_hidden else None  # for GeneratorStep
+        self._prefilling: dict[int, object] = {}  # uid -> its MTP state, before it decodes
 
     def decode(self, batch: GenerationBatch) -> list[Response]:
         """One decode step of `batch`: GenerationBatch.next()'s responses, several per row when
@@ -88,6 +90,20 @@ class SpeculativeDecoder:
         """A cache taken out of the batch (a finished or removed row) with its tokens in order."""
         return self.order.in_token_order(uid, cache)
 
+    def prefilled(self, uids: list[int], chunks: list[list[int]]) -> None:
+        """Right after a prompt forward (a prefill chunk, or the last prompt tokens): row r of the
+        hidden states it left [B, L, H] holds those at `chunks[r]`, for an MTP drafter to feed on."""
+        hidden = self._drafter.last_hidden()
+        for row, (uid, chunk) in enumerate(zip(uids, chunks, strict=True)):
+            if uid not in self._prefilling:
+                self._prefilling[uid] = self._drafter.index()
+            self._prefilling[uid].feed(hidden[row : row + 1, : len(chunk)], chunk)
+
+    def forget(self, uid: int) -> None:
+        """A sequence left its batch (finished, cancelled, or moved to the prefix cache)."""
+        self._rows.pop(uid, None)
+        self._prefilling.pop(uid, None)
+
     def _forget(self, uids: list[int]) -> None:
         live = set(uids)
         for uid in [u for u in self._rows if u not in live]:
@@ -98,7 +114,8 @@ class SpeculativeDecoder:
         drafts = []
         for i, uid in enumerate(batch.uids):
             if uid not in self._rows:  # a draft model's index holds a KV cache: made once per sequence
-                self._rows[uid] = (self._drafter.index(), DraftPolicy(self.config.num_speculative_tokens))
+                index = self._prefilling.pop(uid, None) or self._drafter.index()
+                self._rows[uid] = (index, DraftPolicy(self.config.num_speculative_tokens))
             index, policy = self._rows[uid]
             left = batch.max_tokens[i] - batch._num_tokens[i] - 1  # the pending token is one
             sampler = batch.samplers[i]
@@ -140,8 +157,8 @@ class SpeculativeDecoder:
             if draft:
                 self._rows[uid][1].observe(len(draft), kept)
                 self.counters.record(len(draft), kept)
-            if hidden is not None:  # each confirmed position with the token that follows it
-                self._rows[uid][0].confirm(hidden[i : i + 1, : kept + 1], [*draft[:kept], token])
+            if hidden is not None:  # the positions this step confirmed, and their tokens
+                self._rows[uid][0].feed(hidden[i : i + 1, : kept + 1], [pending[i], *draft[:kept]])
             row = [(pending[i], batch._next_logprobs[i])] + [(draft[j], scores[j]) for j in range(kept)]
             row, reason = _until_finished(batch, i, row)
             batch.tokens[i].extend(t for t, _ in row)

@@ -131,40 +131,56 @@ class MtpDrafter:
 
 
 class MtpSequence:
-    """One sequence's MTP state. `confirm(hidden, tokens)` after each verify forward: the main
-    model's hidden states at the positions it confirmed, each with the token that follows it;
-    `propose(context, k)` drafts k tokens from the last of them (a lazy [k] array)."""
+    """One sequence's MTP state, fed in token order. `feed(hidden, tokens)` after each forward of the
+    main model over the sequence (prefill chunks, the last prompt token, each verify's confirmed
+    positions): the hidden states at those positions and the tokens fed at them. Each position's
+    hidden state pairs with the token after it, so the last one waits (`dangling`) for the next
+    feed or for `propose(context, k)`, whose context ends with the token that follows it."""
 
     def __init__(self, drafter: MtpDrafter):
         self.drafter = drafter
         self.cache = KVCache()
-        self.confirmed = 0  # positions in `cache` that verification confirmed
-        self._last: tuple[mx.array, mx.array] | None = None  # (normed output, its token), last position
+        self.confirmed = 0  # positions in `cache` that are the sequence's own (not drafts)
+        self.dangling: mx.array | None = None  # [1, 1, H]: the last position, its next token unknown
+        self._base: mx.array | None = None  # the layer's output at the last confirmed position
 
-    def confirm(self, hidden: mx.array, tokens: list[int]) -> None:
-        """hidden [1, m, H], tokens [m]: feed the confirmed pairs through the layer."""
-        if self.cache.offset > self.confirmed:
-            self.cache.trim(self.cache.offset - self.confirmed)
-        token_ids = mx.array([tokens])
-        out = self.drafter.layer(self.drafter.embed(token_ids), hidden, self.cache)
-        self.confirmed += len(tokens)
-        self._last = (out[:, -1:], self.drafter.draft_token(out))
+    def feed(self, hidden: mx.array, tokens: list[int]) -> None:
+        """hidden [1, m, H] at the positions whose input tokens are `tokens` [m]."""
+        if self.dangling is not None:
+            pairs, following = mx.concatenate([self.dangling, hidden[:, :-1]], axis=1), tokens
+        else:  # the sequence's first position, or one whose predecessor was never seen
+            pairs, following = hidden[:, :-1], tokens[1:]
+        self.dangling = hidden[:, -1:]
+        if following:
+            self._run(pairs, following)
 
     def propose(self, context: list[int], k: int) -> mx.array | list[int]:
-        if k <= 0 or self._last is None:
+        """k drafts after `context` (a lazy [k] array), or none before the sequence was fed."""
+        if k <= 0:
             return []
-        out, token = self._last
+        if self.dangling is not None:  # the pending token is the context's last: certain
+            self._run(self.dangling, context[-1:])
+            self.dangling = None
+        if self._base is None:
+            return []
+        out = self._base
+        token = self.drafter.draft_token(out)
         drafts = [token]
-        for _ in range(k - 1):
+        for _ in range(k - 1):  # chained: beyond the confirmed positions, cut off at the next run
             out = self.drafter.layer(self.drafter.embed(token.reshape(1, 1)), out, self.cache)
             token = self.drafter.draft_token(out)
             drafts.append(token)
         return mx.stack(drafts)
 
+    def _run(self, hidden: mx.array, following: list[int]) -> None:
+        if self.cache.offset > self.confirmed:
+            self.cache.trim(self.cache.offset - self.confirmed)
+        out = self.drafter.layer(self.drafter.embed(mx.array([following])), hidden, self.cache)
+        self.confirmed += len(following)
+        self._base = out[:, -1:]
+
     def state(self) -> list[mx.array]:
-        """What to evaluate with the step's drafts so the cache never holds an unbounded graph."""
-        return (
-            [self._last[1], self.cache.keys, self.cache.values]
-            if self._last and self.cache.keys is not None
-            else []
-        )
+        """What to evaluate with the step's drafts, so the cache never holds a growing graph."""
+        if self._base is None:
+            return []
+        return [self._base, *(a for a in (self.cache.keys, self.cache.values) if a is not None)]
