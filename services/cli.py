@@ -87,7 +87,13 @@ def _gateway(args) -> None:
     keys = load_api_keys(args.api_key or (), args.api_key_file)
     if args.protect_metrics and not keys:
         raise ValueError("--protect-metrics needs API keys (--api-key, --api-key-file or MOE_MESH_API_KEY)")
-    run_gateway(**gateway_kwargs(args), api_keys=keys, protect_metrics=args.protect_metrics)
+    run_gateway(
+        **gateway_kwargs(args),
+        api_keys=keys,
+        protect_metrics=args.protect_metrics,
+        max_connections=args.max_connections,
+        request_memory_mb=args.max_request_memory_mb,
+    )
 
 
 def _up(args) -> None:
@@ -264,12 +270,23 @@ def _add_api_key_flags(p: argparse.ArgumentParser) -> None:
         help="file with one accepted API key per line, or its hash as sha256:<hex> (sha256sum)",
     )
     p.add_argument("--protect-metrics", action="store_true", help="require an API key on /metrics too")
+    p.add_argument(
+        "--max-connections", type=positive_int, default=1024, help="open HTTP connections (then 503)"
+    )
+    p.add_argument(
+        "--max-request-memory-mb",
+        type=positive_int,
+        default=256,
+        help="request bodies held at once (then 429); with --max-connections it bounds the gateway's memory",
+    )
 
 
 def _gateway_key_args(args) -> list[str]:
-    """`up` passes its key flags through to the gateway (MOE_MESH_API_KEY is inherited)."""
+    """`up` passes its key and limit flags through to the gateway (MOE_MESH_API_KEY is inherited)."""
     out = [flag for key in args.api_key or () for flag in ("--api-key", key)]
     out += ["--protect-metrics"] if args.protect_metrics else []
+    out += ["--max-connections", str(args.max_connections)]
+    out += ["--max-request-memory-mb", str(args.max_request_memory_mb)]
     return out + (["--api-key-file", args.api_key_file] if args.api_key_file else [])
 
 

@@ -14,6 +14,12 @@ import json
 from pathlib import Path
 
 from services.common.manifest import Manifest, experts_per_token
+from services.gateway.memory_bound import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_REQUEST_MEMORY_MB,
+    MIB,
+    gateway_bound_bytes,
+)
 
 GIB = 1 << 30
 
@@ -163,6 +169,12 @@ def memory_plan(
             "mlx_cache_bytes": mlx_cache_bytes,
             "bound_bytes": facts["core_bytes"] + kv_budget + prefix_bytes + mlx_cache_bytes,
         },
+        # the gateway's: connections and request bodies in flight at their defaults (memory_bound.py)
+        "gateway_memory": {
+            "max_connections": DEFAULT_MAX_CONNECTIONS,
+            "request_memory_bytes": DEFAULT_REQUEST_MEMORY_MB * MIB,
+            "bound_bytes": gateway_bound_bytes(),
+        },
         # a checkpoint must be split first: the disk that takes (0 for a split)
         "split_disk_bytes": 0 if (model / "manifest.json").exists() else split_bytes(model),
         "assumption": "uniform routing; an LRU cache of s of n experts hits s/n of the time",
@@ -190,6 +202,11 @@ def format_plan(plan: dict) -> str:
             f"{gb(w['resident_bytes'])} ({w['resident_fraction']:.0%}), streamed {gb(w['streamed_bytes'])}, "
             f"~{w['expected_ssd_bytes_per_token'] / 1e6:.1f} MB/token from SSD, at most {gb(w['bound_bytes'])}"
         )
+    gateway = plan["gateway_memory"]
+    lines.append(
+        f"gateway at most {gb(gateway['bound_bytes'])}: {gateway['max_connections']} connections "
+        f"(--max-connections) + request bodies {gib(gateway['request_memory_bytes'])} (--max-request-memory-mb)"
+    )
     lines.append(
         f"expected SSD reads: {plan['expected_ssd_bytes_per_token'] / 1e6:.1f} MB per token ({plan['assumption']})"
     )

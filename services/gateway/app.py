@@ -5,7 +5,8 @@ Routes: `POST /v1/chat/completions`, `POST /v1/completions` (routes_openai); `PO
 `/version`, `/health`, `/ready`, `/metrics` (routes_service); `/status`, `/status.json` (the
 operator's page, routes_status); `POST /tokenize`, `/detokenize` (routes_tokenize);
 `GET /openapi.json`. Middleware, outermost first: request id (every response carries
-X-Request-Id, every log line the request id), optional API keys, body size cap.
+X-Request-Id, every log line the request id), optional API keys, body size cap and the budget
+of request bodies in flight (memory_bound.py).
 The gateway holds no state besides the gRPC channel, the metrics and the served model's name: any
 number of them can front one core.
 """
@@ -24,6 +25,7 @@ from services.gateway import routes_anthropic, routes_openai, routes_service, ro
 from services.gateway.auth import ApiKeyMiddleware
 from services.gateway.core_client import CoreClient, CoreClientConfig
 from services.gateway.errors import install_error_handlers
+from services.gateway.memory_bound import DEFAULT_REQUEST_MEMORY_MB, MIB, RequestMemoryBudget
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.middleware import BodySizeLimitMiddleware, RequestIdMiddleware
 from services.gateway.status_view import ThroughputHistory
@@ -41,6 +43,7 @@ def create_app(
     api_keys: Iterable[str] = (),
     core_tls: TlsFiles | None = None,
     protect_metrics: bool = False,
+    request_memory_mb: int = DEFAULT_REQUEST_MEMORY_MB,
 ) -> FastAPI:
     """Build the app; the core channel opens at startup (inside uvicorn's loop) and closes at shutdown."""
     config = CoreClientConfig(
@@ -71,7 +74,10 @@ def create_app(
     app.state.metrics = GatewayMetrics()
     app.state.throughput = ThroughputHistory()
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
+    app.state.request_memory = RequestMemoryBudget(request_memory_mb * MIB)
+    app.add_middleware(
+        BodySizeLimitMiddleware, max_body_bytes=max_body_bytes, budget=app.state.request_memory
+    )
     app.add_middleware(ApiKeyMiddleware, keys=keys, protect_metrics=protect_metrics)
     app.add_middleware(RequestIdMiddleware)  # added last = outermost: sees every response
     for module in (routes_openai, routes_anthropic, routes_service, routes_status, routes_tokenize):

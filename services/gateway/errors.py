@@ -222,8 +222,8 @@ class CodedHTTPException(StarletteHTTPException):
     """An HTTPException that keeps its OpenAI error `code` (FastAPI re-raises HTTPExceptions from
     body parsing; anything else raised there becomes a generic 400)."""
 
-    def __init__(self, error: OpenAIError) -> None:
-        super().__init__(error.status, error.message)
+    def __init__(self, error: OpenAIError, headers: dict[str, str] | None = None) -> None:
+        super().__init__(error.status, error.message, headers=headers)
         self.code = error.code
 
 

@@ -15,19 +15,27 @@ import asyncio
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from services.gateway.memory_bound import MAX_HEADER_BYTES
+
 HEADER_TIMEOUT_S = 10.0  # connection made (or previous response sent) -> the headers complete
 BODY_IDLE_TIMEOUT_S = 30.0  # the longest pause inside a request body
 BODY_GRACE_S = 10.0  # a body may take this long, plus its size at MIN_BODY_BYTES_PER_S
 MIN_BODY_BYTES_PER_S = 16 * 1024
-MAX_HEADER_BYTES = 64 * 1024  # request line and headers
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with a header deadline, a header size cap, and a body that must
-    not stall nor fall below a minimum rate (408 / 431, then the connection is closed)."""
+    not stall nor fall below a minimum rate (408 / 431, then the connection is closed); a
+    connection beyond `max_connections` open ones gets 503 and is closed at once."""
+
+    max_connections: int | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if self.max_connections is not None and len(self.server_state.connections) > self.max_connections:
+            self._timer = None
+            self._refuse(503, f"the gateway holds its maximum of {self.max_connections} connections")
+            return
         self._header_bytes = 0
         self._in_headers = True
         self._timer: asyncio.TimerHandle | None = None
@@ -85,10 +93,19 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         if self.cycle is None or not self.cycle.response_started:
             body = reason.encode()
-            phrase = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
+            phrase = {
+                408: b"Request Timeout",
+                431: b"Request Header Fields Too Large",
+                503: b"Service Unavailable",
+            }[status]
             self.transport.write(
                 b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
                 b"connection: close\r\n\r\n%s" % (status, phrase, len(body), body)
             )
         self.logger.warning("connection closed: %s", reason)
         self.transport.close()
+
+
+def guarded_protocol(max_connections: int | None) -> type[GuardedHttpToolsProtocol]:
+    """The protocol class for a server that keeps at most `max_connections` open."""
+    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"max_connections": max_connections})

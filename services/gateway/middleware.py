@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.logging import get_logger
 from services.gateway.errors import CodedHTTPException, OpenAIError, internal_error
+from services.gateway.memory_bound import RequestMemoryBudget
 
 REQUEST_ID_HEADER = "X-Request-Id"
 # The id travels into gRPC metadata and log lines: keep it to characters that are safe in both.
@@ -66,36 +67,61 @@ class RequestIdMiddleware:
 
 
 class BodySizeLimitMiddleware:
-    """Refuse request bodies over `max_body_bytes` with 413 before they are buffered whole.
+    """Refuse request bodies over `max_body_bytes` with 413 before they are buffered whole, and
+    bodies that do not fit the budget of all requests in flight (`budget`) with 429.
 
     Checks Content-Length up front and counts streamed (chunked) bodies as they arrive, so a
-    client cannot make the gateway hold an unbounded body in memory.
+    client cannot make the gateway hold an unbounded body in memory. A request holds its share of
+    the budget until its response ends: what the handler made of the body lives that long.
     """
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, budget: RequestMemoryBudget | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.budget = budget
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        path = scope.get("path", "")
         too_large = OpenAIError(
             413, f"request body exceeds {self.max_body_bytes} bytes", code="body_too_large"
         )
         declared = Headers(scope=scope).get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
-            await too_large.response(path=scope.get("path", ""))(scope, receive, send)
+            await too_large.response(path=path)(scope, receive, send)
+            return
+        held = int(declared) if declared.isdigit() else 0  # bytes of the budget this request holds
+        if not self._reserve(held):
+            await self._busy().response({"Retry-After": "1"}, path=path)(scope, receive, send)
             return
         received = 0
 
         async def counting_receive() -> Message:
-            nonlocal received
+            nonlocal received, held
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:  # the same 413 as a declared length gets
                     raise CodedHTTPException(too_large)
+                if received > held:  # a chunked body, or one longer than it declared
+                    if not self._reserve(received - held):
+                        raise CodedHTTPException(self._busy(), headers={"Retry-After": "1"})
+                    held = received
             return message
 
-        await self.app(scope, counting_receive, send)
+        try:
+            await self.app(scope, counting_receive, send)
+        finally:
+            if self.budget is not None:
+                self.budget.release(held)
+
+    def _reserve(self, nbytes: int) -> bool:
+        return self.budget is None or self.budget.reserve(nbytes)
+
+    def _busy(self) -> OpenAIError:
+        limit = self.budget.limit_bytes // (1024 * 1024) if self.budget else 0
+        return OpenAIError(
+            429, f"the gateway is busy: request bodies in flight fill its {limit} MiB", code="gateway_busy"
+        )

@@ -19,7 +19,8 @@ import uvicorn
 from services.common.logging import configure_logging, get_logger
 from services.common.tls import TlsFiles
 from services.gateway.app import create_app
-from services.gateway.http_limits import GuardedHttpToolsProtocol
+from services.gateway.http_limits import guarded_protocol
+from services.gateway.memory_bound import DEFAULT_MAX_CONNECTIONS, DEFAULT_REQUEST_MEMORY_MB
 
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
 
@@ -46,13 +47,13 @@ def event_loop_name() -> str:
     return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
 
 
-def uvicorn_config(app, **options) -> uvicorn.Config:
+def uvicorn_config(app, max_connections: int = DEFAULT_MAX_CONNECTIONS, **options) -> uvicorn.Config:
     """uvicorn's settings for the gateway (also what the tests serve it with): uvloop where
     installed, httptools with the connection limits of http_limits.py, no server header."""
     return uvicorn.Config(
         app,
         loop=event_loop_name(),
-        http=GuardedHttpToolsProtocol,
+        http=guarded_protocol(max_connections),
         log_config=None,  # keep the handlers installed by configure_logging
         server_header=False,
         **options,
@@ -83,6 +84,8 @@ def run_gateway(
     core_tls: TlsFiles | None = None,
     api_keys: tuple[str, ...] = (),
     protect_metrics: bool = False,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    request_memory_mb: int = DEFAULT_REQUEST_MEMORY_MB,
 ) -> None:
     """Serve the OpenAI-compatible HTTP API on host:port until SIGTERM/SIGINT."""
     configure_logging("gateway", log_level, log_format)
@@ -94,10 +97,12 @@ def run_gateway(
         core_tls=core_tls,
         api_keys=api_keys,
         protect_metrics=protect_metrics,
+        request_memory_mb=request_memory_mb,
     )
     raise_open_file_limit()
     config = uvicorn_config(
         app,
+        max_connections=max_connections,
         host=host,
         port=port,
         log_level=level,

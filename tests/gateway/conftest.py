@@ -23,13 +23,14 @@ from .core_double import CoreDouble, CoreDoubleServer
 class GatewayThread:
     """The gateway app served by uvicorn on a free loopback port, in a daemon thread."""
 
-    def __init__(self, core_target: str, **app_options: object) -> None:
+    def __init__(self, core_target: str, max_connections: int | None = None, **app_options: object) -> None:
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind(("127.0.0.1", 0))  # bound here, so the port cannot be taken meanwhile
         self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
         config = uvicorn_config(
             create_app(core_target, **app_options),  # type: ignore[arg-type]
+            **({} if max_connections is None else {"max_connections": max_connections}),
             log_level="warning",
             lifespan="on",
         )
