@@ -60,7 +60,7 @@ from metal.experts_cpu import SwitchGLUKernel
 from services.common.frames import spin_for
 from services.common.manifest import Manifest
 from services.common.model_build import expert_modules, replace_modules
-from services.common.synthetic_model import QWEN3_30B_A3B_SHAPE, build_random_checkpoint
+from services.common.synthetic_model import QWEN3_30B_A3B_SHAPE, TINY_CONFIGS, build_random_checkpoint
 from services.common.tensor_codec import numpy_view, to_mlx
 from services.gpu_sharing import mps_for_cluster
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
@@ -82,6 +82,8 @@ def log(message: str) -> None:
 
 
 SYNTHETIC_SHAPE = re.compile(r"qwen3-30b-a3b-(\d+)layer")
+# DeepSeek-V3's layout with its multi-token-prediction layer, for `--speculative mtp`
+TINY_BENCH_MODELS = {"deepseek-v3-mtp-tiny": "deepseek_v3_mtp"}
 
 
 def synthetic_name(layers: int) -> str:
@@ -95,6 +97,11 @@ def checkpoint(name: str, dtype: str) -> Path:
         from services.common.demo_model import ensure_demo_model
 
         return ensure_demo_model()
+    if name in TINY_BENCH_MODELS:  # a tiny random model of an architecture the Qwen3 shape lacks
+        path = cache_root() / "bench" / f"{name}-{dtype}"
+        if not (path / "config.json").exists():
+            build_random_checkpoint(path, TINY_CONFIGS[TINY_BENCH_MODELS[name]], dtype=getattr(mx, dtype))
+        return path
     shape = SYNTHETIC_SHAPE.fullmatch(name)
     if shape:
         path = cache_root() / "bench" / f"{name}-q4-{dtype}"

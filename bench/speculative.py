@@ -6,7 +6,8 @@
 
 Each model runs as core + 1 expert worker (real processes, Unix sockets, frames), once without
 speculation and once per method (`ngram`; `draft:PATH`, where `draft:demo-dense` is the dense
-SmolLM2-135M the demo MoE is made from), on two greedy prompts: a code edit whose answer repeats
+SmolLM2-135M the demo MoE is made from; `mtp` on `deepseek-v3-mtp-tiny`, a random DeepSeek-V3 with its
+MTP layer), on two greedy prompts: a code edit whose answer repeats
 much of the prompt, and free chat. `hops_per_token` is core's layer calls over the decode divided by
 MoE layers and decoded tokens: the steps each token costs (1.0 without drafts). `acceptance_length`
 is 1 + accepted drafted tokens per verified draft: the tokens a drafting step yields. Greedy tokens
@@ -170,7 +171,9 @@ def main() -> None:
     configure_logging("bench", "warning")  # logs to stderr: stdout carries only the JSON
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--models", default="demo", help="demo, qwen3-30b-a3b-<N>layer or a path (comma-separated)"
+        "--models",
+        default="demo",
+        help="demo, qwen3-30b-a3b-<N>layer, deepseek-v3-mtp-tiny or a path (comma-separated)",
     )
     parser.add_argument(
         "--methods",

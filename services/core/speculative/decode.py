@@ -82,8 +82,14 @@ class SpeculativeDecoder:
             return [self._in_token_order(r) for r in batch.next()]
         pending = batch._next_tokens.tolist()
         drafts = self._drafts(batch, pending)
-        if not any(drafts) and not self._wants_hidden:  # a drafter fed by the forward always verifies
-            return [self._in_token_order(r) for r in batch.next()]
+        if not any(drafts):
+            uids = list(batch.uids)
+            responses = [self._in_token_order(r) for r in batch.next()]
+            if self._wants_hidden:  # the forward's states at the pending tokens, for MTP to feed on
+                hidden = self._drafter.last_hidden()
+                for i, uid in enumerate(uids):
+                    self._rows[uid][0].feed(hidden[i : i + 1, :1], pending[i : i + 1])
+            return responses
         return self._verify(batch, pending, drafts)
 
     def in_token_order(self, uid: int, cache: list) -> list:
