@@ -38,11 +38,14 @@ def unsupported_reason(config: dict) -> str | None:
     """Why `--speculative mtp` cannot serve this model, or None when it can."""
     text = text_config(config)
     model_type = text.get("model_type", config.get("model_type"))
-    if model_type in RECURRENT_FAMILIES:
+    if model_type in RECURRENT_FAMILIES or config.get("model_type") in RECURRENT_FAMILIES:
+        model_type = config.get("model_type")
         return (
             f"{model_type} ships MTP layers, but its linear-attention layers keep recurrent state that "
             "cannot drop rejected draft tokens"
         )
+    if "text_config" in config:
+        return f"{config.get('model_type')} wraps its language model; its MTP layers are not served"
     if model_type not in FAMILIES:
         return f"{model_type} has no multi-token-prediction layers moe-mesh can serve (it serves {', '.join(FAMILIES)})"
     if mtp_layer_count(config) == 0:
