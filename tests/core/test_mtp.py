@@ -123,7 +123,10 @@ def test_models_without_servable_mtp_layers_are_refused_by_name():
     assert unsupported_reason({"model_type": "glm4_moe", "num_nextn_predict_layers": 1}) is None
     qwen35 = {"model_type": "qwen3_5_moe", "text_config": {"model_type": "qwen3_5_moe_text"}}
     assert "recurrent state" in unsupported_reason(qwen35)
-    wrapped = {"model_type": "kimi_k25", "text_config": {"model_type": "deepseek_v3", "num_nextn_predict_layers": 1}}
+    wrapped = {
+        "model_type": "kimi_k25",
+        "text_config": {"model_type": "deepseek_v3", "num_nextn_predict_layers": 1},
+    }
     assert "wraps its language model" in unsupported_reason(wrapped)
 
 

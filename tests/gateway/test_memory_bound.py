@@ -17,6 +17,7 @@ from services.gateway.openai_schema import ChatCompletionRequest
 from services.plan import memory_plan
 
 from .conftest import GatewayThread
+from .test_http_limits import answer_of, connect
 
 CHAT = {"model": "tiny-moe", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -28,20 +29,6 @@ def small_gateway(core_server, core):
     ).start()
     yield gateway
     gateway.stop()
-
-
-def connect(url: str) -> socket.socket:
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)))
-    sock.settimeout(10)
-    return sock
-
-
-def answer_of(sock: socket.socket) -> bytes:
-    data = b""
-    while chunk := sock.recv(65536):
-        data += chunk
-    return data
 
 
 def start_body(url: str, length: int, sent: bytes = b"{") -> socket.socket:
