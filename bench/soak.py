@@ -57,6 +57,8 @@ async def core_stats(core_address: str) -> dict:
         "waiting": stats.waiting_requests,
         "kv_cache_bytes": stats.kv_cache_bytes,
         "prefix_cache_bytes": stats.prefix_cache.bytes,
+        "mlx_active_bytes": stats.mlx_active_bytes,
+        "mlx_cache_bytes": stats.mlx_cache_bytes,
     }
 
 

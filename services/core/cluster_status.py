@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import mlx.core as mx
 import numpy as np
 from prometheus_client import REGISTRY, generate_latest
 
@@ -28,6 +29,8 @@ def fill_core_stats(stats: core_pb2.CoreStats, engine: Engine) -> None:
     stats.kv_cache_capacity_bytes = engine.kv_cache_capacity_bytes
     stats.kv_cache_default = engine.config.kv_cache
     stats.problems.extend(engine.problems)
+    stats.mlx_active_bytes = mx.get_active_memory()
+    stats.mlx_cache_bytes = mx.get_cache_memory()
     prefix = engine.prefix_cache
     stats.prefix_cache.lookups = prefix.counters.lookups
     stats.prefix_cache.hits = prefix.counters.hits

@@ -106,6 +106,8 @@ def core_json(stats: core_pb2.CoreStats | None, health: str, address: str) -> di
         "waiting": stats.waiting_requests,
         "kv_cache_bytes": stats.kv_cache_bytes,
         "kv_cache_capacity_bytes": stats.kv_cache_capacity_bytes,
+        "mlx_active_bytes": stats.mlx_active_bytes,
+        "mlx_cache_bytes": stats.mlx_cache_bytes,
         "prompt_tokens_total": stats.prompt_tokens_total,
         "generation_tokens_total": stats.generation_tokens_total,
         "prefix_cache": {

@@ -75,6 +75,7 @@ def test_status_json_maps_the_cluster_and_times_each_layer(stack):
     assert status["core"]["speculative"] is None  # this core does not speculate
     assert status["core"]["generation_tokens_total"] >= 1
     assert 0 < status["core"]["kv_cache_capacity_bytes"]
+    assert status["core"]["mlx_active_bytes"] > 0  # core's weights are MLX arrays
     workers = {w["address"]: w for w in status["workers"]}
     assert set(workers) == set(stack.workers.addresses)
     for address, experts in zip(stack.workers.addresses, stack.ranges, strict=True):

@@ -365,7 +365,7 @@ class LayerCallStats(_message.Message):
     def __init__(self, calls: _Optional[int] = ..., total_p50_us: _Optional[float] = ..., total_p99_us: _Optional[float] = ..., worker_p50_us: _Optional[float] = ..., worker_p99_us: _Optional[float] = ..., compute_p50_us: _Optional[float] = ..., compute_p99_us: _Optional[float] = ..., transport_p50_us: _Optional[float] = ..., transport_p99_us: _Optional[float] = ..., part_p50_us: _Optional[_Mapping[str, float]] = ..., part_p99_us: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class CoreStats(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "prompt_tokens_total", "generation_tokens_total", "kv_cache_bytes", "layer_calls", "prefix_cache", "kv_cache_default", "problems", "kv_cache_capacity_bytes", "workers", "layer_latency", "speculative")
+    __slots__ = ("running_requests", "waiting_requests", "prompt_tokens_total", "generation_tokens_total", "kv_cache_bytes", "layer_calls", "prefix_cache", "kv_cache_default", "problems", "kv_cache_capacity_bytes", "workers", "layer_latency", "speculative", "mlx_active_bytes", "mlx_cache_bytes")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -379,6 +379,8 @@ class CoreStats(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     LAYER_LATENCY_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    MLX_ACTIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MLX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     prompt_tokens_total: int
@@ -392,7 +394,9 @@ class CoreStats(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     layer_latency: _containers.RepeatedCompositeFieldContainer[LayerLatency]
     speculative: SpeculativeStats
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., layer_calls: _Optional[_Union[LayerCallStats, _Mapping]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., kv_cache_default: _Optional[str] = ..., problems: _Optional[_Iterable[str]] = ..., kv_cache_capacity_bytes: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., layer_latency: _Optional[_Iterable[_Union[LayerLatency, _Mapping]]] = ..., speculative: _Optional[_Union[SpeculativeStats, _Mapping]] = ...) -> None: ...
+    mlx_active_bytes: int
+    mlx_cache_bytes: int
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., layer_calls: _Optional[_Union[LayerCallStats, _Mapping]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., kv_cache_default: _Optional[str] = ..., problems: _Optional[_Iterable[str]] = ..., kv_cache_capacity_bytes: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., layer_latency: _Optional[_Iterable[_Union[LayerLatency, _Mapping]]] = ..., speculative: _Optional[_Union[SpeculativeStats, _Mapping]] = ..., mlx_active_bytes: _Optional[int] = ..., mlx_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class SpeculativeStats(_message.Message):
     __slots__ = ("method", "drafts", "draft_tokens", "accepted_tokens", "accepted_per_position")
