@@ -312,6 +312,7 @@ class Engine:
         a cancel, a deadline); with `keep_prefix` what it computed goes to the prefix cache."""
         self._release(sequence)
         self._active.pop(sequence.key, None)
+        self.batches.finished(sequence.batch, sequence.uid)
         if remove:
             keep = keep_prefix and self.prefix_cache.enabled
             for tokens, cache in self.batches.remove(sequence.batch, sequence.uid, keep):

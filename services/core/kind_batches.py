@@ -79,13 +79,17 @@ class KindBatches:
             )
         return self._decoders[batch]
 
+    def finished(self, batch: BatchKey, uid: int) -> None:
+        """A sequence left its batch: its drafting state goes too (an MTP cache, a draft model's)."""
+        decoder = self._decoders.get(batch)
+        if decoder is not None:
+            decoder.forget(uid)
+
     def remove(self, batch: BatchKey, uid: int, keep_prompt_cache: bool) -> list[tuple[list[int], list]]:
         """Take a sequence out of its batch, freeing its KV cache; with `keep_prompt_cache`, its
         (tokens, cache) in token order (speculation may have moved its slots)."""
         caches = self.generators[batch].remove([uid], return_prompt_caches=keep_prompt_cache)
         decoder = self._decoders.get(batch)
-        if decoder is not None:
-            decoder.forget(uid)
         return [
             (tokens[:], cache if decoder is None else decoder.in_token_order(uid, cache))
             for uid, (cache, tokens) in caches.items()

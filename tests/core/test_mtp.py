@@ -110,6 +110,12 @@ def test_greedy_tokens_equal_decoding_without_mtp(mtp_model):
     tokens, _, steps, _ = generate(model, kind, decoder)
     assert tokens == reference
     assert sorted(fed) == sorted(t for prompt in PROMPTS for t in prompt)  # every prompt token, once
+    assert not decoder._prefilling  # each sequence's MTP state moved on when it began to decode
+    model(mx.array([[5, 6, 7]]))
+    decoder.prefilled([99], [[5, 6, 7]])
+    assert 99 in decoder._prefilling
+    decoder.forget(99)  # what the engine calls when a sequence leaves its batch, decoded or not
+    assert not decoder._prefilling and 99 not in decoder._rows
     assert counters.drafts >= len(PROMPTS) and counters.draft_tokens > len(PROMPTS)
     assert steps <= plain_steps
 
