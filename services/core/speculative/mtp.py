@@ -6,9 +6,10 @@ it: `eh_proj([enorm(embed(t+1)); hnorm(h_t)])` through one decoder layer of the 
 then `shared_head.norm` and the main model's output head. Drafts beyond the first feed the layer its
 own normed output and its last draft (as vLLM and SGLang chain it).
 
-Each sequence keeps the layer's KV cache for the positions its verify forwards confirmed; the
-drafted positions beyond them are cut off at the next step. A greedy draft is a deterministic
-function of the context, so verification stays exact (acceptance.py).
+Each sequence keeps the layer's KV cache over its own positions, fed from every forward of the main
+model that computes them (prefill chunks, plain decode steps, the confirmed part of each verify);
+drafted positions beyond them are cut off at the next run. A greedy draft is a deterministic function
+of the context, so verification stays exact (acceptance.py).
 """
 
 from __future__ import annotations
