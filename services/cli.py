@@ -14,6 +14,7 @@ from services.common.cli_types import (
     positive_float,
     positive_int,
 )
+from services.gateway.cli_flags import add_gateway_flags, gateway_pass_args
 
 
 def cli_command(*args: str) -> list[str]:
@@ -114,7 +115,7 @@ def _up(args) -> None:
             port=args.port,
             host=args.host,
             workdir=args.workdir,
-            gateway_args=_gateway_key_args(args),
+            gateway_args=gateway_pass_args(args),
             expert_memory_gb=args.expert_memory_gb,
             core_args=[*kv_cli_args(args), *_serving_cli_args(args)],
             frame_spin_us=args.frame_spin_us,
@@ -257,39 +258,6 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
                 _show_defaults(child)
 
 
-def _add_api_key_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--api-key",
-        action="append",
-        default=None,
-        help="require this key on /v1/* (repeatable; also MOE_MESH_API_KEY, comma-separated)",
-    )
-    p.add_argument(
-        "--api-key-file",
-        default=None,
-        help="file with one accepted API key per line, or its hash as sha256:<hex> (sha256sum)",
-    )
-    p.add_argument("--protect-metrics", action="store_true", help="require an API key on /metrics too")
-    p.add_argument(
-        "--max-connections", type=positive_int, default=1024, help="open HTTP connections (then 503)"
-    )
-    p.add_argument(
-        "--max-request-memory-mb",
-        type=positive_int,
-        default=256,
-        help="request bodies held at once (then 429); with --max-connections it bounds the gateway's memory",
-    )
-
-
-def _gateway_key_args(args) -> list[str]:
-    """`up` passes its key and limit flags through to the gateway (MOE_MESH_API_KEY is inherited)."""
-    out = [flag for key in args.api_key or () for flag in ("--api-key", key)]
-    out += ["--protect-metrics"] if args.protect_metrics else []
-    out += ["--max-connections", str(args.max_connections)]
-    out += ["--max-request-memory-mb", str(args.max_request_memory_mb)]
-    return out + (["--api-key-file", args.api_key_file] if args.api_key_file else [])
-
-
 class _ArgvRecordingParser(argparse.ArgumentParser):
     """Keeps the argument list on the namespace, so cluster.toml settings can yield to the flags a
     user actually typed, even when they typed a flag's default value."""
@@ -404,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP API listens on")
     p.add_argument("--port", type=port_number, default=8000, help="port the HTTP API listens on")
     add_cluster_flags(p, metrics=False, serves_grpc=False)
-    _add_api_key_flags(p)
+    add_gateway_flags(p)
     p.set_defaults(func=_gateway, parser=p)
 
     p = sub.add_parser(
@@ -454,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_serving_flags(p)
     add_kv_cache_flags(p)
-    _add_api_key_flags(p)
+    add_gateway_flags(p)
     add_spin_flag(p)
     add_data_plane_flag(p, "core and the workers form")
     p.set_defaults(func=_up)

@@ -122,3 +122,15 @@ def test_a_body_becomes_at_most_the_expansion_plan_counts(body):
 def test_plan_states_the_gateways_bound(tiny_models):
     plan = memory_plan(tiny_models.split("qwen3_moe", None), 1.0, 1)
     assert plan["gateway_memory"]["bound_bytes"] == gateway_bound_bytes() > 64 * MIB
+
+
+def test_up_hands_the_gateway_its_limits_at_the_bound_plan_states():
+    from services.cli import build_parser
+    from services.gateway.cli_flags import gateway_pass_args
+    from services.gateway.memory_bound import DEFAULT_MAX_CONNECTIONS, DEFAULT_REQUEST_MEMORY_MB
+
+    passed = gateway_pass_args(build_parser().parse_args(["up"]))
+    assert passed[passed.index("--max-connections") + 1] == str(DEFAULT_MAX_CONNECTIONS)
+    assert passed[passed.index("--max-request-memory-mb") + 1] == str(DEFAULT_REQUEST_MEMORY_MB)
+    passed = gateway_pass_args(build_parser().parse_args(["up", "--max-request-memory-mb", "8"]))
+    assert passed[passed.index("--max-request-memory-mb") + 1] == "8"

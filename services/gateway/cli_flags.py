@@ -1,0 +1,45 @@
+"""The gateway's own flags, shared by `moe-mesh gateway` and `moe-mesh up` (which passes them on)."""
+
+from __future__ import annotations
+
+import argparse
+
+from services.common.cli_types import positive_int
+from services.gateway.memory_bound import DEFAULT_MAX_CONNECTIONS, DEFAULT_REQUEST_MEMORY_MB
+
+
+def add_gateway_flags(p: argparse.ArgumentParser) -> None:
+    """`moe-mesh gateway`'s API-key and memory flags (`up` takes them too)."""
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="require this key on /v1/* (repeatable; also MOE_MESH_API_KEY, comma-separated)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        help="file with one accepted API key per line, or its hash as sha256:<hex> (sha256sum)",
+    )
+    p.add_argument("--protect-metrics", action="store_true", help="require an API key on /metrics too")
+    p.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="open HTTP connections (then 503)",
+    )
+    p.add_argument(
+        "--max-request-memory-mb",
+        type=positive_int,
+        default=DEFAULT_REQUEST_MEMORY_MB,
+        help="request bodies held at once (then 429); with --max-connections it bounds the gateway's memory",
+    )
+
+
+def gateway_pass_args(args: argparse.Namespace) -> list[str]:
+    """`up` passes its key and limit flags through to the gateway (MOE_MESH_API_KEY is inherited)."""
+    out = [flag for key in args.api_key or () for flag in ("--api-key", key)]
+    out += ["--protect-metrics"] if args.protect_metrics else []
+    out += ["--max-connections", str(args.max_connections)]
+    out += ["--max-request-memory-mb", str(args.max_request_memory_mb)]
+    return out + (["--api-key-file", args.api_key_file] if args.api_key_file else [])
