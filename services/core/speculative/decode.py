@@ -67,7 +67,7 @@ class SpeculativeDecoder:
         self.order = RowOrder()
         self._drafter = drafter or NgramDrafter(config.prompt_lookup_max, config.prompt_lookup_min)
         self._rows: dict[int, tuple[NgramIndex, DraftPolicy]] = {}
-        # MTP drafts from the hidden states of each verify forward (`confirm`)
+        # MTP drafts from the hidden states each forward leaves (prefill, decode, verify): `feed`
         self._wants_hidden = getattr(self._drafter, "wants_hidden", False)
         self.prefill_sink = self.prefilled if self._wants_hidden else None  # for GeneratorStep
         self._prefilling: dict[int, object] = {}  # uid -> its MTP state, before it decodes
@@ -133,8 +133,8 @@ class SpeculativeDecoder:
             k = min(policy.budget(), left) if drafting else 0
             drafts.append(index.propose(batch.tokens[i] + [pending[i]], k) if k else [])
         on_device = [d for d in drafts if isinstance(d, mx.array)]  # a draft model's: one sync for all
-        for index, _ in self._rows.values():
-            on_device.extend(index.state() if hasattr(index, "state") else ())
+        if self._wants_hidden:  # the MTP caches fed since the last step
+            on_device.extend(a for index, _ in self._rows.values() for a in index.state())
         if on_device:
             mx.eval(on_device)
         return [d.tolist() if isinstance(d, mx.array) else d for d in drafts]

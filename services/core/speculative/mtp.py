@@ -21,7 +21,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from services.core.speculative.mtp_weights import MTP_FILE, text_config, unsupported_reason
+from services.core.speculative.mtp_weights import MTP_FILE, unsupported_reason
 
 
 class MtpLayer(nn.Module):
@@ -54,11 +54,6 @@ class HiddenRecorder(nn.Module):
         return self.head(x)
 
 
-def _inner_model(model) -> nn.Module:
-    inner = getattr(model, "language_model", model)
-    return inner.model
-
-
 def check_mtp_servable(split_dir: Path, config: dict) -> Path:
     """The split's MTP weights file; ValueError saying why `--speculative mtp` cannot serve it."""
     reason = unsupported_reason(config)
@@ -76,19 +71,14 @@ def check_mtp_servable(split_dir: Path, config: dict) -> Path:
 def load_mtp(model, split_dir: Path, config: dict) -> MtpLayer:
     """The checkpoint's first MTP layer, weights from `split_dir/core/mtp.safetensors`, quantized as
     they are stored. Installs a HiddenRecorder as the model's output head. Raises ValueError."""
-    path = check_mtp_servable(split_dir, config)
-    holder = getattr(model, "language_model", model)
-    if not isinstance(getattr(holder, "lm_head", None), nn.Module):
+    path = check_mtp_servable(split_dir, config)  # a text model: wrapped ones are refused
+    if not isinstance(getattr(model, "lm_head", None), nn.Module):
         raise ValueError("--speculative mtp: the model ties its output head to its embedding")
     weights = {k.removeprefix("mtp.0."): v for k, v in mx.load(str(path)).items() if k.startswith("mtp.0.")}
-    text = text_config(config)
-    args = getattr(model, "args", None)
-    args = getattr(args, "text_config", None) or args
-    layers = _inner_model(model).layers
-    if args is None:
+    if getattr(model, "args", None) is None:
         raise ValueError("--speculative mtp: the model keeps no ModelArgs to build its MTP layer from")
-    block = type(layers[-1])(args, int(text["num_hidden_layers"]))
-    layer = MtpLayer(block, int(text["hidden_size"]), float(text.get("rms_norm_eps", 1e-6)))
+    block = type(model.model.layers[-1])(model.args, int(config["num_hidden_layers"]))
+    layer = MtpLayer(block, int(config["hidden_size"]), float(config.get("rms_norm_eps", 1e-6)))
     own = ("enorm", "hnorm", "eh_proj", "shared_head")
     renamed = {(k if k.split(".")[0] in own else f"block.{k}"): v for k, v in weights.items()}
     quantization = config.get("quantization")
@@ -102,8 +92,8 @@ def load_mtp(model, split_dir: Path, config: dict) -> MtpLayer:
     layer.load_weights(list(renamed.items()), strict=True)
     layer.eval()
     mx.eval(layer.parameters())
-    if not isinstance(holder.lm_head, HiddenRecorder):
-        holder.lm_head = HiddenRecorder(holder.lm_head)
+    if not isinstance(model.lm_head, HiddenRecorder):
+        model.lm_head = HiddenRecorder(model.lm_head)
     return layer
 
 
@@ -113,9 +103,8 @@ class MtpDrafter:
     wants_hidden = True
 
     def __init__(self, model, layer: MtpLayer, vocab_size: int | None):
-        holder = getattr(model, "language_model", model)
-        self.recorder: HiddenRecorder = holder.lm_head
-        self.embed = _inner_model(model).embed_tokens
+        self.recorder: HiddenRecorder = model.lm_head
+        self.embed = model.model.embed_tokens
         self.layer = layer
         self.vocab_size = vocab_size
 
