@@ -72,6 +72,7 @@ def _core(args) -> None:
             prefix_cache_bytes=int(args.prefix_cache_gb * (1 << 30)),
             max_model_len=args.max_model_len,
             micro_batches=args.micro_batches,
+            burst_gather_s=args.burst_gather_ms / 1000,
             speculative=speculative_config(
                 args.speculative, args.num_speculative_tokens, args.speculative_config
             ),
@@ -138,6 +139,7 @@ SERVING_FLAGS = (
     "max_num_batched_tokens",
     "max_step_seconds",
     "micro_batches",
+    "burst_gather_ms",
     "prefix_cache_gb",
     "mlx_cache_gb",
     "max_model_len",
@@ -174,6 +176,13 @@ def _add_serving_flags(p: argparse.ArgumentParser) -> None:
         default=CoreConfig.micro_batches,
         help="batches the running sequences are split into; with 2, one batch's attention runs "
         "while the other's experts compute on the workers (ping-pong)",
+    )
+    p.add_argument(
+        "--burst-gather-ms",
+        type=non_negative_float,
+        default=2.0,
+        help="from idle, keep admitting requests that arrive this close together before the first "
+        "prefill, so a burst shares one step (0: start at the first request)",
     )
     p.add_argument(
         "--prefix-cache-gb",

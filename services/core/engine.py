@@ -16,7 +16,6 @@ queues that this thread fills with `call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from services.core.engine_config import EngineConfig, EngineCounters
 from services.core.engine_metrics import ENGINE_FORWARDS, ENGINE_STEPS
 from services.core.expert_link.links import BATCH_REQUEST_IDS
 from services.core.expert_link.step_merge import run_side_by_side
+from services.core.inbox import EngineInbox
 from services.core.kind_batches import BatchKey, KindBatches
 from services.core.kv import KV_CACHE_KINDS
 from services.core.logprobs import LogprobWriter
@@ -74,7 +74,7 @@ class Engine:
         self.kv_cache_capacity_bytes = 0  # what the batch could fill at 16 bits (set by whoever builds it)
         self.expert_links = None  # the ExpertDispatcher, when workers serve some layers (for stats)
         self._in_batch = 0  # sequences decoding or prefilling, refreshed every step
-        self._inbox: queue.Queue = queue.Queue()
+        self._inbox = EngineInbox(config.burst_gather_s, config.max_num_batched_tokens, config.max_num_seqs)
         self._admitted = 0  # submitted and not yet finished: bounded by max_num_seqs + max_queue
         self._admitted_lock = threading.Lock()
         self._active: dict[tuple[BatchKey, int], Sequence] = {}
@@ -165,22 +165,11 @@ class Engine:
             idle = not self._active
             # Probe often while a worker is missing, so service resumes soon after it returns.
             wait = 0.25 if self.problems else self.config.idle_probe_s
-            try:
-                item = self._inbox.get(timeout=wait) if idle else self._inbox.get_nowait()
-            except queue.Empty:
-                item = ...
-            if item is None:
+            items = self._inbox.take(wait if idle else 0.0, gather=idle)  # all that arrived: one step
+            if items is None:
                 break
-            if item is not ...:
+            for item in items:
                 self._handle(item)
-                while True:  # take everything that arrived, then step once
-                    try:
-                        more = self._inbox.get_nowait()
-                    except queue.Empty:
-                        break
-                    if more is None:
-                        return
-                    self._handle(more)
             if not self._active:
                 if time.monotonic() - last_probe >= wait:
                     self._probe()

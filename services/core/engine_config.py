@@ -26,13 +26,16 @@ class EngineConfig:
     speculative: object | None = None  # services.core.speculative.SpeculativeConfig; None: off
     # Batches per KV kind whose expert calls the step pipelines (services/core/kind_batches.py)
     micro_batches: int = 1
+    # From idle, keep admitting a burst's requests while they arrive this close together, so
+    # they share one prefill step (services/core/inbox.py); 0: step at the first arrival
+    burst_gather_s: float = 0.002
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "micro_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be at least 1")
-        if self.max_queue < 0 or self.prefix_cache_bytes < 0:
-            raise ValueError("max-queue and the prefix cache budget must not be negative")
+        if self.max_queue < 0 or self.prefix_cache_bytes < 0 or self.burst_gather_s < 0:
+            raise ValueError("max-queue, the prefix cache budget and burst-gather-ms must not be negative")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max-model-len must be at least 1")
         if self.kv_cache not in KV_CACHE_KINDS:
