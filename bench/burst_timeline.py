@@ -38,10 +38,15 @@ EVENTS = ("generate_start", "prefill_step")
 
 
 async def first_token(stub, request) -> float:
+    """When the stream's first token arrived. The stream is read to its end, so the next round
+    starts on an idle core rather than behind this round's decoding."""
+    first = None
     async for chunk in stub.Generate(request, timeout=600):
-        if chunk.token_ids:
-            return time.time()
-    raise RuntimeError("a stream ended without a token")
+        if chunk.token_ids and first is None:
+            first = time.time()
+    if first is None:
+        raise RuntimeError("a stream ended without a token")
+    return first
 
 
 async def bursts(address: str, rounds: int, tokens: int) -> tuple[list[dict], float]:
@@ -56,12 +61,25 @@ async def bursts(address: str, rounds: int, tokens: int) -> tuple[list[dict], fl
     return out, start
 
 
+def log_records(text: str):
+    """The JSON records of a log, where lines written by two threads at once may share a line."""
+    decoder = json.JSONDecoder()
+    for line in text.splitlines():
+        at = line.find("{")
+        while at >= 0:
+            try:
+                record, end = decoder.raw_decode(line, at)
+            except json.JSONDecodeError:
+                break
+            yield record
+            at = line.find("{", end)
+
+
 def core_events(log_path: Path, since: float) -> list[dict]:
     events = []
-    for line in log_path.read_text().splitlines():
-        if not line.startswith("{"):
+    for event in log_records(log_path.read_text()):
+        if "timestamp" not in event or "event" not in event:
             continue
-        event = json.loads(line)
         stamp = datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
         if stamp >= since and event["event"] in EVENTS:
             keep = {k: event[k] for k in ("prompt_tokens", "tokens", "decoding", "seconds") if k in event}
@@ -75,6 +93,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", help="synthetic models' dtype (bfloat16 on GPUs)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument(
+        "--core-flags", default="", help="more `moe-mesh core` flags, e.g. --burst-gather-ms 0"
+    )
     args = parser.parse_args()
     split = resolve_split(None if args.model == "demo" else str(checkpoint(args.model, args.dtype)))
     spawn = decode.spawn  # core logs JSON at debug level: its prefill steps and admissions
@@ -82,7 +103,7 @@ def main() -> None:
         ["--log-level", "debug", "--log-format", "json", *argv], *a, **k
     )
     workdir = bench_workdir("mm-burst-")
-    flags = ["--max-num-seqs", str(STREAMS), "--max-num-batched-tokens", "256"]
+    flags = ["--max-num-seqs", str(STREAMS), "--max-num-batched-tokens", "256", *args.core_flags.split()]
     with split_system(split, workdir, 0, 0, flags) as (address, _):
         rounds, last_start = asyncio.run(bursts(address, args.rounds, args.tokens))
     report = {
@@ -90,6 +111,7 @@ def main() -> None:
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, mlx {mx.__version__} on {mx.default_device()}",
         "model": args.model,
         "streams": STREAMS,
+        "core_flags": args.core_flags,
         "rounds": rounds,
         "core_events_last_round": core_events(workdir / "core0.log", last_start),
     }
