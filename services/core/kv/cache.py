@@ -36,7 +36,7 @@ CHUNK_INVARIANT_PREFILL = mx.default_device() == mx.cpu
 # tokens come one at a time, yet the chunk still takes one fused causal call over the runs as
 # stored. Without it a 512-token chunk's early queries saw their newest tokens compressed: the demo
 # model lost ~13 % perplexity at window 128, against +0.50 % with it and +1.07 % token by token
-# (bench/results/kv_quality-cpu-w128-deferred.json, kv_quality-cpu-w128-per-token.json).
+# (docs/benchmarks.md, TurboQuant).
 
 
 @lru_cache(maxsize=512)

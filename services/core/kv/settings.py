@@ -22,8 +22,7 @@ class KVCacheSettings:
     at d = 128 the score error of K3+QJL has variance 0.0196/d against 0.0092/d for 4-bit MSE
     keys, whose only bias is a 0.85 % shrink of every score -- a softmax temperature change
     the softmax barely feels, while it does feel the variance
-    (bench/results/kv_quality-cpu-w128-greedy-20-lead-shifts*.json,
-    kv_quality-cpu-w128-per-token-k4v3.json). PAPER_SETTINGS is the issue's K3+QJL/V3.
+    (docs/benchmarks.md, TurboQuant). PAPER_SETTINGS is the paper's K3+QJL/V3.
 
     key_bits / value_bits: MSE-stage bits (2, 3 or 4; 1 is allowed for experiments).
     key_qjl: add the 1-bit QJL residual stage to keys (unbiased inner products).
