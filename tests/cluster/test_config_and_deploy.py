@@ -174,6 +174,7 @@ def _verify_systemd_unit(rendered, folder: Path) -> None:
     assert ours == [], ours
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("role", ROLES)
 def test_systemd_units_verify(role, tmp_path):
     config = load_cluster(REPO / "deploy" / "cluster.toml")
@@ -182,6 +183,7 @@ def test_systemd_units_verify(role, tmp_path):
     _verify_systemd_unit(rendered, tmp_path)
 
 
+@pytest.mark.slow
 def test_systemd_unit_keeps_paths_with_spaces_and_values_with_dollars_as_they_are(tmp_path):
     folder = tmp_path / "with space"
     folder.mkdir()

@@ -80,6 +80,7 @@ def _socket_cluster(folder: Path, core_listen: str, worker_listen: str) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("role", ROLES)
 def test_systemd_units_are_hardened_non_root_and_linux_only(role, tmp_path):
     rendered = render_systemd(load_cluster(EXAMPLE), role)
@@ -125,6 +126,7 @@ def test_systemd_sandbox_follows_the_paths():
     assert "PrivateTmp=no" in shared_tmp and "ProtectHome=yes" in shared_tmp
 
 
+@pytest.mark.slow
 def test_systemd_unit_makes_what_the_service_writes_writable(tmp_path):
     """Cache, log folder and the folders the role binds Unix sockets in are writable; the folder
     of a socket a role only connects to is not (connecting needs no write access)."""

@@ -123,6 +123,7 @@ async def test_binding_beyond_loopback_without_tls_is_refused_unless_insecure(pk
     assert [(event, kw["address"]) for event, kw in warnings] == [("insecure_bind", f"0.0.0.0:{port}")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("role", ["expert", "core"])
 def test_a_service_asked_to_listen_on_the_network_without_tls_exits_naming_the_fix(role, tmp_path):
     """The real command, before it loads anything: one line naming --insecure and [tls]."""

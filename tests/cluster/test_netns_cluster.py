@@ -33,6 +33,8 @@ from tests.cluster.conftest import CoreClient, oracle_tokens, write_cluster_toml
 from tests.cluster.netns import NetnsLab
 from tests.helpers import short_dir
 
+pytestmark = pytest.mark.slow  # starts processes or computes for seconds
+
 RANGES = ["0-3", "4-7", "0-7"]
 PORT = 50061
 METRICS = "127.0.0.1:9191"  # inside core's namespace

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -27,12 +29,14 @@ def run_bench(body: str) -> tuple[list[Path], subprocess.CompletedProcess]:
     return [Path(line) for line in done.stdout.splitlines()], done
 
 
+@pytest.mark.slow
 def test_every_folder_is_removed_when_the_bench_ends():
     folders, done = run_bench("print(bench_workdir('mm-wdtest-'), flush=True)\n")
     assert done.returncode == 0 and len(folders) == 2
     assert not any(folder.exists() for folder in folders)
 
 
+@pytest.mark.slow
 def test_the_folder_is_kept_and_named_when_the_bench_dies():
     folders, done = run_bench("raise RuntimeError('worker never came up')\n")
     try:

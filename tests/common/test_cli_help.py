@@ -32,6 +32,7 @@ def test_every_help_names_every_default():
     assert not missing, missing
 
 
+@pytest.mark.slow
 def test_up_passes_serving_flags_to_core(monkeypatch):
     import services.up
 

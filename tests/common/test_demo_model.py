@@ -11,6 +11,8 @@ import pytest
 
 from services.common import demo_model as dm
 
+pytestmark = pytest.mark.slow  # starts processes or computes for seconds
+
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 

@@ -129,6 +129,7 @@ def test_a_claimed_frame_size_allocates_only_what_arrives():
             read_call(reader, CALL_CAP)
 
 
+@pytest.mark.slow
 def test_a_worker_keeps_answering_good_calls_between_bad_ones(split, short_tmp):
     """A real worker process: 300 mutated frames, each on a connection of its own (a bad frame
     closes its connection), interleaved with good calls on one connection that stays open; every

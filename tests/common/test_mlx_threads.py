@@ -60,6 +60,7 @@ busy = sum(len(str(i)) for i in range(300_000))
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", [THREADS, EXECUTORS], ids=["releasing_mlx", "MlxThread"])
 def test_threads_that_ran_compiled_mlx_let_the_process_exit_0(script):
     for _ in range(5):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from datetime import datetime
 
+import pytest
 from fastapi.testclient import TestClient
 
 from services.core.stats_line import _Totals, stats_fields
@@ -125,6 +126,7 @@ def test_stats_line_reports_the_interval_and_stays_quiet_when_idle():
     assert "drafts accepted 75.0%" in stats_text({"event": "stats", **fields})
 
 
+@pytest.mark.slow
 def test_log_format_follows_the_terminal_unless_told():
     code = (
         "import sys; from services.common.logging import configure_logging, get_logger; "

@@ -9,11 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 UNSAFE_MODULES = {"pickle", "cPickle", "dill", "marshal", "shelve", "cloudpickle", "joblib"}
 UNSAFE_CALLS = {"eval", "exec"}
 
 
+@pytest.mark.slow
 def test_bandit_finds_nothing_unjustified():
     """Every finding bandit would report carries a `# nosec` with its reason beside it."""
     done = subprocess.run(

@@ -45,6 +45,7 @@ def test_a_path_too_long_is_named(short_tmp):
         claim_socket_path(path)
 
 
+@pytest.mark.slow
 def test_a_second_worker_on_a_live_path_or_a_busy_port_fails_in_one_line(tiny_models):
     split = tiny_models.split("qwen3_moe", None)
     workers = Workers(split, short_dir(), ["0-7"]).start()

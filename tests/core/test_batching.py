@@ -28,6 +28,8 @@ from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 from services.up import resolve_split
 from tests.helpers import Workers, core_args, free_port, short_dir, spawn, stop, wait_serving
 
+pytestmark = pytest.mark.slow  # starts processes or computes for seconds
+
 GREEDY = core_pb2.SamplingParams(temperature=0)
 QUESTIONS = [
     "What is the capital of France?",

@@ -120,6 +120,7 @@ def engine_steps(metrics_port: int) -> float:
     )
 
 
+@pytest.mark.slow
 def test_a_burst_of_clients_is_prefilled_in_one_step_with_its_tokens_unchanged(tiny_models, short_tmp):
     """Six clients send at once to an idle core (a real process, gRPC): their prompts prefill
     together, in as many steps as one request alone takes, and each first token is mlx-lm's

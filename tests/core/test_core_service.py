@@ -16,6 +16,8 @@ from mlx_lm.generate import generate_step
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 from tests.helpers import Workers, core_args, health_status, short_dir, spawn, stop, wait_serving
 
+pytestmark = pytest.mark.slow  # starts processes or computes for seconds
+
 GREEDY = core_pb2.SamplingParams(temperature=0)
 
 

@@ -22,6 +22,8 @@ from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc, expert_pb2, exper
 from services.up import data_plane_envs
 from tests.helpers import Workers, core_args, short_dir, spawn, stop, wait_serving
 
+pytestmark = pytest.mark.slow  # starts processes or computes for seconds
+
 GREEDY = core_pb2.SamplingParams(temperature=0)
 CORE_EXTRA: tuple = ()
 PROMPT = [3, 17, 42, 7, 99, 5]

@@ -17,6 +17,8 @@ from mlx_lm.generate import generate_step
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 from tests.helpers import Workers, core_args, short_dir, spawn, stop, wait_serving
 
+pytestmark = pytest.mark.slow  # starts processes or computes for seconds
+
 SYSTEM = "You are a terse assistant. " + " ".join(f"Rule {i}: be brief and exact." for i in range(20))
 QUESTIONS = ["What is the capital of France?", "Name a prime number.", "Which ocean is largest?"]
 TOKENS = 8

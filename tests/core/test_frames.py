@@ -17,6 +17,8 @@ from services.core.expert_link.links import HOP_PARTS
 from services.proto.moemesh.v1 import expert_pb2
 from tests.helpers import linked_dispatcher
 
+pytestmark = pytest.mark.slow  # starts processes or computes for seconds
+
 
 def _inputs(manifest, tokens=3, seed=0):
     k = manifest.experts_per_token

@@ -18,6 +18,8 @@ from services.experts.store_setup import shard_bytes
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 from tests.helpers import core_args, linked_dispatcher, spawn, stop, wait_serving
 
+pytestmark = pytest.mark.slow  # starts processes or computes for seconds
+
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 STEPS = 24
 

@@ -9,6 +9,8 @@ import pytest
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 from tests.helpers import run_cli, short_dir, spawn, stop, wait_serving
 
+pytestmark = pytest.mark.slow  # starts processes or computes for seconds
+
 
 async def test_core_serves_the_shorter_context(tiny_models):
     workdir = short_dir()

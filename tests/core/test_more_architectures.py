@@ -15,6 +15,8 @@ from mlx_lm.generate import generate_step
 from services.core.model_loader import load_core_model
 from tests.helpers import linked_dispatcher
 
+pytestmark = pytest.mark.slow  # starts processes or computes for seconds
+
 # Every family's greedy tokens under `up` are tests/e2e/test_every_family.py's; these add the
 # logits and the variants no family's tiny config has (latent expert width, float32 norms).
 CASES = [

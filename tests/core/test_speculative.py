@@ -27,6 +27,8 @@ from services.core.speculative.draft_model import load_draft_model
 from services.core.speculative.ngram import NgramDrafter
 from services.core.speculative.policy import DraftPolicy
 
+pytestmark = pytest.mark.slow  # starts processes or computes for seconds
+
 PROMPTS = [list(range(3, 40)) + list(range(3, 20)), [5, 6, 7, 8] * 6, list(range(50, 60))]
 MAX_TOKENS = [40, 25, 33]
 

@@ -20,6 +20,8 @@ from services.core.split import split_checkpoint
 from services.experts.store import read_records, records_to_weights
 from tests.helpers import run_cli
 
+pytestmark = pytest.mark.slow  # starts processes or computes for seconds
+
 DENSE_QWEN3 = {
     "model_type": "qwen3",
     "hidden_size": 64,

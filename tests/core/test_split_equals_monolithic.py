@@ -12,6 +12,8 @@ from metal import linear_cpu
 from services.core.model_loader import load_core_model
 from tests.helpers import linked_dispatcher
 
+pytestmark = pytest.mark.slow  # starts processes or computes for seconds
+
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 STEPS = 32
 

@@ -17,6 +17,8 @@ from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 from tests.core.test_core_service import Stack, generate, tokens_of
 from tests.helpers import short_dir, stop, wait_serving
 
+pytestmark = pytest.mark.slow  # starts processes or computes for seconds
+
 PERSON = {
     "type": "object",
     "properties": {

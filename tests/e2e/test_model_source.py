@@ -13,6 +13,8 @@ import pytest
 from tests.e2e.test_up import start_up
 from tests.helpers import place_in_hf_cache, run_cli, short_dir
 
+pytestmark = pytest.mark.slow  # starts processes or computes for seconds
+
 REPO_ID = "tiny-org/tiny-moe"
 
 

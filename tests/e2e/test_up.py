@@ -16,6 +16,8 @@ import pytest
 from services.common.frames import spin_for
 from tests.helpers import free_port, run_cli, short_dir
 
+pytestmark = pytest.mark.slow  # starts processes or computes for seconds
+
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 

@@ -14,6 +14,8 @@ import pytest
 from tests.e2e.test_up import QUESTION, service_pids, start_up
 from tests.helpers import short_dir
 
+pytestmark = pytest.mark.slow  # starts processes or computes for seconds
+
 
 @pytest.fixture(scope="module")
 def up_plane(tmp_path_factory):

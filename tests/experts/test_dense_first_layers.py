@@ -21,6 +21,7 @@ def test_all_layers_means_every_moe_layer(tiny_models):
         owned_experts(manifest, "0-1", None)
 
 
+@pytest.mark.slow
 def test_a_worker_over_all_layers_of_a_dense_first_model_serves(tiny_models):
     split = tiny_models.split("deepseek_v3", None)
     workers = Workers(split, short_dir(), ["0-3", "4-7"], extra_args=("--layers", "all")).start()

@@ -45,9 +45,10 @@ BIG_EXPERTS = {
 }
 PROMPT = [9, 302, 17, 4000, 1234, 56, 789, 2048, 11, 3]
 
-pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="reads RSS from /proc (Linux only)"
-)
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads RSS from /proc (Linux only)"),
+    pytest.mark.slow,  # starts processes
+]
 
 
 def rss_mb(pid: int) -> tuple[int, int]:

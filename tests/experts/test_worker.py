@@ -83,6 +83,7 @@ def malformed_calls():
     return calls
 
 
+@pytest.mark.slow
 async def test_describe(worker):
     workers, split = worker
     async with grpc.aio.insecure_channel(workers.addresses[0]) as channel:
@@ -97,6 +98,7 @@ async def test_describe(worker):
     assert reply.resident_bytes > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tokens", [4, 300])  # a decode-sized call, and a prefill chunk (on a thread)
 async def test_forward_matches_mlx_lm_expert_module(worker, tiny_models, tokens):
     workers, _ = worker
@@ -117,6 +119,7 @@ async def test_forward_matches_mlx_lm_expert_module(worker, tiny_models, tokens)
     assert result.stats.pairs == 2 * tokens and result.stats.compute_us > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 async def test_a_call_is_computed_and_answered_in_its_own_dtype(worker, tiny_models, dtype):
     """Hidden states travel in the dtype core's model computes them in, whatever the weights
@@ -138,6 +141,7 @@ async def test_a_call_is_computed_and_answered_in_its_own_dtype(worker, tiny_mod
     assert got.dtype == dtype and mx.array_equal(got, want).item()
 
 
+@pytest.mark.slow
 async def test_health_and_describe_answer_while_a_long_call_computes(worker):
     """A prefill-sized call is computed off the event loop: the worker's health and Describe
     answer meanwhile (a health check timing out would make a supervisor restart a busy worker)."""
@@ -164,6 +168,7 @@ async def test_health_and_describe_answer_while_a_long_call_computes(worker):
     assert slowest < compute_s / 2, (slowest, compute_s)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(malformed_calls()))
 async def test_malformed_call_is_rejected_and_the_stream_keeps_serving(worker, name):
     workers, _ = worker
@@ -183,6 +188,7 @@ async def test_malformed_call_is_rejected_and_the_stream_keeps_serving(worker, n
     assert workers.procs[0].poll() is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -226,6 +232,7 @@ class _FailingCompute:
         raise RuntimeError("[GatherMM::eval] Currently only supports float32.")
 
 
+@pytest.mark.slow
 def test_a_call_whose_math_fails_is_answered_internal_in_band():
     """Forward and the frame socket both answer through `answer()`: a failure of the math is an
     INTERNAL result for that call, not an exception that would end the stream (and, with it,
@@ -238,6 +245,7 @@ def test_a_call_whose_math_fails_is_answered_internal_in_band():
     assert "layer 1" in result.error.message and "GatherMM" in result.error.message
 
 
+@pytest.mark.slow
 async def test_bytes_that_do_not_parse_end_the_stream_with_invalid_argument(worker):
     """A message that is not an ExpertCall has no call id to answer in-band: the calls before it
     are answered, the stream ends with INVALID_ARGUMENT (not grpcio's UNKNOWN), and the worker

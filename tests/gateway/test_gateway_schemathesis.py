@@ -17,6 +17,8 @@ from schemathesis.checks import not_a_server_error
 from .conftest import GatewayThread
 from .core_double import CoreDouble
 
+pytestmark = pytest.mark.slow  # starts processes or computes for seconds
+
 EXAMPLES_PER_OPERATION = {GenerationMode.POSITIVE: 10, GenerationMode.NEGATIVE: 8}
 
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.helpers import free_port
 
@@ -19,6 +20,7 @@ from .core_double import MODEL_ID, CoreDouble
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_run_gateway_serves_logs_json_and_stops_on_sigterm(core_server, core: CoreDouble) -> None:
     port = free_port()
     code = f"from services.gateway.server import run_gateway; run_gateway('127.0.0.1', {port}, {core_server.target!r})"
@@ -81,6 +83,7 @@ def test_run_gateway_serves_logs_json_and_stops_on_sigterm(core_server, core: Co
     assert any(record["event"] == "Application shutdown complete." for record in records)
 
 
+@pytest.mark.slow
 def test_cli_api_keys_from_flag_file_and_env(core_server, core: CoreDouble, tmp_path: Path) -> None:
     port = free_port()
     key_file = tmp_path / "keys"

@@ -14,6 +14,8 @@ from services.core.kv import KVCacheSettings, make_kv_cache
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 from tests.helpers import Workers, short_dir, spawn, stop, wait_serving
 
+pytestmark = pytest.mark.slow  # starts processes or computes for seconds
+
 SETTINGS = KVCacheSettings(recent_window=8)  # compresses all but the newest 8-71 tokens
 PROMPT = [(i * 37) % 5000 + 200 for i in range(150)]
 

@@ -110,6 +110,7 @@ def mlx_style_source(sections: dict[str, str]) -> str:
     return "\n".join(out)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit)")
 def test_every_kernel_compiles_as_mlx_wraps_it(tmp_path):
     header = tmp_path / "mlx" / "backend" / "cuda" / "device" / "utils.cuh"

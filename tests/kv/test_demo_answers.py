@@ -28,6 +28,8 @@ from services.core.kv.answers import (
 )
 from services.core.kv.quality import ensure_dense_demo_model
 
+pytestmark = pytest.mark.slow  # starts processes or computes for seconds
+
 ANSWER_TOKENS = 24
 
 

@@ -11,6 +11,8 @@ from metal import backend, kernels
 from metal.selfcheck import backend_matches_twin
 from tests.kv import metal_emulator
 
+pytestmark = pytest.mark.slow  # starts processes or computes for seconds
+
 needs_metal = pytest.mark.skipif(not mx.metal.is_available(), reason="Metal kernels need an Apple GPU")
 
 
