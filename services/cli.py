@@ -180,7 +180,7 @@ def _add_serving_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--burst-gather-ms",
         type=non_negative_float,
-        default=2.0,
+        default=CoreConfig.burst_gather_ms,
         help="from idle, keep admitting requests that arrive this close together before the first "
         "prefill, so a burst shares one step (0: start at the first request)",
     )

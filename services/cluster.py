@@ -93,6 +93,7 @@ class CoreConfig:
     max_num_batched_tokens: int = 512
     max_step_seconds: float = 1.0
     micro_batches: int = 1
+    burst_gather_ms: float = 2.0
     prefix_cache_gb: float = 1.0
     mlx_cache_gb: float = 1.0
     kv_cache: str = "fp16"
@@ -202,6 +203,9 @@ def parse_cluster(data: dict, path: Path) -> ClusterConfig:
         ),
         max_step_seconds=reader.non_negative(core_table, "max_step_seconds", "core.max_step_seconds", 1.0),
         micro_batches=int(reader.number(core_table, "micro_batches", "core.micro_batches", 1)),
+        burst_gather_ms=reader.non_negative(
+            core_table, "burst_gather_ms", "core.burst_gather_ms", CoreConfig.burst_gather_ms
+        ),
         prefix_cache_gb=reader.non_negative(core_table, "prefix_cache_gb", "core.prefix_cache_gb", 1.0),
         mlx_cache_gb=reader.non_negative(
             core_table, "mlx_cache_gb", "core.mlx_cache_gb", CoreConfig.mlx_cache_gb

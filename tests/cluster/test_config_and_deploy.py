@@ -232,6 +232,7 @@ def test_core_scheduling_and_kv_settings_come_from_the_file_unless_flagged(tmp_p
     path.write_text(
         f'[model]\nsplit = "{split}"\n'
         '[core]\nmax_num_batched_tokens = 128\nmax_step_seconds = 0.5\nprefix_cache_gb = 0\nkv_cache = "turboquant"\n'
+        "burst_gather_ms = 0\n"
         'speculative = "ngram"\nnum_speculative_tokens = 3\n'
         '[[workers]]\nname = "a"\naddress = "127.0.0.1:7000"\n'
     )
@@ -239,7 +240,7 @@ def test_core_scheduling_and_kv_settings_come_from_the_file_unless_flagged(tmp_p
     args = parser.parse_args(["core", "--config", str(path)])
     core_kwargs(args)
     assert (args.max_num_batched_tokens, args.prefix_cache_gb, args.kv_cache) == (128, 0, "turboquant")
-    assert args.max_step_seconds == 0.5
+    assert args.max_step_seconds == 0.5 and args.burst_gather_ms == 0
     assert (args.speculative, args.num_speculative_tokens) == ("ngram", 3)
     args = parser.parse_args(
         ["core", "--config", str(path), "--max-num-batched-tokens", "64", "--kv-cache", "fp16"]
