@@ -42,29 +42,19 @@ class EngineInbox:
             return []
         if first is None:
             return None
-        items = [first]
+        items, item = [], first
         gathering = gather and self.gather_gap_s > 0 and first[0] == "add"
-        deadline = time.monotonic() + self.gather_gap_s * GATHER_WINDOWS
-        sequences, tokens = self._count(first)
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                left = deadline - time.monotonic()
-                full = sequences >= self.max_sequences or tokens >= self.max_tokens
-                if not gathering or full or left <= 0:
-                    return items
-                try:
-                    item = self._queue.get(timeout=min(self.gather_gap_s, left))
-                except queue.Empty:
-                    return items  # the burst paused: it is all here
-            if item is None:
-                return None
+        deadline = time.monotonic() + self.gather_gap_s * GATHER_WINDOWS if gathering else 0.0
+        sequences = tokens = 0
+        while item is not None:
             items.append(item)
-            more_sequences, more_tokens = self._count(item)
-            sequences, tokens = sequences + more_sequences, tokens + more_tokens
-
-    @staticmethod
-    def _count(item) -> tuple[int, int]:
-        kind, sequence = item
-        return (1, len(sequence.request.prompt)) if kind == "add" else (0, 0)
+            if item[0] == "add":
+                sequences, tokens = sequences + 1, tokens + len(item[1].request.prompt)
+            full = sequences >= self.max_sequences or tokens >= self.max_tokens
+            # what has arrived is always taken; a burst not yet full waits up to a gap for more
+            wait = min(self.gather_gap_s, deadline - time.monotonic()) if gathering and not full else 0.0
+            try:
+                item = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                return items  # nothing more, or the burst paused: it is all here
+        return None

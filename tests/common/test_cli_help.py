@@ -32,7 +32,6 @@ def test_every_help_names_every_default():
     assert not missing, missing
 
 
-@pytest.mark.slow
 def test_up_passes_serving_flags_to_core(monkeypatch):
     import services.up
 

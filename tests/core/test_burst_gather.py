@@ -106,6 +106,8 @@ def test_a_cancel_or_a_busy_engine_does_not_wait_and_stop_wins():
     inbox.put(add())
     inbox.put(None)
     assert inbox.take(timeout=1.0, gather=True) is None
+    inbox.put(None)  # asked to stop while idle
+    assert inbox.take(timeout=1.0, gather=True) is None
     with pytest.raises(ValueError, match="negative"):
         EngineInbox(gather_gap_s=-1.0)
 
