@@ -119,7 +119,7 @@ def activation_dtype(model) -> mx.Dtype:
 
 def kernel_backend_name() -> str:
     """Which TurboQuant attention served: a fused-kernel backend (metal/) or the twin."""
-    from services.core.kv.metal_attention import kernel_backend
+    from services.core.kv.kernel_select import kernel_backend
 
     backend = kernel_backend()
     return backend.__name__ if backend is not None else "twin (pure MLX)"

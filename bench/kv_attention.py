@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.kv import kernel_backend_name
 from bench.timing import step_split_us
 from services.core.kv import KVCacheSettings, TurboQuantKVCache, prefill_attention, turboquant_attention
-from services.core.kv.metal_attention import kernel_backend
+from services.core.kv.kernel_select import kernel_backend
 from services.core.kv.prefill_attention import blockwise_attention, prefill_dtype
 
 

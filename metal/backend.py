@@ -15,7 +15,6 @@ from pathlib import Path
 import mlx.core as mx
 
 from metal.sections import read_sections
-from services.core.kv.packing import packed_bytes
 
 # name: (input names, output names, ensure_row_contiguous). decode_partial reads the cache's
 # whole buffers through their strides: copying the sliced views MLX would otherwise make
@@ -107,7 +106,8 @@ class KernelBackend:
     """The TurboQuant kernels of `source`, built with `factory` (mx.fast.metal_kernel or
     mx.fast.cuda_kernel; `shared_limit` is the threadgroup memory one block may use).
 
-    Contracts, all the twin's numbers (services/core/kv/codec.py, decode_attention.py):
+    Contracts, all the twin's numbers (services/core/kv/codec.py, decode_attention.py); a
+    codec is a TurboQuantCodec (dim, padded, bits, code_bytes per packed vector, its tables):
       pack(codec, x): x [..., D] -> (norm, codes, residual_norm, signs) as codec.encode stores them
       key_scores(codec, rotated_queries [B, H, L, P], tokens) -> [B, H, L, T], as codec.key_scores
       weighted_values(codec, w [B, H, L, T], tokens) -> sum_t w_t |v_t| c(v_t), rotated, [B, H, L, P]
@@ -146,7 +146,7 @@ class KernelBackend:
         lead = x.shape[:-1]
         flat = x.reshape(-1, codec.dim).astype(mx.float32)
         n, p = flat.shape[0], codec.padded
-        code_bytes = packed_bytes(codec.bits, p)
+        code_bytes = codec.code_bytes
         qjl_t = codec.qjl_matrix_t if codec.qjl else _placeholder((1,), mx.float32)
         norm, codes, residual_norm, signs = self.kernel("pack")(
             inputs=[flat, codec.rotation.matrix, codec.boundaries, codec.centroids, qjl_t],
@@ -193,7 +193,7 @@ class KernelBackend:
                 ("ROWS", ROWS),
                 ("BITS", codec.bits),
                 ("QJL", int(codec.qjl)),
-                ("CODE_BYTES", packed_bytes(codec.bits, p)),
+                ("CODE_BYTES", codec.code_bytes),
             ],
             grid=(T, -(-L // ROWS), G),
             threadgroup=(128, 1, 1),
@@ -219,7 +219,7 @@ class KernelBackend:
                 ("ROWS", ROWS),
                 ("CHUNK", CHUNK),
                 ("BITS", codec.bits),
-                ("CODE_BYTES", packed_bytes(codec.bits, p)),
+                ("CODE_BYTES", codec.code_bytes),
             ],
             grid=(p * chunks, -(-L // ROWS), G),
             threadgroup=(p, 1, 1),
@@ -254,8 +254,8 @@ class KernelBackend:
                 ("KBITS", key_codec.bits),
                 ("VBITS", value_codec.bits),
                 ("QJL", int(qjl)),
-                ("KCODE_BYTES", packed_bytes(key_codec.bits, p)),
-                ("VCODE_BYTES", packed_bytes(value_codec.bits, p)),
+                ("KCODE_BYTES", key_codec.code_bytes),
+                ("VCODE_BYTES", value_codec.code_bytes),
                 ("OT", dtype),
             ],
             grid=(grid, G, 1),

@@ -19,7 +19,6 @@ import mlx.core as mx
 import numpy as np
 
 from metal import load_extension
-from metal.selfcheck import passes_once_per_build
 
 _F32 = ctypes.POINTER(ctypes.c_float)
 _U8 = ctypes.POINTER(ctypes.c_uint8)
@@ -170,72 +169,14 @@ def _table(table: mx.array) -> np.ndarray:
     return entry[1]
 
 
-# (key bits, QJL, value bits, head dim, queries): the default, every bit width the cache offers, QJL on
-# and off, a padded head dim (80 -> 128) with a tail past the 8-lane loop, GQA, one query
-# and several (the newest of which sit inside the compressed run).
-_SELF_CHECK_CASES = (
-    (4, False, 3, 128, 2),  # the default
-    (3, True, 3, 64, 1),  # the paper's
-    (4, False, 2, 80, 3),
-    (2, True, 4, 36, 5),
-    (1, False, 1, 32, 2),
-)
+NAME = "cpu"
 
 
-def kernels_match_twin(seed: int = 0) -> bool:
-    """decode_attention against softmax over the twin's own scores and decoded values
-    (plain MLX ops: the twin's compiled step would cost a C++ compile here), on caches with
-    sinks, a compressed run with spare buffer room (strided heads) and a window, batch 2."""
-    from services.core.kv import KVCacheSettings, TurboQuantKVCache
-
-    mx.random.seed(seed)
-    for key_bits, qjl, value_bits, dim, n_queries in _SELF_CHECK_CASES:
-        settings = KVCacheSettings(
-            key_bits=key_bits,
-            value_bits=value_bits,
-            key_qjl=qjl,
-            sink_tokens=4,
-            recent_window=4,
-            block_size=8,
-        )
-        cache = TurboQuantKVCache(settings, layer=seed)
-        keys, values = mx.random.normal((2, 2, 60, dim)) * 2, mx.random.normal((2, 2, 60, dim))
-        cache.update_and_fetch(keys, values)
-        queries = mx.random.normal((2, 6, n_queries, dim))
-        got = decode_attention(queries, cache, 0.2, cache.offset - n_queries)
-        if not mx.allclose(got, _reference_step(queries, cache, 0.2), rtol=1e-4, atol=1e-5):
-            return False
-    return True
+def present() -> bool:
+    """Where MLX computes on the CPU and the extension is built."""
+    return mx.default_device() == mx.cpu and _library() is not None
 
 
-def _reference_step(queries: mx.array, cache, scale: float) -> mx.array:
-    key_codec, value_codec = cache.key_codec, cache.value_codec
-    B, n_q_heads, L, D = queries.shape
-    rep = n_q_heads // cache.sink_keys.shape[1]
-    q = (queries * scale).reshape(B, -1, rep * L, D)
-    scores = mx.concatenate(
-        [
-            q @ cache.sink_keys.swapaxes(-1, -2),
-            key_codec.key_scores(key_codec.rotate_queries(q), cache.compressed_keys),
-            q @ cache.recent_keys.swapaxes(-1, -2),
-        ],
-        axis=-1,
-    )
-    position = mx.tile(cache.offset - L + mx.arange(L), (rep,))[:, None]
-    scores = mx.where(mx.arange(cache.offset)[None] <= position, scores, -mx.inf)
-    values = [cache.sink_values, value_codec.decode(cache.compressed_values), cache.recent_values]
-    out = mx.softmax(scores, axis=-1, precise=True) @ mx.concatenate(values, axis=2)
-    return out.reshape(B, n_q_heads, L, D)
-
-
-@cache
-def kernels_available() -> bool:
-    """True where MLX computes on the CPU, the extension is built and it matches the twin."""
-    if mx.default_device() != mx.cpu or _library() is None:
-        return False
-    try:  # once per device and build (metal/selfcheck.py): the library's own bytes are in the key
-        built = Path(_library()._name)
-        sources = [built, Path(__file__).with_name("turboquant_cpu.c"), Path(__file__)]
-        return passes_once_per_build("cpu", sources, kernels_match_twin)
-    except Exception:  # noqa: BLE001 - any kernel failure means: use the twin
-        return False
+def sources() -> list[Path]:
+    """What a remembered self-check pass is valid for: the built library's own bytes too."""
+    return [Path(_library()._name), Path(__file__).with_name("turboquant_cpu.c"), Path(__file__)]

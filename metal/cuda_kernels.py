@@ -2,20 +2,18 @@
 section) through mx.fast.cuda_kernel, with the contracts of metal/backend.py.
 
 For MLX's CUDA backend (e.g. an H200), where it gives the same fused design as the Metal
-kernels a real GPU to run on. `kernels_available()` is False unless MLX has CUDA and the
-kernels reproduced the twin on a random self-check (once per process,
-metal/selfcheck.py); a kernel that fails to compile or disagrees is never used.
+kernels a real GPU to run on. `present()` is False unless MLX has CUDA; core uses the
+kernels only after they reproduced the twin on a random self-check
+(services/core/kv/kernel_check.py): a kernel that fails to compile or disagrees is never used.
 """
 
 from __future__ import annotations
 
-from functools import cache
 from pathlib import Path
 
 import mlx.core as mx
 
 from metal.backend import KernelBackend
-from metal.selfcheck import backend_matches_twin, passes_once_per_build
 
 SOURCE = Path(__file__).with_name("turboquant.cu")
 # static __shared__ arrays are capped at 48 KiB per block
@@ -36,21 +34,10 @@ def cuda_present() -> bool:
     return mx.cuda.is_available()
 
 
-def kernels_match_twin(seed: int = 0, failures: list[str] | None = None) -> bool:
-    """Run every kernel on random data and compare with the pure-MLX twin (what disagreed
-    goes to `failures`)."""
-    return backend_matches_twin(_BACKEND, seed, failures)
+NAME = "cuda"
+present = cuda_present
 
 
-@cache
-def kernels_available() -> bool:
-    """True under MLX's CUDA backend when the kernels match the twin on a random self-check
-    (once per device and kernel build: metal/selfcheck.py)."""
-    if not cuda_present():
-        return False
-    try:
-        return passes_once_per_build(
-            "cuda", [SOURCE, Path(__file__).with_name("backend.py")], kernels_match_twin
-        )
-    except Exception:  # noqa: BLE001 - any kernel failure means: use the twin
-        return False
+def sources() -> list[Path]:
+    """The files whose bytes a remembered self-check pass is valid for."""
+    return [SOURCE, Path(__file__).with_name("backend.py")]

@@ -1,20 +1,19 @@
 """The Metal backend: metal/turboquant.metal through mx.fast.metal_kernel, with the
 contracts of metal/backend.py (the twin's numbers).
 
-The kernels only exist on Apple GPUs. `kernels_available()` is False elsewhere, and on a
-Mac it is True only after the kernels reproduced the twin on a random self-check (run
-once per process, metal/selfcheck.py): a kernel that disagrees is never used, the twin is.
+The kernels only exist on Apple GPUs: `present()` is False elsewhere. Core uses them only
+after they reproduced the twin on a random self-check (services/core/kv/kernel_check.py,
+remembered per device and build by metal/selfcheck.py): a kernel that disagrees is never
+used, the twin is.
 """
 
 from __future__ import annotations
 
-from functools import cache
 from pathlib import Path
 
 import mlx.core as mx
 
 from metal.backend import KernelBackend
-from metal.selfcheck import backend_matches_twin, passes_once_per_build
 
 SOURCE = Path(__file__).with_name("turboquant.metal")
 # Apple GPUs give a threadgroup 32 KiB of memory
@@ -35,21 +34,10 @@ def metal_present() -> bool:
     return mx.metal.is_available()
 
 
-def kernels_match_twin(seed: int = 0, failures: list[str] | None = None) -> bool:
-    """Run every kernel on random data and compare with the pure-MLX twin (what disagreed
-    goes to `failures`)."""
-    return backend_matches_twin(_BACKEND, seed, failures)
+NAME = "metal"
+present = metal_present
 
 
-@cache
-def kernels_available() -> bool:
-    """True on an Apple GPU whose kernels match the twin on a random self-check (once per
-    device and kernel build: metal/selfcheck.py)."""
-    if not metal_present():
-        return False
-    try:
-        return passes_once_per_build(
-            "metal", [SOURCE, Path(__file__).with_name("backend.py")], kernels_match_twin
-        )
-    except Exception:  # noqa: BLE001 - any kernel failure means: use the twin
-        return False
+def sources() -> list[Path]:
+    """The files whose bytes a remembered self-check pass is valid for."""
+    return [SOURCE, Path(__file__).with_name("backend.py")]

@@ -24,7 +24,7 @@ from services.core.expert_link.dispatcher import ExpertDispatcher, LayerCallTimi
 from services.core.expert_link.distributed import DataPlane, DistributedExperts
 from services.core.expert_link.local import LocalExperts
 from services.core.expert_link.local_spec import LocalExpertsSpec
-from services.core.kv.metal_attention import kernel_backend
+from services.core.kv.kernel_select import kernel_backend
 from services.core.model_loader import load_core_model, load_core_tokenizer
 from services.core.request_prep import RequestPreparer
 from services.core.servicer import CoreServicer

@@ -9,7 +9,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from services.core.kv import unfused_prefill
-from services.core.kv.attention import make_hooked_sdpa
+from services.core.kv.sdpa_hook import make_hooked_sdpa
 from services.core.kv.unfused_prefill import UNFUSED_SCORE_BYTES, unfused_attention, unfused_wanted
 
 
@@ -116,8 +116,8 @@ def test_a_plain_cache_installs_the_hook_and_unfused_prefill_keeps_greedy_tokens
     monkeypatch.setattr(
         unfused_prefill, "unfused_attention", lambda *a: used.append(1) or unfused_attention(*a)
     )
-    import services.core.kv.attention as attention
+    import services.core.kv.sdpa_hook as sdpa_hook
 
-    monkeypatch.setattr(attention, "unfused_attention", unfused_prefill.unfused_attention)
+    monkeypatch.setattr(sdpa_hook, "unfused_attention", unfused_prefill.unfused_attention)
     assert greedy() == fused_tokens
     assert used  # the prefill chunks took the unfused path

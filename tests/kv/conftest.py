@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from services.core.kv import metal_attention
+from services.core.kv import kernel_select
 
 
 @pytest.fixture(params=["twin", "kernels"])
 def attention_path(request, monkeypatch):
     if request.param == "twin":
-        monkeypatch.setattr(metal_attention, "kernel_backend", lambda: None)
-    elif metal_attention.kernel_backend() is None:
+        monkeypatch.setattr(kernel_select, "kernel_backend", lambda: None)
+    elif kernel_select.kernel_backend() is None:
         pytest.skip("no fused-kernel backend on this device (no GPU kernels, CPU extension not built)")
     return request.param

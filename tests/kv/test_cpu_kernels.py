@@ -15,9 +15,11 @@ from services.core.kv import (
     PAPER_SETTINGS,
     KVCacheSettings,
     TurboQuantKVCache,
-    metal_attention,
+    kernel_check,
+    kernel_select,
     turboquant_attention,
 )
+from services.core.kv.kernel_check import backend_matches_twin, kernels_pass
 
 on_cpu = mx.default_device() == mx.cpu
 needs_kernels = pytest.mark.skipif(
@@ -28,14 +30,14 @@ needs_kernels = pytest.mark.skipif(
 @pytest.mark.skipif(not on_cpu or shutil.which("cc") is None, reason="needs a CPU device and a C compiler")
 def test_install_builds_the_extension_and_cpus_use_it():
     assert cpu_kernels._library() is not None, "setup.py did not build metal._turboquant_cpu"
-    assert cpu_kernels.kernels_available()
-    assert metal_attention.kernel_backend() is cpu_kernels
+    assert kernels_pass(cpu_kernels)
+    assert kernel_select.kernel_backend() is cpu_kernels
 
 
 @needs_kernels
 @pytest.mark.parametrize("seed", [0, 1])
 def test_kernels_match_the_twin(seed):
-    assert cpu_kernels.kernels_match_twin(seed)
+    assert backend_matches_twin(cpu_kernels, seed)
 
 
 @needs_kernels
@@ -46,7 +48,7 @@ def test_head_dims_the_kernels_do_not_take_fall_back_to_the_twin(monkeypatch):
     queries = mx.random.normal((1, 4, 1, 1100))
     assert cpu_kernels.decode_attention(queries, cache, 0.03, cache.offset - 1) is None
     served = turboquant_attention(queries, cache, 0.03)
-    monkeypatch.setattr(metal_attention, "kernel_backend", lambda: None)
+    monkeypatch.setattr(kernel_select, "kernel_backend", lambda: None)
     assert mx.array_equal(served, turboquant_attention(queries, cache, 0.03)).item()
 
 
@@ -64,7 +66,7 @@ def test_kernel_attention_equals_the_twin_through_a_long_decode(monkeypatch, bit
     def both(queries):
         kernels = turboquant_attention(queries, cache, 0.125)
         with monkeypatch.context() as patch:
-            patch.setattr(metal_attention, "kernel_backend", lambda: None)
+            patch.setattr(kernel_select, "kernel_backend", lambda: None)
             twin = turboquant_attention(queries, cache, 0.125)
         return kernels, twin
 
@@ -101,14 +103,14 @@ def test_the_backend_is_checked_once_and_its_check_never_recurses(monkeypatch):
     earlier process would skip the check altogether: metal/selfcheck.py.)"""
     monkeypatch.setenv("MOE_MESH_SELFCHECK_CACHE", "0")
     calls = []
-    check = cpu_kernels.kernels_match_twin
-    monkeypatch.setattr(cpu_kernels, "kernels_match_twin", lambda *a: calls.append(1) or check(*a))
-    metal_attention._select_backend.cache_clear()
-    cpu_kernels.kernels_available.cache_clear()
+    check = kernel_check.backend_matches_twin
+    monkeypatch.setattr(kernel_check, "backend_matches_twin", lambda *a: calls.append(1) or check(*a))
+    kernel_select._select_backend.cache_clear()
+    kernels_pass.cache_clear()
     try:
-        assert metal_attention.kernel_backend() is cpu_kernels
-        assert metal_attention.kernel_backend() is cpu_kernels
+        assert kernel_select.kernel_backend() is cpu_kernels
+        assert kernel_select.kernel_backend() is cpu_kernels
         assert calls == [1]
     finally:
-        metal_attention._select_backend.cache_clear()
-        cpu_kernels.kernels_available.cache_clear()
+        kernel_select._select_backend.cache_clear()
+        kernels_pass.cache_clear()

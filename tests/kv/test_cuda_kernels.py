@@ -16,9 +16,10 @@ from services.core.kv import (
     PAPER_SETTINGS,
     KVCacheSettings,
     TurboQuantKVCache,
-    metal_attention,
+    kernel_select,
     turboquant_attention,
 )
+from services.core.kv.kernel_check import backend_matches_twin, kernels_pass
 
 needs_cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="CUDA kernels need MLX's CUDA backend")
 
@@ -32,11 +33,11 @@ def test_cuda_and_metal_sources_have_the_same_sections():
 
 
 def test_kernels_are_never_used_without_cuda():
-    assert "metal.cuda_kernels" in metal_attention.BACKENDS
+    assert "metal.cuda_kernels" in kernel_select.BACKENDS
     if not mx.cuda.is_available():
-        assert not cuda_kernels.kernels_available()
+        assert not kernels_pass(cuda_kernels)
     else:
-        assert cuda_kernels.kernels_available() == cuda_kernels.kernels_match_twin()
+        assert kernels_pass(cuda_kernels) == backend_matches_twin(cuda_kernels)
 
 
 # ---- compiled like mx.fast.cuda_kernel does it (nvcc, no GPU needed) ----------------------
@@ -143,12 +144,12 @@ def test_every_kernel_compiles_as_mlx_wraps_it(tmp_path):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_kernels_match_the_twin(seed):
     failures = []
-    assert cuda_kernels.kernels_match_twin(seed, failures), failures
+    assert backend_matches_twin(cuda_kernels, seed, failures), failures
 
 
 @needs_cuda
 def test_cuda_devices_serve_turboquant_with_the_cuda_kernels():
-    assert metal_attention.kernel_backend() is cuda_kernels
+    assert kernel_select.kernel_backend() is cuda_kernels
 
 
 @needs_cuda
@@ -167,7 +168,7 @@ def test_live_decode_through_blocks_a_trim_and_a_batch_equals_the_twin(monkeypat
         queries = mx.random.normal((2, 6, 1, 64))
         served = turboquant_attention(queries, cache, 0.125)
         with monkeypatch.context() as patch:
-            patch.setattr(metal_attention, "kernel_backend", lambda: None)
+            patch.setattr(kernel_select, "kernel_backend", lambda: None)
             twin = turboquant_attention(queries, cache, 0.125)
         assert mx.allclose(served, twin, atol=1e-3).item()
 

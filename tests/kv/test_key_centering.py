@@ -105,6 +105,7 @@ def test_trim_into_the_compressed_run_keeps_the_shift_consistent(attention_path)
 
 def test_rows_of_a_batch_keep_their_own_mean():
     from services.core.kv.batch_cache import BatchTurboQuantKVCache
+    from services.core.kv.sdpa_hook import turboquant_cache_attention
 
     first, first_v = keys_with_a_common_part(4, 100)
     second, second_v = keys_with_a_common_part(5, 100)
@@ -115,7 +116,7 @@ def test_rows_of_a_batch_keep_their_own_mean():
     mus = [row.key_offset for row in batch.rows]
     assert not mx.allclose(mus[0], mus[1])
     queries = mx.random.normal((2, 4, 1, 64))
-    got = batch.attention(queries, 0.125)
+    got = turboquant_cache_attention(batch, queries, 0.125)
     for i, (k, v) in enumerate(((first, first_v), (second, second_v))):
         want = exact_attention(queries[i : i + 1], k, v, 0.125)
         assert mx.sqrt(mx.mean((got[i : i + 1] - want) ** 2)).item() < 0.1

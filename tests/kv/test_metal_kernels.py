@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 
 from metal import backend, kernels
-from metal.selfcheck import backend_matches_twin
+from services.core.kv.kernel_check import backend_matches_twin, kernels_pass
 from tests.kv import metal_emulator
 
 pytestmark = pytest.mark.slow  # starts processes or computes for seconds
@@ -23,13 +23,13 @@ def test_kernel_sources_have_every_section():
 
 
 def test_kernels_are_never_used_without_metal():
-    assert kernels.kernels_available() == (mx.metal.is_available() and kernels.kernels_match_twin())
+    assert kernels_pass(kernels) == (mx.metal.is_available() and backend_matches_twin(kernels))
 
 
 @needs_metal
 def test_kernels_match_the_twin():
-    assert kernels.kernels_match_twin(seed=0)
-    assert kernels.kernels_match_twin(seed=1)
+    assert backend_matches_twin(kernels, seed=0)
+    assert backend_matches_twin(kernels, seed=1)
 
 
 # ---- the self-check every GPU backend passes first (metal/selfcheck.py), run on the twin ----
@@ -92,7 +92,7 @@ class DecodeNotServed(TwinBackend):
 
 
 def test_the_self_check_accepts_the_twin_and_names_what_a_wrong_kernel_breaks():
-    from metal.selfcheck import backend_matches_twin, codec_kernels_match, decode_matches
+    from services.core.kv.kernel_check import backend_matches_twin, codec_kernels_match, decode_matches
 
     failures = []
     assert backend_matches_twin(TwinBackend(), seed=0, failures=failures), failures
@@ -132,7 +132,7 @@ def test_the_metal_source_matches_the_twin_when_run_on_the_cpu():
 
 @needs_emulator
 def test_the_emulated_self_check_fails_a_broken_metal_kernel(tmp_path):
-    from metal.selfcheck import decode_matches
+    from services.core.kv.kernel_check import decode_matches
 
     source = kernels.SOURCE.read_text()
     correct = "qjl[r] += up ? qp_s[r * P + j] : -qp_s[r * P + j];"

@@ -11,7 +11,7 @@ from services.core.kv import (
     KVCacheSettings,
     TurboQuantKVCache,
     attention,
-    metal_attention,
+    kernel_select,
     prefill_attention,
     turboquant_attention,
 )
@@ -111,7 +111,7 @@ class RecordingBackend(TwinBackend):
 
 @pytest.mark.parametrize("backend", [None, RecordingBackend()], ids=["twin", "gpu-style kernels"])
 def test_a_run_whose_decoded_copy_passes_the_budget_is_read_block_by_block(backend, monkeypatch):
-    monkeypatch.setattr(metal_attention, "kernel_backend", lambda: backend)
+    monkeypatch.setattr(kernel_select, "kernel_backend", lambda: backend)
     monkeypatch.setattr(prefill_attention, "DECODED_BUDGET_BYTES", 16 * (2 * 128 * 4 + 4 * 6 * 12))
     blockwise = counting(monkeypatch, attention, "blockwise_attention")
     lengths = decoded_key_lengths(monkeypatch)
@@ -128,7 +128,7 @@ def test_a_run_whose_decoded_copy_passes_the_budget_is_read_block_by_block(backe
 def test_a_run_within_the_budget_takes_one_fused_call(backend, monkeypatch):
     """Whatever kernels the device has: a prefill over a run whose decoded copy fits the budget
     decodes it once and runs one fused attention call (the fastest path on every device)."""
-    monkeypatch.setattr(metal_attention, "kernel_backend", lambda: backend)
+    monkeypatch.setattr(kernel_select, "kernel_backend", lambda: backend)
     lengths = decoded_key_lengths(monkeypatch)
     fused = counting(monkeypatch, mx.fast, "scaled_dot_product_attention")
     cache = prefilled(qjl=True, new_tokens=12)

@@ -9,7 +9,7 @@ Names resolve on first use, so a light submodule (the CLI flags) imports without
 from importlib import import_module
 
 _HOMES = {
-    "install_turboquant_attention": "attention",
+    "install_turboquant_attention": "sdpa_hook",
     "turboquant_attention": "attention",
     "BatchTurboQuantKVCache": "batch_cache",
     "TurboQuantKVCache": "cache",

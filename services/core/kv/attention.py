@@ -1,5 +1,5 @@
 """Attention over a TurboQuant cache, computed in the rotated domain (the pure-MLX twin
-of the Metal kernels), and the hook that lets mlx-lm's unchanged attention code use it.
+of the Metal kernels); sdpa_hook.py routes mlx-lm's unchanged attention code here.
 
 Scores of the compressed run come from the codes (decoded by table lookup inside the
 call); exact runs (sinks, recent window) are scored normally; one softmax covers all
@@ -10,18 +10,18 @@ exist only transiently, inside one attention call.
 
 from __future__ import annotations
 
-import sys
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
-from mlx_lm.models import base as mlx_base
 
-from services.core.kv.cache import TurboQuantKVCache, _length
 from services.core.kv.decode_attention import decode_attention
-from services.core.kv.metal_attention import decoded_run, kernel_attention, kernels_ready
+from services.core.kv.kernel_select import kernels_ready
+from services.core.kv.metal_attention import decoded_run, kernel_attention
 from services.core.kv.prefill_attention import blockwise_attention, decoded_run_fits, prefill_dtype
-from services.core.kv.unfused_prefill import unfused_attention, unfused_wanted
+from services.core.kv.token_buffer import token_length
 
-_HOOK_MARK = "_moe_mesh_turboquant"
+if TYPE_CHECKING:
+    from services.core.kv.cache import TurboQuantKVCache
 
 
 def turboquant_attention(
@@ -118,7 +118,7 @@ def compressed_boundaries(cache: TurboQuantKVCache, start: int, L: int) -> mx.ar
     the window holds recent_window + block_size tokens, so this is a function of the position
     alone), but never before the first token the last update compressed (older ones were
     compressed already) nor past the run."""
-    s, sinks = cache.settings, _length(cache.sink_keys)
+    s, sinks = cache.settings, token_length(cache.sink_keys)
     _, _, first_aged = cache.just_aged
     position = start + mx.arange(L)
     grown = ((position + 1 - sinks - s.recent_window) // s.block_size) * s.block_size
@@ -138,7 +138,7 @@ def _attention_by_boundary(
     no call scores a masked key. Rows past the cache's end (padding in a batch) come out zero;
     nothing reads them."""
     keys_codec, values_codec = cache.key_codec, cache.value_codec
-    sinks = _length(cache.sink_keys)
+    sinks = token_length(cache.sink_keys)
     aged_keys, aged_values, first_aged = cache.just_aged
     run_keys, run_values = decoded_run(
         keys_codec, values_codec, cache.compressed_keys, cache.compressed_values, dtype
@@ -152,7 +152,7 @@ def _attention_by_boundary(
 
     sink_keys = rotated_keys([cache.sink_keys] if sinks else [])  # positions 0 .. sinks
     sink_values = rotated_values([cache.sink_values] if sinks else [])
-    recent = bool(_length(cache.recent_keys))  # exact runs: first_aged .. the cache's end
+    recent = bool(token_length(cache.recent_keys))  # exact runs: first_aged .. the cache's end
     exact_keys = _along_tokens(rotated_keys([aged_keys, cache.recent_keys] if recent else [aged_keys]))
     exact_values = _along_tokens(
         rotated_values([aged_values, cache.recent_values] if recent else [aged_values])
@@ -196,7 +196,7 @@ def _exact_attention(queries: mx.array, cache: TurboQuantKVCache, scale: float) 
     runs = [
         (keys, values)
         for keys, values in ((cache.sink_keys, cache.sink_values), (cache.recent_keys, cache.recent_values))
-        if _length(keys)
+        if token_length(keys)
     ]
     keys, values = _along_tokens([k for k, _ in runs]), _along_tokens([v for _, v in runs])
     return mx.fast.scaled_dot_product_attention(
@@ -206,57 +206,3 @@ def _exact_attention(queries: mx.array, cache: TurboQuantKVCache, scale: float) 
         scale=scale,
         mask="causal" if queries.shape[2] > 1 else None,
     )
-
-
-def _attention_for(cache, queries: mx.array, scale: float) -> mx.array | None:
-    from services.core.kv.batch_cache import BatchTurboQuantKVCache
-
-    if isinstance(cache, TurboQuantKVCache):
-        return turboquant_attention(queries, cache, scale)
-    if isinstance(cache, BatchTurboQuantKVCache):
-        return cache.attention(queries, scale)
-    return None
-
-
-def make_hooked_sdpa(original):
-    """mlx-lm's scaled_dot_product_attention with TurboQuant caches routed to the twin
-    (or the Metal kernels), and small prefill chunks over plain caches run unfused on CUDA
-    (unfused_prefill.py: no cuDNN graph built per shape); every other call takes the original
-    path untouched."""
-
-    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if sinks is None:
-            out = _attention_for(cache, queries, scale)
-            if out is not None:
-                return out
-            if not hasattr(cache, "bits") and unfused_wanted(queries, keys):
-                return unfused_attention(queries, keys, values, scale, mask)
-        elif isinstance(cache, TurboQuantKVCache) or type(cache).__name__ == "BatchTurboQuantKVCache":
-            raise ValueError("TurboQuant attention does not support attention sinks arrays")
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-
-    setattr(scaled_dot_product_attention, _HOOK_MARK, True)
-    return scaled_dot_product_attention
-
-
-def install_turboquant_attention(model) -> list[str]:
-    """Route attention over TurboQuant caches (and, on CUDA, small prefill chunks over plain
-    caches: `make_hooked_sdpa`) in every mlx-lm module the model's layers come from.
-    Idempotent; returns the module names patched (new ones only).
-
-    mlx-lm model files import `scaled_dot_product_attention` by name from
-    mlx_lm.models.base, so the name is wrapped in each such module (and in base); the
-    wrapper falls through to the original for every other cache type."""
-    if getattr(model, _HOOK_MARK, False):
-        return []
-    names = {type(m).__module__ for m in model.modules()} | {mlx_base.__name__}
-    patched = []
-    for name in sorted(names):
-        module = sys.modules.get(name)
-        current = getattr(module, "scaled_dot_product_attention", None)
-        if current is None or getattr(current, _HOOK_MARK, False):
-            continue
-        module.scaled_dot_product_attention = make_hooked_sdpa(current)
-        patched.append(name)
-    object.__setattr__(model, _HOOK_MARK, True)  # a plain attribute, not a parameter
-    return patched

@@ -13,12 +13,13 @@ stores only each row's real tokens, so `finalize` has nothing to move.
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
-from services.core.kv.attention import turboquant_attention
-from services.core.kv.cache import TurboQuantKVCache
+if TYPE_CHECKING:
+    from services.core.kv.cache import TurboQuantKVCache
 
 
 class BatchTurboQuantKVCache(_BaseCache):
@@ -56,12 +57,10 @@ class BatchTurboQuantKVCache(_BaseCache):
             self._step_tokens.append(take)
         return keys, values
 
-    def attention(self, queries: mx.array, scale: float) -> mx.array:
-        outs = []
-        for i, row in enumerate(self.rows):
-            start = row.offset - self._step_tokens[i]
-            outs.append(turboquant_attention(queries[i : i + 1], row, scale, query_start=start))
-        return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+    def rows_and_query_starts(self) -> list[tuple[TurboQuantKVCache, int]]:
+        """Each row's cache with the position of this step's first query in it (the step
+        stored `_step_tokens[i]` real tokens in row i)."""
+        return [(row, row.offset - taken) for row, taken in zip(self.rows, self._step_tokens, strict=True)]
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
         if left_padding is not None and max(left_padding) > 0:

@@ -6,7 +6,7 @@ New tokens enter `recent`; once it holds `recent_window + block_size` tokens, th
 oldest whole blocks are compressed (on GPUs, a prefill chunk's only after its attention
 ran: see CHUNK_INVARIANT_PREFILL). Exact runs keep the model's dtype, as mlx-lm's
 KVCache does. Attention over this cache is `services.core.kv.attention`, reached from
-mlx-lm's unchanged attention code through `install_turboquant_attention`.
+mlx-lm's unchanged attention code through `install_turboquant_attention` (sdpa_hook.py).
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from functools import lru_cache
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
+from services.core.kv import kernel_slot
 from services.core.kv.codec import TurboQuantCodec
 from services.core.kv.compressed import CompressedTokens
 from services.core.kv.settings import KVCacheSettings
-from services.core.kv.token_buffer import TokenBuffer
+from services.core.kv.token_buffer import TokenBuffer, token_length
 
 # Where a prefill chunk's queries see the tokens the chunk itself compresses as they would had the
 # prompt come one token at a time (attention._attention_by_boundary), so that TurboQuant's tokens
@@ -53,16 +54,8 @@ def _shifted(x: mx.array, offset: mx.array | None) -> mx.array:
     return x if offset is None else (x.astype(mx.float32) - offset).astype(x.dtype)
 
 
-def _length(a) -> int:
-    if a is None:
-        return 0
-    return a.length if isinstance(a, TokenBuffer) else a.shape[2]
-
-
 def _encode(codec: TurboQuantCodec, x: mx.array) -> CompressedTokens:
-    from services.core.kv.metal_attention import kernel_backend
-
-    kernels = kernel_backend()
+    kernels = kernel_slot.current_backend()
     if kernels is not None and hasattr(kernels, "pack"):  # norm, rotate, quantize, pack in one kernel
         return CompressedTokens(*kernels.pack(codec, x))
     return codec.encode(x)
@@ -122,7 +115,7 @@ class TurboQuantKVCache(_BaseCache):
         self.just_aged = None
         self.age()  # in case the last update's attention did not come through the hook
         keys, values = self._centered(keys, values)
-        to_sinks = max(0, min(n, self.settings.sink_tokens - _length(self.sink_keys)))
+        to_sinks = max(0, min(n, self.settings.sink_tokens - token_length(self.sink_keys)))
         if to_sinks:
             self.sink_keys = _cat(self.sink_keys, keys[:, :, :to_sinks])
             self.sink_values = _cat(self.sink_values, values[:, :, :to_sinks])
@@ -184,7 +177,7 @@ class TurboQuantKVCache(_BaseCache):
             return
         self.aging_deferred = False
         s = self.settings
-        aged = max(0, _length(self.recent_buffer) - s.recent_window) // s.block_size * s.block_size
+        aged = max(0, token_length(self.recent_buffer) - s.recent_window) // s.block_size * s.block_size
         if not aged:
             return
         if (s.center_keys or s.center_values) and not self.centering:
@@ -196,7 +189,7 @@ class TurboQuantKVCache(_BaseCache):
         else:  # a chunk outgrew the window's arrays: keep only what stays, at the window's size
             self.recent_buffer = self._new_recent(tuple(a[:, :, aged : recent.length] for a in recent.arrays))
         if CHUNK_INVARIANT_PREFILL:
-            self.just_aged = (old_k, old_v, _length(self.sink_keys) + self.compressed_length)
+            self.just_aged = (old_k, old_v, token_length(self.sink_keys) + self.compressed_length)
         self._append_compressed(_encode(self.key_codec, old_k), _encode(self.value_codec, old_v))
 
     def _new_recent(self, arrays) -> TokenBuffer:
@@ -245,7 +238,7 @@ class TurboQuantKVCache(_BaseCache):
         the sinks. Trimmed buffers are cut to size, so the memory is given back."""
         n = min(self.offset, n)
         self.just_aged = None
-        cut = min(n, _length(self.recent_buffer))
+        cut = min(n, token_length(self.recent_buffer))
         if cut:
             self.recent_buffer = self.recent_buffer.truncated(self.recent_buffer.length - cut)
         left = n - cut
@@ -257,7 +250,7 @@ class TurboQuantKVCache(_BaseCache):
             self.compressed_value_buffer = value_buffer.truncated(keep) if keep else None
         left -= cut
         if left:
-            keep = _length(self.sink_keys) - left
+            keep = token_length(self.sink_keys) - left
             self.sink_keys = self.sink_keys[:, :, :keep] if keep else None
             self.sink_values = self.sink_values[:, :, :keep] if keep else None
         self.offset -= n
@@ -298,7 +291,7 @@ class TurboQuantKVCache(_BaseCache):
 
     @property
     def compressed_length(self) -> int:
-        return _length(self.compressed_key_buffer)
+        return token_length(self.compressed_key_buffer)
 
     @property
     def kv_heads(self) -> int:

@@ -20,7 +20,7 @@ import numpy as np
 
 from services.core.kv.codebook import codebook_for_dim
 from services.core.kv.compressed import CompressedTokens
-from services.core.kv.packing import lookup_decode, lookup_table, pack_indices, pack_plane
+from services.core.kv.packing import lookup_decode, lookup_table, pack_indices, pack_plane, packed_bytes
 from services.core.kv.rotation import RandomizedHadamard, qjl_scale, random_orthogonal
 
 _TINY = 1e-12
@@ -35,6 +35,7 @@ class TurboQuantCodec:
         self.dim, self.bits, self.qjl = dim, bits, qjl
         self.rotation = RandomizedHadamard(dim, seed)
         self.padded = self.rotation.padded
+        self.code_bytes = packed_bytes(bits, self.padded)  # one vector's packed codes (the kernels' layout)
         centroids, boundaries = codebook_for_dim(bits, self.padded)
         self.centroids = mx.array(centroids)
         self.boundaries = mx.array(boundaries)

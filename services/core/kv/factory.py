@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from services.core.kv.attention import install_turboquant_attention
+from services.core.kv import kernel_select  # noqa: F401 - caches find the kernels through it
 from services.core.kv.cache import TurboQuantKVCache
+from services.core.kv.sdpa_hook import install_turboquant_attention
 from services.core.kv.settings import KV_CACHE_KINDS, KVCacheSettings
 from services.core.kv.unfused_prefill import cuda_available
 

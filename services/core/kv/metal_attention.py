@@ -6,61 +6,20 @@ the packed codes (the backend's `key_scores`), one softmax covers all runs, comp
 values are summed from their codes in the rotated domain (`weighted_values`) and rotated
 back once. No decompressed copy of the cache exists at any point.
 
-A backend is a module with `kernels_available()` and `decode_attention(queries, cache,
-scale, start)` (the whole decode step fused; None where it does not fit) and/or
-`key_scores(codec, rotated_queries, tokens)` with `weighted_values(codec, weights, tokens)`
-(the contracts of metal/backend.py), and optionally `pack(codec, x)` (encode). A backend that
-evaluates its inputs (the CPU one calls C on host memory) says so with `EVALUATES_INPUTS = True`.
-`kernel_backend()` picks the first available one in `BACKENDS` order.
+The backend is kernel_select.py's choice for this device.
 """
 
 from __future__ import annotations
 
-import importlib
-import threading
-from functools import cache
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from services.core.expert_link.in_flight import settle_pending
-from services.core.kv.cache import TurboQuantKVCache
+from services.core.kv import kernel_select
 
-# modules tried in order; the first whose kernels_available() is True serves
-BACKENDS = ("metal.kernels", "metal.cuda_kernels", "metal.cpu_kernels")
-
-
-_selecting = threading.local()
-
-
-def kernel_backend():
-    """The fused-kernel module for this device, or None (the pure-MLX twin serves).
-
-    Chosen once per process. While a backend's self-check runs, the caches it builds see
-    None (the twin), so the check compares kernels with the twin and never recurses into
-    another self-check."""
-    if getattr(_selecting, "active", False):
-        return None
-    return _select_backend()
-
-
-@cache
-def _select_backend():
-    _selecting.active = True
-    try:
-        for name in BACKENDS:
-            try:
-                module = importlib.import_module(name)
-            except ImportError:  # metal/ not installed with the package, or not built
-                continue
-            if module.kernels_available():
-                return module
-        return None
-    finally:
-        _selecting.active = False
-
-
-def kernels_ready() -> bool:
-    return kernel_backend() is not None
+if TYPE_CHECKING:
+    from services.core.kv.cache import TurboQuantKVCache
 
 
 def decoded_run(key_codec, value_codec, keys, values, dtype) -> tuple[mx.array, mx.array]:
@@ -68,7 +27,7 @@ def decoded_run(key_codec, value_codec, keys, values, dtype) -> tuple[mx.array, 
     values), [B, H, T, P] of `dtype`. One kernel (and one matmul for QJL keys) where the
     backend has one; the twin's ~25 array ops otherwise (what a GPU prefill spent most of its
     time over fp16 on, bench/kv_attention.py --prefill-paths)."""
-    fused = getattr(kernel_backend(), "decoded_run", None)
+    fused = getattr(kernel_select.kernel_backend(), "decoded_run", None)
     out = None if fused is None else fused(key_codec, value_codec, keys, values, dtype)
     if out is not None:
         return out
@@ -80,7 +39,7 @@ def kernel_attention(
 ) -> mx.array | None:
     """The step on the backend's kernels; None when they do not serve it (a backend with only
     a fused step that does not fit, e.g. the CPU one past 1024 dims): the twin then does."""
-    kernels = kernel_backend()
+    kernels = kernel_select.kernel_backend()
     if getattr(kernels, "EVALUATES_INPUTS", False):
         settle_pending()  # its inputs may hang on a layer call in flight (services/core/expert_link/in_flight.py)
     fused = getattr(kernels, "decode_attention", None)

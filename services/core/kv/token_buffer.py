@@ -108,3 +108,10 @@ class TokenBuffer:
                 rest = mx.concatenate([rest, mx.zeros((*a.shape[:2], pad, *a.shape[3:]), a.dtype)], axis=2)
             arrays.append(rest)
         return TokenBuffer(tuple(arrays), keep, self.step, self.limit)
+
+
+def token_length(run) -> int:
+    """Tokens in one run of a cache: a TokenBuffer, a [B, H, N, D] array, or None (empty)."""
+    if run is None:
+        return 0
+    return run.length if isinstance(run, TokenBuffer) else run.shape[2]
