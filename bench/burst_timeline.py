@@ -30,8 +30,8 @@ import bench.decode as decode
 from bench.concurrency import chat, story
 from bench.decode import checkpoint, split_system
 from bench.workdir import bench_workdir
+from services.ops.up import resolve_split
 from services.proto.moemesh.v1 import core_pb2_grpc
-from services.up import resolve_split
 
 STREAMS = 16
 EVENTS = ("generate_start", "prefill_step")

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.decode import timed_decode
 from bench.workdir import bench_workdir
 from services.common.manifest import Manifest
-from services.up import expert_ranges, resolve_split
+from services.ops.up import expert_ranges, resolve_split
 from tests.cluster.netns import NetnsLab, netns_unavailable
 from tests.helpers import spawn, stop, wait_serving
 

@@ -44,7 +44,7 @@ import numpy as np
 def launch(args: argparse.Namespace, argv: list[str]) -> None:
     """Start both ranks, wait for them, print rank 0's report."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from services.up import data_plane_envs  # the group as `moe-mesh up --distributed` forms it
+    from services.ops.up import data_plane_envs  # the group as `moe-mesh up --distributed` forms it
 
     with tempfile.TemporaryDirectory() as tmp:
         envs = data_plane_envs(Path(tmp), args.backend, 2)

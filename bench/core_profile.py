@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode import PROMPT, checkpoint, spin_as_up, split_system, timed_decode
 from bench.workdir import bench_workdir
-from services.up import resolve_split
+from services.ops.up import resolve_split
 
 # frames that wait for the workers' answers; source lines that make MLX compute
 WAITING = ("receive_exact", "_poll_into", "SimpleQueue.get")

@@ -62,9 +62,8 @@ from services.common.manifest import Manifest
 from services.common.model_build import expert_modules, replace_modules
 from services.common.synthetic_model import QWEN3_30B_A3B_SHAPE, TINY_CONFIGS, build_random_checkpoint
 from services.common.tensor_codec import numpy_view, to_mlx
-from services.gpu_sharing import mps_for_cluster
-from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
-from services.up import (
+from services.ops.gpu_sharing import mps_for_cluster
+from services.ops.up import (
     cache_root,
     data_plane_envs,
     expert_ranges,
@@ -72,6 +71,7 @@ from services.up import (
     resolve_split,
     worker_compute_threads,
 )
+from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 from tests.helpers import Workers, spawn, stop, wait_serving
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -227,7 +227,7 @@ GPU_PLACEMENT = {
 PROCESS_ENV = {
     "workers_1_unstaged": ({"MOE_MESH_HOST_STAGING": "off"}, {"MOE_MESH_HOST_STAGING": "off"}),
 }
-# Variants run without the MPS daemon that `moe-mesh up` starts on NVIDIA GPUs (services/gpu_sharing.py).
+# Variants run without the MPS daemon that `moe-mesh up` starts on NVIDIA GPUs (services/ops/gpu_sharing.py).
 NO_MPS = {"workers_1_no_mps"}
 
 

@@ -30,7 +30,7 @@ from bench.timing import percentiles
 from bench.workdir import bench_workdir
 from services.common.manifest import Manifest
 from services.core.expert_link.dispatcher import ExpertDispatcher
-from services.up import expert_ranges, resolve_split
+from services.ops.up import expert_ranges, resolve_split
 from tests.helpers import Workers
 
 

@@ -44,7 +44,7 @@ from bench.workdir import bench_workdir
 from services.common.manifest import Manifest
 from services.common.model_build import expert_modules
 from services.core.expert_link.links import HOP_PARTS
-from services.up import resolve_split
+from services.ops.up import resolve_split
 
 
 def bare_expert_us(path: Path, calls: int = 300) -> float:

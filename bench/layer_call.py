@@ -50,8 +50,8 @@ from services.common.manifest import Manifest
 from services.core.expert_link.dispatcher import ExpertDispatcher
 from services.experts.compute import ExpertCompute
 from services.experts.store import ResidentExpertStore
+from services.ops.up import resolve_split
 from services.proto.moemesh.v1 import expert_pb2
-from services.up import resolve_split
 from tests.helpers import linked_dispatcher
 
 

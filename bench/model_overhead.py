@@ -37,7 +37,7 @@ from services.core.batch_step import GeneratorStep
 from services.core.expert_link.local import LocalExperts
 from services.core.expert_link.local_spec import LocalExpertsSpec
 from services.core.model_loader import load_core_model
-from services.up import resolve_split
+from services.ops.up import resolve_split
 
 
 def ms_per_token(stamps: list[float]) -> float:

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.concurrency import RULES, chat, interleave, timed_stream
 from bench.decode import log, spin_as_up, split_system
 from bench.workdir import bench_workdir
+from services.ops.up import resolve_split
 from services.proto.moemesh.v1 import core_pb2_grpc
-from services.up import resolve_split
 
 
 async def behind_a_prompt_alone(stub, prompt: str) -> dict:

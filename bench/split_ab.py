@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode import PROMPT, checkpoint, spin_as_up, split_system, timed_decode
 from bench.workdir import bench_workdir
+from services.ops.up import resolve_split
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
-from services.up import resolve_split
 
 
 def variants(compare: str, workers: int) -> dict[str, tuple[int, list[str]]]:

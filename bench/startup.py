@@ -34,7 +34,7 @@ import mlx.core as mx
 from bench.decode import checkpoint
 from bench.workdir import bench_workdir
 from services.common.manifest import Manifest
-from services.up import resolve_split
+from services.ops.up import resolve_split
 from tests.helpers import core_args, spawn, stop, wait_serving
 
 

@@ -51,7 +51,7 @@ from services.common.synthetic_model import QWEN3_30B_A3B_SHAPE, build_random_ch
 from services.experts.io import DEFAULT_IO_THREADS, DEFAULT_MIN_SEGMENT_BYTES
 from services.experts.store_setup import DEFAULT_IO_MODE, DEFAULT_POLICY
 from services.experts.streaming_store import expert_bytes
-from services.up import cache_root
+from services.ops.up import cache_root
 
 TARGET = 0.8  # streamed GB/s during decode / iobench GB/s (the bar)
 READ_PATHS = {  # name: (io threads, minimum segment bytes; 0 = whole records)

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode import checkpoint, log, spin_as_up, split_system
 from bench.workdir import bench_workdir
+from services.ops.up import resolve_split
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
-from services.up import resolve_split
 
 CASES = {  # name -> (first token id of each prompt, its length)
     "new_content_same_length": [(2000 + 100 * i, 24) for i in range(6)],

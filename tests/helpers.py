@@ -15,8 +15,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.grpc_util import normalize_address
+from services.ops.up import free_port  # noqa: F401 - the tests take it from here
 from services.proto.moemesh.v1 import expert_pb2
-from services.up import free_port  # noqa: F401 - the tests take it from here
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,7 +61,7 @@ def spawn(args: list[str], log_path: Path, env: dict[str, str] | None = None) ->
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *args],
+            [sys.executable, "-m", "services.ops.cli", *args],
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=REPO,
@@ -208,7 +208,7 @@ def run_cli(
 ) -> subprocess.CompletedProcess:
     """`moe-mesh ARGS` to completion, output captured (`env`: the whole environment; None: this one)."""
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-m", "services.ops.cli", *args],
         check=False,
         capture_output=True,
         text=True,

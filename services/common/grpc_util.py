@@ -75,7 +75,7 @@ def unix_socket_path(address: str) -> Path | None:
 
 
 def is_loopback_address(address: str) -> bool:
-    from services.cluster import is_loopback
+    from services.ops.cluster import is_loopback
 
     return is_loopback(normalize_address(address))
 

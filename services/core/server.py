@@ -31,7 +31,7 @@ from services.core.servicer import CoreServicer
 from services.core.speculative.mtp import check_mtp_servable, load_mtp
 from services.core.stats_line import log_stats_lines
 from services.core.structured_output import GrammarError
-from services.plan import kv_bytes_per_token
+from services.ops.plan import kv_bytes_per_token
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 
 log = get_logger(__name__)

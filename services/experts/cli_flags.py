@@ -68,7 +68,7 @@ def add_compute_flags(parser: argparse.ArgumentParser) -> None:
         help="threads the CPU kernel may use for a large call (prefill); one-token calls use one "
         "(default: the CPUs this process may run on)",
     )
-    from services.cluster import CoreConfig
+    from services.ops.cluster import CoreConfig
 
     parser.add_argument(
         "--mlx-cache-gb",
@@ -121,7 +121,7 @@ def add_storage_commands(sub) -> None:
     p.add_argument("--context", type=positive_int, default=4096, help="tokens of context per sequence")
     p.add_argument("--seqs", type=positive_int, default=1, help="concurrent sequences")
     p.add_argument("--kv-bytes", type=positive_float, default=2.0, help="bytes per KV element (2 = fp16)")
-    from services.cluster import CoreConfig
+    from services.ops.cluster import CoreConfig
 
     p.add_argument(
         "--prefix-cache-gb",
@@ -153,7 +153,7 @@ def _iobench(args) -> None:
 
 
 def _plan(args) -> None:
-    from services.plan import format_plan, memory_plan
+    from services.ops.plan import format_plan, memory_plan
 
     plan = memory_plan(
         Path(args.model),

@@ -99,11 +99,11 @@ class NetnsLab:
         self.close()
 
     def spawn(self, ns: str, args: list[str], log_path: Path, env: dict | None = None) -> subprocess.Popen:
-        """`python -m services.cli ARGS` inside namespace `ns` (ip netns exec execs, so the pid is python's)."""
+        """`python -m services.ops.cli ARGS` inside namespace `ns` (ip netns exec execs, so the pid is python's)."""
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
-                ["ip", "netns", "exec", ns, sys.executable, "-m", "services.cli", *args],
+                ["ip", "netns", "exec", ns, sys.executable, "-m", "services.ops.cli", *args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=REPO,

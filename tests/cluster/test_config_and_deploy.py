@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from services.cli import build_parser
-from services.cluster import ClusterConfigError, load_cluster
-from services.cluster_check import check_cluster
-from services.cluster_roles import core_kwargs, expert_kwargs, gateway_kwargs
-from services.deploy import render_launchd, render_systemd
+from services.ops.cli import build_parser
+from services.ops.cluster import ClusterConfigError, load_cluster
+from services.ops.cluster_check import check_cluster
+from services.ops.cluster_roles import core_kwargs, expert_kwargs, gateway_kwargs
+from services.ops.deploy import render_launchd, render_systemd
 from tests.cluster.conftest import write_cluster_toml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -120,7 +120,7 @@ def test_cluster_check_reports_fingerprint_and_budget(tmp_path, tiny_models):
 
 
 def test_cluster_check_cli_exit_code(tmp_path, tiny_models, capsys):
-    from services.cli import main
+    from services.ops.cli import main
 
     split = tiny_models.split("qwen3_moe", None)
     path = _config(tmp_path, split, [("a", "127.0.0.1:1", "0-6")])
@@ -145,7 +145,7 @@ def test_launchd_plists_parse_and_keep_the_service_alive(role, tmp_path):
     assert plist["StandardErrorPath"].startswith(str(tmp_path / "logs"))
     assert plist["EnvironmentVariables"]["MOE_MESH_CACHE"] == "/Users/Shared/moe-mesh/cache"
     argv = plist["ProgramArguments"]
-    assert Path(argv[0]).exists() and argv[1:4] == ["-P", "-m", "services.cli"]
+    assert Path(argv[0]).exists() and argv[1:4] == ["-P", "-m", "services.ops.cli"]
     args = build_parser().parse_args(argv[4:])  # the rendered command is one this CLI accepts
     assert args.config == str(config.path)
     if role.startswith("worker:"):
@@ -207,7 +207,7 @@ def test_cluster_check_names_a_bad_expert_range(tmp_path, tiny_models):
 
 
 def test_deploy_cli_writes_the_unit(tmp_path, capsys):
-    from services.cli import main
+    from services.ops.cli import main
 
     main(
         [

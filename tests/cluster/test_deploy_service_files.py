@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from services.cli import build_parser
-from services.cluster import load_cluster
-from services.deploy import render_launchd, render_systemd
-from services.deploy_sandbox import LINUX_ONLY, MACOS_ONLY, ServicePaths, blocked_for, sandbox, under
+from services.ops.cli import build_parser
+from services.ops.cluster import load_cluster
+from services.ops.deploy import render_launchd, render_systemd
+from services.ops.deploy_sandbox import LINUX_ONLY, MACOS_ONLY, ServicePaths, blocked_for, sandbox, under
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "deploy" / "cluster.toml"

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from services.common.logging import configure_logging
-from services.gpu_sharing import CONTROL, mps_for_cluster
-from services.up import Cluster
-from services.up_console import LogRelay
+from services.ops.gpu_sharing import CONTROL, mps_for_cluster
+from services.ops.up import Cluster
+from services.ops.up_console import LogRelay
 
 
 @pytest.fixture(autouse=True)
@@ -86,7 +86,7 @@ def test_every_service_and_its_restart_run_as_a_client(tmp_path, monkeypatch):
         "-c",
         f"import os; open({str(seen)!r}, 'a').write(os.environ['CUDA_MPS_PIPE_DIRECTORY'] + '\\n')",
     ]
-    monkeypatch.setattr("services.up.cli_command", lambda *args: command)
+    monkeypatch.setattr("services.ops.up.cli_command", lambda *args: command)
     relay = LogRelay(as_json=True)
     cluster = Cluster(tmp_path, "info", tmp_path, relay)
     cluster.base_env = {"CUDA_MPS_PIPE_DIRECTORY": "/tmp/pipe-of-this-cluster"}
@@ -102,10 +102,10 @@ def test_every_service_and_its_restart_run_as_a_client(tmp_path, monkeypatch):
 def test_a_daemon_whose_client_fails_is_stopped_and_left_out(control, tmp_path, monkeypatch, required):
     """A GPU that refuses MPS fails the daemon's clients: `up` finds out with a probe before any
     service starts, stops the daemon, and serves without it (auto) or says why it cannot (on)."""
-    from services.up import _start_mps
+    from services.ops.up import _start_mps
 
     monkeypatch.setattr(
-        "services.gpu_sharing.CLIENT_PROBE",
+        "services.ops.gpu_sharing.CLIENT_PROBE",
         (sys.executable, "-c", "import sys; sys.exit('MPS client failed to connect')"),
     )
     daemon = mps_for_cluster("on" if required else "auto", tmp_path, gpu_processes=2, gpus=1)
@@ -119,7 +119,7 @@ def test_a_daemon_whose_client_fails_is_stopped_and_left_out(control, tmp_path, 
 
 
 def test_a_working_client_keeps_the_daemon(control, tmp_path):
-    from services.up import _start_mps
+    from services.ops.up import _start_mps
 
     daemon = mps_for_cluster("auto", tmp_path, gpu_processes=2, gpus=1)
     assert _start_mps(daemon, required=False) is None  # the real probe, MLX on this machine

@@ -11,10 +11,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.cli import main
 from services.common.grpc_util import aio_channel, start_server
 from services.common.tls import TlsFiles, channel_credentials, issue_certificate
 from services.gateway.core_client import CoreClient, CoreClientConfig
+from services.ops.cli import main
 from tests.helpers import free_port
 
 
@@ -134,7 +134,7 @@ def test_a_service_asked_to_listen_on_the_network_without_tls_exits_naming_the_f
     if role == "core":
         args += ["--worker", "127.0.0.1:1"]
     done = subprocess.run(
-        [sys.executable, "-m", "services.cli", role, *args],
+        [sys.executable, "-m", "services.ops.cli", role, *args],
         check=False,
         capture_output=True,
         text=True,

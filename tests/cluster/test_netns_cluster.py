@@ -41,7 +41,7 @@ METRICS = "127.0.0.1:9191"  # inside core's namespace
 PROMPT = "Once upon a time"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-CLI = [sys.executable, "-m", "services.cli"]
+CLI = [sys.executable, "-m", "services.ops.cli"]
 
 
 class Hosts:

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from services import cli
+from services.ops import cli
 
 
 def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
@@ -33,7 +33,7 @@ def test_every_help_names_every_default():
 
 
 def test_up_passes_serving_flags_to_core(monkeypatch):
-    import services.up
+    import services.ops.up
 
     seen = {}
 
@@ -41,7 +41,7 @@ def test_up_passes_serving_flags_to_core(monkeypatch):
         seen.update(kwargs)
         return 0
 
-    monkeypatch.setattr(services.up, "run_up", fake_run_up)
+    monkeypatch.setattr(services.ops.up, "run_up", fake_run_up)
     argv = ["up", "--max-num-seqs", "4", "--max-num-batched-tokens", "128", "--prefix-cache-gb", "0"]
     with pytest.raises(SystemExit) as exit_:
         cli.main([*argv, "--max-queue", "9", "--kv-cache", "turboquant", "--max-model-len", "128"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.cli import build_parser
+from services.ops.cli import build_parser
 
 
 @pytest.mark.parametrize(

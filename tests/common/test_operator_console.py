@@ -15,9 +15,9 @@ from fastapi.testclient import TestClient
 
 from services.core.stats_line import _Totals, stats_fields
 from services.gateway.app import create_app
+from services.ops.status_cli import render
+from services.ops.up_console import LogRelay, new_log_dir, prune_log_dirs, readable, stats_text
 from services.proto.moemesh.v1 import core_pb2
-from services.status_cli import render
-from services.up_console import LogRelay, new_log_dir, prune_log_dirs, readable, stats_text
 
 
 def test_relay_prints_progress_stats_and_errors_not_chatter(tmp_path):
@@ -77,7 +77,7 @@ def test_log_dirs_are_new_per_run_and_pruned_to_a_bound(tmp_path):
 
 
 def test_runs_in_one_millisecond_never_reuse_a_pruned_name(tmp_path, monkeypatch):
-    import services.up_console as up_console
+    import services.ops.up_console as up_console
 
     class Frozen(datetime):
         @classmethod
@@ -201,7 +201,7 @@ def test_status_page_and_data_need_a_key_and_take_it_as_a_browser_sends_it():
 
 
 def test_quiet_reaches_core_from_up():
-    from services.cli import _serving_cli_args, build_parser
+    from services.ops.cli import _serving_cli_args, build_parser
 
     up = build_parser().parse_args(["up", "--quiet", "--max-num-seqs", "4"])
     passed = _serving_cli_args(up)

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from services.common.ranges import parse_ranges
-from services.up import expert_ranges
+from services.ops.up import expert_ranges
 
 
 @pytest.mark.parametrize(

@@ -18,8 +18,8 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from services.common.data_plane_flag import DATA_PLANE_STUCK
+from services.ops.up import data_plane_envs
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc, expert_pb2, expert_pb2_grpc
-from services.up import data_plane_envs
 from tests.helpers import Workers, core_args, short_dir, spawn, stop, wait_serving
 
 pytestmark = pytest.mark.slow  # starts processes or computes for seconds

@@ -358,7 +358,7 @@ def test_up_passes_speculation_to_core_and_refuses_a_bad_method_before_starting(
     import subprocess
     import sys
 
-    from services.cli import _serving_cli_args, build_parser
+    from services.ops.cli import _serving_cli_args, build_parser
 
     vllm = '{"method": "ngram", "prompt_lookup_max": 3}'
     up = build_parser().parse_args(["up", "--speculative-config", vllm, "--num-speculative-tokens", "3"])
@@ -367,7 +367,7 @@ def test_up_passes_speculation_to_core_and_refuses_a_bad_method_before_starting(
     assert config == SpeculativeConfig("ngram", 3, prompt_lookup_max=3)
     assert "--speculative" not in _serving_cli_args(build_parser().parse_args(["up"]))
     refused = subprocess.run(
-        [sys.executable, "-m", "services.cli", "up", "--speculative", "bogus"],
+        [sys.executable, "-m", "services.ops.cli", "up", "--speculative", "bogus"],
         check=False,
         capture_output=True,
         text=True,

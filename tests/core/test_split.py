@@ -181,7 +181,7 @@ def test_a_split_stopped_by_a_signal_leaves_nothing_and_no_traceback(tiny_models
         f"    os.kill(os.getpid(), {int(sig)})\n"
         "    raise AssertionError('the signal did not stop the split')\n"
         "split._activation_dtype = midway\n"
-        "from services.cli import main\n"
+        "from services.ops.cli import main\n"
         f"main(['split', {str(tiny_models.checkpoint('qwen3_moe', None))!r}, {str(tmp_path / 'out')!r}])\n"
     )
     done = subprocess.run(

@@ -28,7 +28,7 @@ def test_up_writes_nothing_outside_its_cache_and_workdir(tmp_path):
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "services.ops.cli",
             "up",
             "--port",
             str(port),

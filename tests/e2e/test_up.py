@@ -27,10 +27,10 @@ def children_of(pid: int) -> list[int]:
 
 
 def role_of(argv: list[str]) -> str | None:
-    """The subcommand of a `python -P -m services.cli [--global value ...] ROLE ...` command line."""
-    if "services.cli" not in argv:
+    """The subcommand of a `python -P -m services.ops.cli [--global value ...] ROLE ...` command line."""
+    if "services.ops.cli" not in argv:
         return None
-    i = argv.index("services.cli") + 1
+    i = argv.index("services.ops.cli") + 1
     while i < len(argv) and argv[i].startswith("--"):
         i += 2  # --log-level info, --log-format json
     return argv[i] if i < len(argv) else None
@@ -76,7 +76,17 @@ def launch_up(cache: Path, workdir: Path, *flags: str) -> tuple[subprocess.Popen
     """`moe-mesh up FLAGS` on a free port, started: (its process, the API's URL)."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--port", str(port), *flags, "--workdir", str(workdir)],
+        [
+            sys.executable,
+            "-m",
+            "services.ops.cli",
+            "up",
+            "--port",
+            str(port),
+            *flags,
+            "--workdir",
+            str(workdir),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -274,7 +284,7 @@ def test_without_a_workdir_progress_shows_and_the_logs_outlive_the_run(up):
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "services.ops.cli",
             "--log-format",
             "console",
             "up",

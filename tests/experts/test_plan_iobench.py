@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from services.cli import build_parser
 from services.common.manifest import Manifest
 from services.experts.iobench import run_iobench
 from services.experts.streaming_store import expert_bytes
-from services.plan import memory_plan
+from services.ops.cli import build_parser
+from services.ops.plan import memory_plan
 
 
 def run_cli(*argv: str) -> None:

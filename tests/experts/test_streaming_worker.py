@@ -138,7 +138,7 @@ def test_damaged_layer_file_at_start_and_while_serving(tiny_models, tmp_path, sh
     # Truncated before start: one line naming the file, no traceback, nonzero exit.
     layer_file.write_bytes(original[: 5 * layer.record_size])
     refused = subprocess.run(
-        [sys.executable, "-m", "services.cli", "expert", "--split", str(split), "--memory-gb", budget],
+        [sys.executable, "-m", "services.ops.cli", "expert", "--split", str(split), "--memory-gb", budget],
         cwd=REPO,
         check=False,
         capture_output=True,

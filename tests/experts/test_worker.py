@@ -206,7 +206,7 @@ def test_bad_ranges_are_refused_in_one_line(tiny_models, short_tmp, flags, messa
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "services.ops.cli",
             "expert",
             "--split",
             str(split),

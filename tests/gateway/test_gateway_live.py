@@ -73,7 +73,7 @@ def qwen3(tiny_models):
 
 @pytest.fixture(scope="module")
 def demo():
-    from services.up import resolve_split
+    from services.ops.up import resolve_split
 
     stack = LiveStack(resolve_split(None))
     yield stack

@@ -92,7 +92,7 @@ def test_cli_api_keys_from_flag_file_and_env(core_server, core: CoreDouble, tmp_
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "services.ops.cli",
             "--log-level",
             "warning",
             "gateway",

@@ -14,7 +14,7 @@ import pytest
 from services.gateway.generate_mapping import build_chat_request
 from services.gateway.memory_bound import BODY_EXPANSION, MIB, RequestMemoryBudget, gateway_bound_bytes
 from services.gateway.openai_schema import ChatCompletionRequest
-from services.plan import memory_plan
+from services.ops.plan import memory_plan
 
 from .conftest import GatewayThread
 from .test_http_limits import answer_of, connect
@@ -125,9 +125,9 @@ def test_plan_states_the_gateways_bound(tiny_models):
 
 
 def test_up_hands_the_gateway_its_limits_at_the_bound_plan_states():
-    from services.cli import build_parser
     from services.gateway.cli_flags import gateway_pass_args
     from services.gateway.memory_bound import DEFAULT_MAX_CONNECTIONS, DEFAULT_REQUEST_MEMORY_MB
+    from services.ops.cli import build_parser
 
     passed = gateway_pass_args(build_parser().parse_args(["up"]))
     assert passed[passed.index("--max-connections") + 1] == str(DEFAULT_MAX_CONNECTIONS)

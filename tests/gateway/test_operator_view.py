@@ -88,7 +88,7 @@ def test_status_json_maps_the_cluster_and_times_each_layer(stack):
 
 def status_cli(stack) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", "status", "--url", stack.url],
+        [sys.executable, "-m", "services.ops.cli", "status", "--url", stack.url],
         check=False,
         capture_output=True,
         text=True,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.cli import build_parser
 from services.core.kv import PAPER_SETTINGS, KVCacheSettings
 from services.core.kv.cli_flags import kv_cli_args, kv_engine_kwargs
+from services.ops.cli import build_parser
 
 
 def test_core_defaults_to_fp16_with_the_default_turboquant_settings():

@@ -17,13 +17,6 @@ from services.common.cli_types import (
 from services.gateway.cli_flags import add_gateway_flags, gateway_pass_args
 
 
-def cli_command(*args: str) -> list[str]:
-    """The command line that runs `moe-mesh ARGS` with this Python, as `up` and the rendered
-    launchd/systemd services start it. -P: a `services/` folder in the working directory is not
-    imported in place of moe-mesh's own."""
-    return [sys.executable, "-P", "-m", "services.cli", *args]
-
-
 def _split(args) -> None:
     from services.common.model_source import resolve_model
     from services.core.split import split_checkpoint
@@ -35,10 +28,10 @@ def _split(args) -> None:
 
 
 def _expert(args) -> None:
-    from services.cluster_roles import expert_kwargs
     from services.common.frames import spin_seconds
     from services.experts.cli_flags import compute_kwargs, streaming_kwargs
     from services.experts.server import run_expert_worker
+    from services.ops.cluster_roles import expert_kwargs
 
     # cluster.toml settings (expert_kwargs) win over the streaming flags' defaults.
     kwargs = {**streaming_kwargs(args), **compute_kwargs(args), **expert_kwargs(args)}
@@ -46,12 +39,12 @@ def _expert(args) -> None:
 
 
 def _core(args) -> None:
-    from services.cluster_roles import core_kwargs
     from services.common.frames import spin_seconds
     from services.core.engine import EngineConfig
     from services.core.kv.cli_flags import kv_engine_kwargs
     from services.core.server import run_core
     from services.core.speculative import speculative_config
+    from services.ops.cluster_roles import core_kwargs
 
     cluster_kwargs = core_kwargs(args)  # fills options left at their defaults from --config
     run_core(
@@ -82,9 +75,9 @@ def _core(args) -> None:
 
 
 def _gateway(args) -> None:
-    from services.cluster_roles import gateway_kwargs
     from services.gateway.auth import load_api_keys
     from services.gateway.server import run_gateway
+    from services.ops.cluster_roles import gateway_kwargs
 
     keys = load_api_keys(args.api_key or (), args.api_key_file)
     if args.protect_metrics and not keys:
@@ -101,7 +94,7 @@ def _gateway(args) -> None:
 def _up(args) -> None:
     from services.core.kv.cli_flags import kv_cli_args
     from services.core.speculative import speculative_config
-    from services.up import run_up
+    from services.ops.up import run_up
 
     speculative_config(args.speculative, args.num_speculative_tokens, args.speculative_config)  # refuse early
     if args.speculative and args.speculative.startswith("draft:"):  # core may start elsewhere
@@ -152,7 +145,7 @@ SERVING_FLAGS = (
 
 def _add_serving_flags(p: argparse.ArgumentParser) -> None:
     """Core's batching and cache flags, on `core` and passed through by `up`."""
-    from services.cluster import CoreConfig
+    from services.ops.cluster import CoreConfig
 
     p.add_argument("--max-num-seqs", type=positive_int, default=16, help="sequences decoding at once")
     p.add_argument(
@@ -278,15 +271,15 @@ class _ArgvRecordingParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from services.cluster_roles import add_cluster_flags
-    from services.cluster_tools import add_cluster_commands
     from services.common.data_plane_flag import add_data_plane_flag
     from services.common.frames import add_spin_flag
     from services.common.logging import LOG_FORMATS
     from services.common.version import moe_mesh_version
     from services.core.kv.cli_flags import add_kv_cache_flags
     from services.experts.cli_flags import add_compute_flags, add_storage_commands, add_streaming_flags
-    from services.status_cli import add_status_command
+    from services.ops.cluster_roles import add_cluster_flags
+    from services.ops.cluster_tools import add_cluster_commands
+    from services.ops.status_cli import add_status_command
 
     parser = _ArgvRecordingParser(
         prog="moe-mesh", description="Serve huge MoE models as a core plus expert workers."

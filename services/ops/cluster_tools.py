@@ -8,8 +8,8 @@ from pathlib import Path
 
 
 def _certs(args) -> None:
-    from services.cluster import load_cluster
     from services.common.tls import issue_certificate
+    from services.ops.cluster import load_cluster
 
     if args.config:
         config = load_cluster(args.config)
@@ -47,9 +47,9 @@ def _host(address: str) -> str:
 def _deploy(args) -> None:
     """Render the unit, create the folders it needs that its supervisor does not, and say what was
     done and what is left (notes go to stderr, so a unit printed to stdout stays clean)."""
-    from services.cluster import load_cluster
-    from services.deploy import default_launchd_log_dir, render_launchd, render_systemd
-    from services.deploy_sandbox import (
+    from services.ops.cluster import load_cluster
+    from services.ops.deploy import default_launchd_log_dir, render_launchd, render_systemd
+    from services.ops.deploy_sandbox import (
         blocked_for,
         folders_to_create,
         prepare_folder,
@@ -89,8 +89,8 @@ def _deploy(args) -> None:
 
 
 def _cluster_check(args) -> None:
-    from services.cluster import load_cluster
-    from services.cluster_check import check_cluster
+    from services.ops.cluster import load_cluster
+    from services.ops.cluster_check import check_cluster
 
     report = check_cluster(load_cluster(args.config), probe=not args.offline, timeout_s=args.timeout)
     for line in report.lines():

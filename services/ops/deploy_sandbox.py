@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from services.cluster import ClusterConfig
+from services.ops.cluster import ClusterConfig
 
 HOME_ROOTS = ("/home", "/root", "/run/user")
 # paths compared against, never written to
@@ -91,7 +91,7 @@ def service_paths(
         executable.resolve().parent,
         Path(sys.prefix),
         Path(sys.base_prefix),
-        Path(__file__).resolve().parent,  # the services package
+        Path(__file__).resolve().parents[1],  # the services package
         config.path.parent,
         config.split,
         *([config.tls_dir] if config.tls_dir else []),

@@ -1,7 +1,7 @@
 """`moe-mesh deploy launchd|systemd`: render a service definition for one role on this host.
 
 Roles: `core`, `gateway`, `worker:NAME` (a worker of cluster.toml). The rendered unit
-runs this Python with `-m services.cli <role> --config <cluster.toml>`, so the service
+runs this Python with `-m services.ops.cli <role> --config <cluster.toml>`, so the service
 reads the same file as `cluster check` validated; restarts are the supervisor's
 (launchd KeepAlive + ThrottleInterval, systemd Restart=always + RestartSec), and the
 stop timeout leaves room for the drain (health NOT_SERVING, in-flight requests finish
@@ -12,7 +12,7 @@ in a plist and /var/lib/moe-mesh/cache in a unit; `[environment]` or --cache-dir
 path only the other platform has is refused. launchd logs to files in a folder that must exist
 before it loads the plist (`moe-mesh deploy` creates it); systemd units log to the journal unless
 given a log folder, run as a non-root user (default `moe-mesh`) and are sandboxed
-(services/deploy_sandbox.py).
+(services/ops/deploy_sandbox.py).
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from string import Template
 # escapes text written into plists; parses nothing
 from xml.sax.saxutils import escape  # nosec B406
 
-from services.cli import cli_command
-from services.cluster import ClusterConfig
-from services.deploy_sandbox import ServicePaths, foreign_path, sandbox, service_paths, useradd_line
+from services.ops.cluster import ClusterConfig
+from services.ops.command import cli_command
+from services.ops.deploy_sandbox import ServicePaths, foreign_path, sandbox, service_paths, useradd_line
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "deploy"
+TEMPLATES = Path(__file__).resolve().parents[2] / "deploy"
 THROTTLE_S = 5
 STOP_TIMEOUT_S = 45  # > the gateway's 30 s graceful shutdown and core's 10 s gRPC grace
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")

@@ -26,13 +26,13 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.cli import cli_command
-from services.cluster import LOCAL_ADDRESS, local_cluster_toml
 from services.common.frames import frames_path_for
 from services.common.logging import get_logger, renders_console
 from services.common.ranges import format_ranges
-from services.gpu_sharing import MpsDaemon, mps_for_cluster
-from services.up_console import LogRelay, new_log_dir
+from services.ops.cluster import LOCAL_ADDRESS, local_cluster_toml
+from services.ops.command import cli_command
+from services.ops.gpu_sharing import MpsDaemon, mps_for_cluster
+from services.ops.up_console import LogRelay, new_log_dir
 
 log = get_logger(__name__)
 READY_TIMEOUT_S = 600.0
@@ -125,7 +125,7 @@ class Cluster:
         self.relay.follow(name, log_path)
         command = cli_command("--log-level", self.log_level, "--log-format", "json", *args)
         with open(log_path, "ab") as log_file:
-            # our own CLI (sys.executable -m services.cli) with our flags, no shell
+            # our own CLI (sys.executable -m services.ops.cli) with our flags, no shell
             proc = subprocess.Popen(  # nosec B603
                 command,
                 env={**os.environ, **self.base_env, **(env or {})} if env or self.base_env else None,
@@ -240,7 +240,7 @@ def run_up(
     the name core serves the model under (core_args carry it), for the ready line; `replicas`:
     workers holding each expert (expert_ranges); `mlx_cache_gb`: the workers' MLX buffer-cache
     limit (core's comes with core_args); `mps`: NVIDIA's MPS daemon for the services (auto, on,
-    off: services/gpu_sharing.py). Logs go to `workdir`, else to a new folder under
+    off: services/ops/gpu_sharing.py). Logs go to `workdir`, else to a new folder under
     $MOE_MESH_CACHE/logs that stays after the run."""
     from services.common.frames import spin_for
     from services.common.manifest import Manifest

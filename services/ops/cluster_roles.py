@@ -12,10 +12,10 @@ import argparse
 import os
 from pathlib import Path
 
-from services.cluster import LOCAL_ADDRESS, ClusterConfig, load_cluster
 from services.common.cli_types import port_number
 from services.common.tls import TlsFiles
 from services.core.expert_link.local_spec import LocalExpertsSpec
+from services.ops.cluster import LOCAL_ADDRESS, ClusterConfig, load_cluster
 
 
 def _unset(args: argparse.Namespace, dest: str) -> bool:
