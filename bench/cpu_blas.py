@@ -61,7 +61,7 @@ def blas_libraries() -> list[str]:
 
 
 def demo_forward_ms() -> dict:
-    from services.core.kv.quality import load_bench_model
+    from services.tools.kv_quality import load_bench_model
 
     model, _, _ = load_bench_model()
     tokens = mx.array([list(range(100, 164))])

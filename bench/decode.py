@@ -60,7 +60,6 @@ from metal.experts_cpu import SwitchGLUKernel
 from services.common.frames import spin_for
 from services.common.manifest import Manifest
 from services.common.model_build import expert_modules, replace_modules
-from services.common.synthetic_model import QWEN3_30B_A3B_SHAPE, TINY_CONFIGS, build_random_checkpoint
 from services.common.tensor_codec import numpy_view, to_mlx
 from services.ops.gpu_sharing import mps_for_cluster
 from services.ops.up import (
@@ -72,6 +71,7 @@ from services.ops.up import (
     worker_compute_threads,
 )
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
+from services.tools.synthetic_model import QWEN3_30B_A3B_SHAPE, TINY_CONFIGS, build_random_checkpoint
 from tests.helpers import Workers, spawn, stop, wait_serving
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -94,7 +94,7 @@ def synthetic_name(layers: int) -> str:
 
 def checkpoint(name: str, dtype: str) -> Path:
     if name == "demo":
-        from services.common.demo_model import ensure_demo_model
+        from services.tools.demo_model import ensure_demo_model
 
         return ensure_demo_model()
     if name in TINY_BENCH_MODELS:  # a tiny random model of an architecture the Qwen3 shape lacks

@@ -22,9 +22,9 @@ from mlx_lm.generate import generate_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.workdir import bench_workdir
-from services.common.synthetic_model import TINY_CONFIGS, build_random_checkpoint
 from services.core.model_loader import load_core_model
-from services.core.split import split_checkpoint
+from services.tools.split import split_checkpoint
+from services.tools.synthetic_model import TINY_CONFIGS, build_random_checkpoint
 from tests.helpers import linked_dispatcher
 
 

@@ -61,8 +61,8 @@ def worker_answer(split: Path):
 
 
 def tiny_split(root: Path) -> Path:
-    from services.common.synthetic_model import TINY_CONFIGS, build_random_checkpoint
-    from services.core.split import split_checkpoint
+    from services.tools.split import split_checkpoint
+    from services.tools.synthetic_model import TINY_CONFIGS, build_random_checkpoint
 
     checkpoint, split = root / "qwen3_moe", root / "qwen3_moe-split"
     build_random_checkpoint(checkpoint, TINY_CONFIGS["qwen3_moe"], bits=None)

@@ -26,10 +26,10 @@ from bench.fuzz_mutate import mutate_bytes, mutate_json
 from services.common import tensor_codec
 from services.common.frames import FrameError, frame
 from services.common.manifest import Manifest, ManifestError
-from services.common.safetensors_header import SafetensorsHeaderError, parse_header
 from services.experts.frame_server import read_call
 from services.ops.cluster import ClusterConfigError, cluster_from_toml, local_cluster_toml, parse_cluster
 from services.proto.moemesh.v1 import expert_pb2, tensor_pb2
+from services.tools.safetensors_header import SafetensorsHeaderError, parse_header
 
 CALL_CAP = 1 << 20  # the fuzzed worker's call cap: small, so claimed sizes past it are refusals
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]

@@ -46,7 +46,7 @@ from services.core.kv import (
     turboquant_attention,
 )
 from services.core.kv.cli_flags import add_kv_cache_flags, kv_settings_from_args
-from services.core.kv.quality import load_bench_model
+from services.tools.kv_quality import load_bench_model
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "assets" / "gpl-3.0.txt"
 

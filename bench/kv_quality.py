@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.core.kv import KVCacheSettings, make_kv_cache
 from services.core.kv import cache as kv_cache_module
-from services.core.kv.answers import (
+from services.tools.kv_answers import (
     CONTEXT_CHARS,
     MORE_QUESTIONS,
     QUESTIONS,
@@ -40,7 +40,7 @@ from services.core.kv.answers import (
     question_prompts,
     shared_prefix_length,
 )
-from services.core.kv.quality import load_bench_model, perplexity
+from services.tools.kv_quality import load_bench_model, perplexity
 
 CENTERED = dict(center_keys=True)  # keys quantized minus their mean (KVCacheSettings.center_keys)
 PAPER = dict(key_bits=3, key_qjl=True)  # the K3+QJL keys (PAPER_SETTINGS)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.kv_quality import SETTINGS, TEXT
 from services.core.kv import cache as kv_cache
 from services.core.kv import make_kv_cache, rotation
-from services.core.kv.quality import load_bench_model, perplexity
+from services.tools.kv_quality import load_bench_model, perplexity
 
 DEFAULT_SETTINGS = [
     "K4/V3 (default)",

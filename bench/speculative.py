@@ -127,7 +127,7 @@ def bench_model(name: str, methods: list[str], tokens: int, rounds: int, dtype: 
     for mode in ["off", *methods]:
         method = mode
         if mode == "draft:demo-dense":  # the dense SmolLM2 the demo MoE was made from
-            from services.common.demo_model import ensure_demo_model
+            from services.tools.demo_model import ensure_demo_model
 
             method = f"draft:{ensure_demo_model(dense=True)}"
         flags = [] if mode == "off" else ["--speculative", method, "--num-speculative-tokens", str(k)]

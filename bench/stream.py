@@ -47,11 +47,11 @@ from bench.stream_replay import prefetch_bound, replay_policies, replay_read_pat
 from bench.stream_rounds import PACED, PACED_GAP_S, QUEUE_DEPTHS, decode_rounds, spread
 from bench.workdir import bench_workdir
 from services.common.manifest import Manifest
-from services.common.synthetic_model import QWEN3_30B_A3B_SHAPE, build_random_checkpoint
 from services.experts.io import DEFAULT_IO_THREADS, DEFAULT_MIN_SEGMENT_BYTES
 from services.experts.store_setup import DEFAULT_IO_MODE, DEFAULT_POLICY
 from services.experts.streaming_store import expert_bytes
 from services.ops.up import cache_root
+from services.tools.synthetic_model import QWEN3_30B_A3B_SHAPE, build_random_checkpoint
 
 TARGET = 0.8  # streamed GB/s during decode / iobench GB/s (the bar)
 READ_PATHS = {  # name: (io threads, minimum segment bytes; 0 = whole records)
@@ -71,7 +71,7 @@ def log(message: str) -> None:
 def bench_split(layers: int) -> Path:
     split = cache_root() / "bench" / f"stream-qwen3-30b-a3b-{layers}layer-q4-split"
     if not (split / "manifest.json").exists():
-        from services.core.split import split_checkpoint
+        from services.tools.split import split_checkpoint
 
         checkpoint = cache_root() / "bench" / f".stream-{layers}layer-checkpoint"
         log(f"building the {layers}-layer 4-bit model (once) in {checkpoint}")

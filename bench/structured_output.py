@@ -32,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mlx_lm.tokenizer_utils import load
 
 from bench.workdir import bench_workdir
-from services.common.synthetic_model import qwen3_tokenizer_dir
 from services.core.structured_output import (
     GrammarConstraint,
     GrammarTokenizer,
@@ -42,6 +41,7 @@ from services.core.structured_output import (
     tool_call_grammar,
 )
 from services.proto.moemesh.v1 import core_pb2
+from services.tools.synthetic_model import qwen3_tokenizer_dir
 
 VOCAB = 151936
 PERSON = {
@@ -129,9 +129,9 @@ def e2e(tokens: int, rounds: int) -> dict:
 
     import grpc
 
-    from services.common.synthetic_model import TINY_CONFIGS, build_random_checkpoint
-    from services.core.split import split_checkpoint
     from services.proto.moemesh.v1 import core_pb2_grpc
+    from services.tools.split import split_checkpoint
+    from services.tools.synthetic_model import TINY_CONFIGS, build_random_checkpoint
     from tests.helpers import Workers, spawn, stop, wait_serving
 
     workdir = bench_workdir("mm-bench-")

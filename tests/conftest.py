@@ -10,8 +10,8 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")
 import mlx.core as mx
 import pytest
 
-from services.common.synthetic_model import TINY_CONFIGS, build_random_checkpoint
-from services.core.split import split_checkpoint
+from services.tools.split import split_checkpoint
+from services.tools.synthetic_model import TINY_CONFIGS, build_random_checkpoint
 from tests.helpers import remove_short_dirs, short_dir
 
 

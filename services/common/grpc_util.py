@@ -11,6 +11,7 @@ unless told `insecure` (`--insecure`), and then it says so in its log.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import signal
 from collections.abc import Awaitable, Callable
@@ -74,9 +75,20 @@ def unix_socket_path(address: str) -> Path | None:
     return Path(address[len("unix:") :]) if address.startswith("unix:") else None
 
 
-def is_loopback_address(address: str) -> bool:
-    from services.ops.cluster import is_loopback
+def is_loopback(address: str) -> bool:
+    """unix sockets, localhost and loopback IPs; anything else is reachable from other hosts."""
+    if address.startswith("unix:") or address.startswith("/"):
+        return True
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
+
+def is_loopback_address(address: str) -> bool:
     return is_loopback(normalize_address(address))
 
 

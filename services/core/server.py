@@ -16,6 +16,7 @@ from services.common.grpc_util import install_uvloop, refuse_insecure_bind, star
 from services.common.load_progress import load_stage_done
 from services.common.logging import get_logger
 from services.common.manifest import Manifest
+from services.common.model_shape import kv_bytes_per_token
 from services.common.ranges import format_ranges
 from services.common.tls import TlsFiles
 from services.core.cluster_status import cluster_stats
@@ -31,7 +32,6 @@ from services.core.servicer import CoreServicer
 from services.core.speculative.mtp import check_mtp_servable, load_mtp
 from services.core.stats_line import log_stats_lines
 from services.core.structured_output import GrammarError
-from services.ops.plan import kv_bytes_per_token
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 
 log = get_logger(__name__)

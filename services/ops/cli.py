@@ -19,7 +19,7 @@ from services.gateway.cli_flags import add_gateway_flags, gateway_pass_args
 
 def _split(args) -> None:
     from services.common.model_source import resolve_model
-    from services.core.split import split_checkpoint
+    from services.tools.split import split_checkpoint
 
     manifest = split_checkpoint(resolve_model(args.model), Path(args.out), progress=not args.quiet)
     print(
@@ -276,10 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
     from services.common.logging import LOG_FORMATS
     from services.common.version import moe_mesh_version
     from services.core.kv.cli_flags import add_kv_cache_flags
-    from services.experts.cli_flags import add_compute_flags, add_storage_commands, add_streaming_flags
+    from services.experts.cli_flags import add_compute_flags, add_streaming_flags
     from services.ops.cluster_roles import add_cluster_flags
     from services.ops.cluster_tools import add_cluster_commands
     from services.ops.status_cli import add_status_command
+    from services.ops.storage_cli import add_storage_commands
 
     parser = _ArgvRecordingParser(
         prog="moe-mesh", description="Serve huge MoE models as a core plus expert workers."

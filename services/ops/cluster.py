@@ -40,7 +40,6 @@ and the file, so a bad file is one clear line, never a traceback at runtime.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import math
 import tomllib
@@ -301,19 +300,6 @@ def parse_cluster(data: dict, path: Path) -> ClusterConfig:
         environment=dict(environment),
         data_plane=data_plane,
     )
-
-
-def is_loopback(address: str) -> bool:
-    """unix sockets, localhost and loopback IPs; anything else is reachable from other hosts."""
-    if address.startswith("unix:") or address.startswith("/"):
-        return True
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host in ("localhost", ""):
-        return host == "localhost"
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def split_host_port(address: str) -> tuple[str, int]:

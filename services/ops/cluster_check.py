@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from services.common.grpc_util import aio_channel
+from services.common.grpc_util import aio_channel, is_loopback
 from services.common.manifest import Manifest, ManifestError
 from services.common.ranges import format_ranges
-from services.ops.cluster import ClusterConfig, is_loopback
+from services.ops.cluster import ClusterConfig
 from services.proto.moemesh.v1 import expert_pb2, expert_pb2_grpc
 
 GB = 1 << 30

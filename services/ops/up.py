@@ -48,10 +48,10 @@ def resolve_split(model: str | None) -> Path:
     """A split folder for `model` (a split, a checkpoint folder or Hugging Face repo id, or None = the
     demo model), splitting once."""
     from services.common.model_source import resolve_model
-    from services.core.split import split_checkpoint
+    from services.tools.split import split_checkpoint
 
     if model is None:
-        from services.common.demo_model import ensure_demo_model
+        from services.tools.demo_model import ensure_demo_model
 
         source = ensure_demo_model()
     else:
@@ -74,7 +74,7 @@ def resolve_split(model: str | None) -> Path:
             print(f"waiting for another moe-mesh to finish splitting {source}", file=sys.stderr)
             fcntl.flock(lock, fcntl.LOCK_EX)
         if not (split_dir / "manifest.json").exists():
-            from services.core.split_disk import GB, split_bytes
+            from services.tools.split_disk import GB, split_bytes
 
             needs = split_bytes(source) / GB
             print(f"splitting {source} into {split_dir} (once, {needs:.2f} GB)", file=sys.stderr)

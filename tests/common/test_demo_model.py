@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from services.common import demo_model as dm
+from services.tools import demo_model as dm
 
 pytestmark = pytest.mark.slow  # starts processes or computes for seconds
 

@@ -1,5 +1,5 @@
-"""The import graph of services/ and metal/: no cycles, and metal/ (kernels and their loaders)
-imports nothing from services/. Every import counts, also those inside functions; only
+"""The import graph of services/ and metal/: no cycles, metal/ (kernels and their loaders)
+imports nothing from services/, and the services import neither ops nor tools. Every import counts, also those inside functions; only
 imports under `if TYPE_CHECKING:` (never executed) are left out."""
 
 from __future__ import annotations
@@ -106,6 +106,21 @@ def test_metal_imports_nothing_from_services():
         m: sorted(t for t in graph[m] if t.startswith("services")) for m in graph if m.startswith("metal")
     }
     assert {m: t for m, t in reaching.items() if t} == {}
+
+
+def test_the_services_import_neither_ops_nor_tools():
+    """core, experts, gateway and common run in a request's path: the command line, cluster
+    files, deploy and the offline tools (split, model builders, evaluation) stay outside it."""
+    graph = import_graph()
+    runtime = ("services.core", "services.experts", "services.gateway", "services.common", "metal")
+    reaching = {
+        m: sorted(t for t in graph[m] if t.startswith(("services.ops", "services.tools")))
+        for m in graph
+        if m.startswith(runtime)
+    }
+    assert {m: t for m, t in reaching.items() if t} == {}
+    tools_reaching_ops = {m: sorted(t for t in graph[m] if t.startswith("services.ops")) for m in graph}
+    assert {m: t for m, t in tools_reaching_ops.items() if t and m.startswith("services.tools")} == {}
 
 
 def test_the_checker_sees_a_cycle_and_a_lazy_import(tmp_path):

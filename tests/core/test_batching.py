@@ -21,11 +21,11 @@ import pytest
 from mlx_lm.generate import generate_step
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.common.demo_model import ensure_demo_model
 from services.common.manifest import Manifest
 from services.core.sampling import make_sampler
 from services.ops.up import resolve_split
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
+from services.tools.demo_model import ensure_demo_model
 from tests.helpers import Workers, core_args, free_port, short_dir, spawn, stop, wait_serving
 
 pytestmark = pytest.mark.slow  # starts processes or computes for seconds

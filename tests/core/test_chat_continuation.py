@@ -8,9 +8,9 @@ import grpc
 import pytest
 from mlx_lm.tokenizer_utils import load
 
-from services.common.synthetic_model import qwen3_tokenizer_dir
 from services.core.request_prep import RequestError, RequestPreparer
 from services.proto.moemesh.v1 import core_pb2
+from services.tools.synthetic_model import qwen3_tokenizer_dir
 
 PREFILL = "The capital of France is"
 

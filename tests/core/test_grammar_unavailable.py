@@ -6,8 +6,8 @@ import llguidance.hf
 import pytest
 from mlx_lm.tokenizer_utils import load
 
-from services.common.synthetic_model import qwen3_tokenizer_dir
 from services.core.structured_output import GrammarError, GrammarTokenizer
+from services.tools.synthetic_model import qwen3_tokenizer_dir
 
 
 def test_unreadable_vocabulary_fails_each_request_with_the_reason_without_rebuilding(monkeypatch):

@@ -13,10 +13,10 @@ import grpc
 import pytest
 from mlx_lm.tokenizer_utils import load
 
-from services.common.synthetic_model import qwen3_tokenizer_dir
 from services.core.request_prep import RequestError, RequestPreparer
 from services.core.text_output import TextEmitter
 from services.proto.moemesh.v1 import core_pb2
+from services.tools.synthetic_model import qwen3_tokenizer_dir
 
 VOCAB = 151936
 WEATHER = core_pb2.Tool(

@@ -316,7 +316,7 @@ def test_a_draft_model_drafts_and_greedy_tokens_stay_exact(model, tiny_models, d
 
 
 def test_a_draft_model_with_another_tokenizer_is_refused(tiny_models):
-    from services.common.demo_model import ensure_demo_model
+    from services.tools.demo_model import ensure_demo_model
 
     _, tokenizer = mlx_lm.load(str(tiny_models.checkpoint("qwen3_moe", None)))
     with pytest.raises(ValueError, match="does not share the served model's tokenizer"):

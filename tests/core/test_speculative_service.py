@@ -10,9 +10,9 @@ import json
 import grpc
 import pytest
 
-from services.common.demo_model import ensure_demo_model
 from services.ops.up import resolve_split
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
+from services.tools.demo_model import ensure_demo_model
 from tests.core.test_batching import GREEDY, run, running, wait_idle
 
 CODE_EDIT = (

@@ -15,9 +15,9 @@ from mlx.utils import tree_flatten
 
 from services.common.manifest import RECORD_ALIGNMENT, Manifest
 from services.common.model_build import expert_modules
-from services.common.synthetic_model import build_random_checkpoint
-from services.core.split import split_checkpoint
 from services.experts.store import read_records, records_to_weights
+from services.tools.split import split_checkpoint
+from services.tools.synthetic_model import build_random_checkpoint
 from tests.helpers import run_cli
 
 pytestmark = pytest.mark.slow  # starts processes or computes for seconds
@@ -153,7 +153,7 @@ def test_a_split_that_fails_leaves_nothing_beside_out(tiny_models, tmp_path, mon
     """Whatever stops a split after it began writing (a refusal, a crash, Ctrl-C), nothing
     half-written stays beside OUT; and a staging folder a killed split left is removed by the
     next split into the same OUT."""
-    from services.core import split as split_module
+    from services.tools import split as split_module
 
     abandoned = tmp_path / ".out.partial-999999999"  # no such process
     (abandoned / "experts").mkdir(parents=True)
@@ -176,7 +176,7 @@ def test_a_split_stopped_by_a_signal_leaves_nothing_and_no_traceback(tiny_models
         "import os, signal\n"
         # as in a terminal: a shell that started us in the background may have left SIGINT ignored
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-        "from services.core import split\n"
+        "from services.tools import split\n"
         "def midway(*args):\n"
         f"    os.kill(os.getpid(), {int(sig)})\n"
         "    raise AssertionError('the signal did not stop the split')\n"

@@ -9,9 +9,9 @@ from collections import namedtuple
 import pytest
 
 from services.common.manifest import ManifestError
-from services.core import split_disk
-from services.core.split import split_checkpoint
 from services.ops.plan import format_plan, memory_plan
+from services.tools import split_disk
+from services.tools.split import split_checkpoint
 
 
 def test_a_short_disk_is_refused_before_anything_is_written(tiny_models, tmp_path, monkeypatch):

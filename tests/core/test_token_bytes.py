@@ -9,9 +9,9 @@ import json
 import pytest
 from mlx_lm.tokenizer_utils import SPMStreamingDetokenizer, load
 
-from services.common.synthetic_model import qwen3_tokenizer_dir
 from services.core.text_output import TextEmitter
 from services.core.token_bytes import TokenBytes
+from services.tools.synthetic_model import qwen3_tokenizer_dir
 
 TEXT = "日本語 🚀 naïve Ünïcödé, ok\n"
 

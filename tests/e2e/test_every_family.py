@@ -16,9 +16,9 @@ import mlx_lm
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from services.common.moe_families import mlx_lm_moe_families, tiny_config
-from services.common.synthetic_model import build_random_checkpoint
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
+from services.tools.moe_families import mlx_lm_moe_families, tiny_config
+from services.tools.synthetic_model import build_random_checkpoint
 from tests.e2e.test_up import launch_up, wait_serving
 from tests.helpers import run_cli, short_dir
 

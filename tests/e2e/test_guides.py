@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.synthetic_model import TINY_CONFIGS, build_random_checkpoint
+from services.tools.synthetic_model import TINY_CONFIGS, build_random_checkpoint
 from tests.e2e.guide_runner import GuideRun
 from tests.helpers import free_port, place_in_hf_cache, short_dir
 

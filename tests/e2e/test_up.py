@@ -170,7 +170,7 @@ def test_completions_echo_scores_the_prompt_as_mlx_lm_does(up):
     import mlx.core as mx
     import mlx_lm
 
-    from services.common.demo_model import ensure_demo_model
+    from services.tools.demo_model import ensure_demo_model
 
     _, url, _, cache = up
     client = openai.OpenAI(base_url=url, api_key="unused")

@@ -22,10 +22,10 @@ from mlx_lm.utils import load_model
 
 from services.common import tensor_codec
 from services.common.manifest import Manifest
-from services.common.synthetic_model import TINY_CONFIGS, build_random_checkpoint
-from services.core.split import split_checkpoint
 from services.experts.streaming_store import expert_bytes
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc, expert_pb2, expert_pb2_grpc
+from services.tools.split import split_checkpoint
+from services.tools.synthetic_model import TINY_CONFIGS, build_random_checkpoint
 from tests.helpers import REPO, spawn, stop, wait_serving
 
 # What a streaming worker needs besides its expert budget, measured on this Linux VM: ~95 MB for

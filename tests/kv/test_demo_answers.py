@@ -17,7 +17,7 @@ import mlx_lm
 import pytest
 
 from services.core.kv import PAPER_SETTINGS, KVCacheSettings, make_kv_cache
-from services.core.kv.answers import (
+from services.tools.kv_answers import (
     QUESTIONS,
     departure,
     greedy_answer,
@@ -26,7 +26,7 @@ from services.core.kv.answers import (
     question_prompts,
     shared_prefix_length,
 )
-from services.core.kv.quality import ensure_dense_demo_model
+from services.tools.kv_quality import ensure_dense_demo_model
 
 pytestmark = pytest.mark.slow  # starts processes or computes for seconds
 

@@ -1,12 +1,12 @@
 """Tiny configs of mlx-lm's MoE families from minimax to step3p5: what each needs beyond `SIZES` (see
-`services/common/moe_families.py`). Each switches its routed experts on and keeps the family's own
+`services/tools/moe_families.py`). Each switches its routed experts on and keeps the family's own
 structure (dense first layers, interleaved layers, shared experts, hybrid attention) in 2-4 layers."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from services.common.synthetic_model import TINY_CONFIGS
+from services.tools.synthetic_model import TINY_CONFIGS
 
 # Qwen's special token ids (vocabulary ids: bandit reads "token" keys as passwords)
 QWEN_TOKEN_IDS = {"bos_token_id": 151643, "eos_token_id": 151645}  # nosec B105

@@ -35,11 +35,11 @@ from services.common.model_build import (
     read_checkpoint_config,
 )
 from services.common.progress import Progress
-from services.common.safetensors_header import check_safetensors
 from services.common.staging import remove_abandoned, staging_name
 from services.common.tensor_codec import dtype_name
 from services.core.speculative.mtp_weights import MTP_FILE, extract_mtp_weights
-from services.core.split_disk import GB, check_free_space, link_or_copy
+from services.tools.safetensors_header import check_safetensors
+from services.tools.split_disk import GB, check_free_space, link_or_copy
 
 log = get_logger(__name__)
 

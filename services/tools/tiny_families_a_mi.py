@@ -1,5 +1,5 @@
 """Tiny configs of mlx-lm's MoE families from Klear to mimo_v2_flash: what each needs beyond `SIZES` (see
-`services/common/moe_families.py`). Each switches its routed experts on and keeps the family's own
+`services/tools/moe_families.py`). Each switches its routed experts on and keeps the family's own
 structure (dense first layers, interleaved layers, shared experts, hybrid attention) in 2-4 layers."""
 
 from __future__ import annotations

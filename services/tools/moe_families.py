@@ -20,8 +20,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from services.common.synthetic_model import TINY_CONFIGS
-from services.common.tiny_family_configs import FAMILY_CONFIGS, SIZES
+from services.tools.synthetic_model import TINY_CONFIGS
+from services.tools.tiny_family_configs import FAMILY_CONFIGS, SIZES
 
 
 def _models_root() -> Path:

@@ -36,7 +36,7 @@ def ensure_dense_demo_model(cache_dir=None):
     MLX backend the same way; quality checks and the benchmark use it."""
     from pathlib import Path
 
-    from services.common import demo_model
+    from services.tools import demo_model
 
     root = Path(cache_dir) if cache_dir else demo_model._default_cache_dir()
     out = root / "smollm2-135m-dense"

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.common.tiny_families_a_mi import CONFIGS as A_TO_MIMO
-from services.common.tiny_families_mi_z import CONFIGS as MINIMAX_TO_Z
+from services.tools.tiny_families_a_mi import CONFIGS as A_TO_MIMO
+from services.tools.tiny_families_mi_z import CONFIGS as MINIMAX_TO_Z
 
 SIZES: dict[str, Any] = {
     "hidden_size": 64,

@@ -18,7 +18,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
-from services.common.tiny_mtp import write_random_mtp_layers
+from services.tools.tiny_mtp import write_random_mtp_layers
 
 _COMMON = {
     "hidden_size": 64,

@@ -23,7 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-TEXT = Path(__file__).resolve().parents[3] / "tests" / "assets" / "gpl-3.0.txt"
+TEXT = Path(__file__).resolve().parents[2] / "tests" / "assets" / "gpl-3.0.txt"
 CONTEXT_CHARS = 3000
 QUESTIONS = (
     "What is the capital of France?",

@@ -1,0 +1,28 @@
+"""What a model's config.json says about its memory: KV bytes per token (`moe-mesh plan`
+states it; core sizes its KV budget with it)."""
+
+from __future__ import annotations
+
+
+def _text_config(config: dict) -> dict:
+    return {**config, **(config.get("text_config") or {})}
+
+
+def kv_bytes_per_token(config: dict, element_bytes: float) -> tuple[float, str]:
+    """KV bytes per token over the attention layers, and how it was estimated."""
+    text = _text_config(config)
+    layers = int(text.get("num_hidden_layers", 0))
+    heads = int(text.get("num_attention_heads", 1))
+    kv_heads = int(text.get("num_key_value_heads", heads))
+    head_dim = int(text.get("head_dim") or text.get("hidden_size", 0) // max(heads, 1))
+    note = "2 x kv_heads x head_dim per attention layer"
+    if "kv_lora_rank" in text:  # MLA caches the compressed latent plus the rope key
+        per_layer = int(text["kv_lora_rank"]) + int(text.get("qk_rope_head_dim", 0))
+        note = "MLA: kv_lora_rank + qk_rope_head_dim per layer"
+    else:
+        per_layer = 2 * kv_heads * head_dim
+    attention_layers = layers
+    if "full_attention_interval" in text:  # hybrid: the other layers keep a fixed-size recurrent state
+        attention_layers = layers // int(text["full_attention_interval"])
+        note += f"; {attention_layers} of {layers} layers attend (hybrid)"
+    return attention_layers * per_layer * element_bytes, note
