@@ -17,7 +17,9 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
-from mlx_lm.utils import _get_classes, infer_quant_config
+from mlx_lm.utils import infer_quant_config
+
+from services.common.mlx_lm_adapter import classes_for_config
 
 EXPERT_MODULE_TYPES = (SwitchGLU, SwitchMLP)
 
@@ -73,7 +75,7 @@ def model_classes(config: Mapping[str, Any]):
     if not model_type:
         raise UnsupportedModelError("config.json has no model_type: not an mlx-lm / Hugging Face checkpoint")
     try:
-        return _get_classes(dict(config))
+        return classes_for_config(dict(config))
     except ValueError as error:
         raise UnsupportedModelError(f"model_type {model_type!r} is not an mlx-lm architecture") from error
 

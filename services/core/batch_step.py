@@ -25,6 +25,7 @@ from collections.abc import Callable
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 
+from services.common.mlx_lm_adapter import GeneratorState
 from services.core.decode_mask import skip_decode_mask_if_unpadded
 from services.core.logprobs import prefill_keeping_logprobs
 
@@ -64,8 +65,8 @@ class GeneratorStep:
         return len(self.tasks) - 1
 
     def _plan(self, scoring: frozenset[int]) -> None:
-        gen = self.generator
-        generation = gen._generation_batch
+        gen, state = self.generator, GeneratorState(self.generator)
+        generation = state.generation_batch
         if len(generation) > 0:
             skip_decode_mask_if_unpadded(generation.prompt_cache)
             decode = self._decode
@@ -75,24 +76,24 @@ class GeneratorStep:
             return
 
         n = min(
-            gen.prefill_batch_size - len(gen._prompt_batch),
+            gen.prefill_batch_size - len(state.prompt_batch),
             gen.completion_batch_size - len(generation),
-            len(gen._unprocessed_sequences),
+            len(state.waiting),
         )
         if n > 0:
-            gen._prompt_batch.extend(gen._make_batch(n))
+            state.prompt_batch.extend(state.admit(n))
 
         # Prompts with only their last token left move to generation: that token's forward
         # samples their first generated token.
         keep, split = [], []
-        for i, seq in enumerate(gen._currently_processing):
+        for i, seq in enumerate(state.processing):
             segments = seq[0]
             (split if len(segments) == 1 and len(segments[0]) == 1 else keep).append(i)
         if split:
-            last_inputs = [gen._currently_processing[i][0][0] for i in split]
-            progress = [(gen._currently_processing[i][2],) * 2 for i in split]
-            gen._currently_processing = [gen._currently_processing[i] for i in keep]
-            joining = gen._prompt_batch.split(split)
+            last_inputs = [state.processing[i][0][0] for i in split]
+            progress = [(state.processing[i][2],) * 2 for i in split]
+            state.processing = [state.processing[i] for i in keep]
+            joining = state.prompt_batch.split(split)
             for uid, p in zip(joining.uids, progress, strict=True):
                 self.prompt_responses.append(PromptProcessingBatch.Response(uid, p, True, True))
             self._joining_task = self._add(
@@ -101,8 +102,8 @@ class GeneratorStep:
 
         # The next chunk of every prompt still being prefilled.
         prompts = []
-        for i, seq in enumerate(gen._currently_processing):
-            response = PromptProcessingBatch.Response(gen._prompt_batch.uids[i], 0, False, False)
+        for i, seq in enumerate(state.processing):
+            response = PromptProcessingBatch.Response(state.prompt_batch.uids[i], 0, False, False)
             segments = seq[0]
             n = min(len(segments[0]), gen.prefill_step_size)
             prompts.append(segments[0][:n])
@@ -115,7 +116,7 @@ class GeneratorStep:
             self.prompt_responses.append(response)
         if prompts:
             self.prompt_tokens = sum(len(p) for p in prompts)
-            prompt_batch = gen._prompt_batch
+            prompt_batch = state.prompt_batch
             self._scored_rows = {i: uid for i, uid in enumerate(prompt_batch.uids) if uid in scoring}
             rows = set(self._scored_rows)
             self._prefill_task = self._add(
@@ -139,17 +140,17 @@ class GeneratorStep:
         return run
 
     def finish(self, results: list) -> tuple[list, list]:
-        gen = self.generator
+        state = GeneratorState(self.generator)
         generation_responses = []
         if self._decode_task is not None:
             generation_responses = results[self._decode_task]
-            gen._counters.generation_tokens += len(generation_responses)
-            gen._counters.generation_steps += 1
-            if gen._counters.generation_steps % 512 == 0:
+            state.counters.generation_tokens += len(generation_responses)
+            state.counters.generation_steps += 1
+            if state.counters.generation_steps % 512 == 0:
                 mx.clear_cache()
         if self._joining_task is not None:
-            gen._generation_batch.extend(results[self._joining_task])
-        gen._counters.prompt_tokens += self.prompt_tokens
+            state.generation_batch.extend(results[self._joining_task])
+        state.counters.prompt_tokens += self.prompt_tokens
         if self._prefill_task is not None:
             kept = results[self._prefill_task]
             self.prompt_logprobs = {uid: kept[row] for row, uid in self._scored_rows.items()}

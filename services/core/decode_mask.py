@@ -18,6 +18,8 @@ import types
 
 from mlx_lm.models.cache import BatchKVCache
 
+from services.common.mlx_lm_adapter import right_padding
+
 
 def _mask_unless_unpadded(cache: BatchKVCache, N: int, return_array: bool = False, **kwargs):
     if N == 1 and cache.decode_unpadded and kwargs.get("window_size") is None:
@@ -32,7 +34,7 @@ def skip_decode_mask_if_unpadded(caches: list) -> bool:
     if not batch:
         return False
     first = batch[0]
-    unpadded = first._right_padding is None and max(first.left_padding.tolist(), default=0) == 0
+    unpadded = right_padding(first) is None and max(first.left_padding.tolist(), default=0) == 0
     for cache in batch:
         if "make_mask" not in vars(cache):
             cache.make_mask = types.MethodType(_mask_unless_unpadded, cache)

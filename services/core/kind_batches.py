@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from mlx_lm.generate import BatchGenerator
 
+from services.common.mlx_lm_adapter import GeneratorState
 from services.core.engine_config import EngineConfig
 from services.core.kv import make_kv_cache
 from services.core.speculative import SpeculativeDecoder, make_drafter
@@ -48,14 +49,7 @@ class KindBatches:
         generator = self.generators.get(batch)
         if generator is None:
             return 0
-        return sum(
-            len(part)
-            for part in (
-                generator._generation_batch,
-                generator._prompt_batch,
-                generator._unprocessed_sequences,
-            )
-        )
+        return GeneratorState(generator).size()
 
     def generator(self, batch: BatchKey) -> BatchGenerator:
         if batch not in self.generators:
@@ -100,7 +94,7 @@ class KindBatches:
 
     def sequences(self) -> int:
         """Sequences decoding or prefilling in every batch."""
-        return sum(len(g._generation_batch) + len(g._prompt_batch) for g in self.generators.values())
+        return sum(GeneratorState(g).running() for g in self.generators.values())
 
     def reset(self) -> None:
         """Close every batch (a failed step lost them); the next requests start new ones."""

@@ -12,8 +12,9 @@ from __future__ import annotations
 from functools import lru_cache
 
 import mlx.core as mx
-from mlx_lm.generate import PromptProcessingBatch, _right_pad_prompts
+from mlx_lm.generate import PromptProcessingBatch
 
+from services.common.mlx_lm_adapter import right_pad_prompts
 from services.core.token_bytes import TokenBytes
 from services.proto.moemesh.v1 import core_pb2
 
@@ -34,7 +35,7 @@ def prefill_keeping_logprobs(
     lengths = [len(chunk) for chunk in tokens]
     padding = [max(lengths) - length for length in lengths]
     if max(padding) > 0:
-        inputs = _right_pad_prompts(tokens, max_length=max(lengths))
+        inputs = right_pad_prompts(tokens, max_length=max(lengths))
         for cache in batch.prompt_cache:
             cache.prepare(lengths=lengths, right_padding=padding)
     else:

@@ -19,6 +19,7 @@ from mlx_lm.tokenizer_utils import (
     _byte_decoder,
 )
 
+from services.common.mlx_lm_adapter import SPM_SPACE
 from services.core.output_prep import hidden_special_ids
 
 
@@ -45,7 +46,7 @@ class TokenBytes:
         if piece is None or token_id in self._special or self._kind == "text":
             return self._tokenizer.decode([token_id]).encode("utf-8")
         if self._kind == "spm":  # mlx-lm's own table: "<0xNN>" pieces as their byte
-            return self._detokenizer.tokenmap[token_id].replace(SPMStreamingDetokenizer._sep, b" ")
+            return self._detokenizer.tokenmap[token_id].replace(SPM_SPACE, b" ")
         table = _byte_decoder()
         if all(c in table for c in piece):
             return bytes(table[c] for c in piece)

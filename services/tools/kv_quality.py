@@ -61,12 +61,14 @@ def load_bench_model(path: str | None = None, dtype: str | None = None, random_w
 
     import mlx.nn as nn
     import mlx_lm
-    from mlx_lm.utils import _get_classes, load_config, load_tokenizer
+    from mlx_lm.utils import load_config, load_tokenizer
+
+    from services.common.mlx_lm_adapter import classes_for_config
 
     path = path or str(ensure_dense_demo_model())
     if random_weights:
         config = load_config(Path(path))
-        model_class, args_class = _get_classes(config)
+        model_class, args_class = classes_for_config(config)
         model = model_class(args_class.from_dict(config))
         quantization = config.get("quantization")
         if quantization:

@@ -16,8 +16,9 @@ from typing import Any
 
 import mlx.core as mx
 from mlx import nn
-from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
+from mlx_lm.utils import quantize_model, save_config, save_model
 
+from services.common.mlx_lm_adapter import classes_for_config
 from services.tools.tiny_mtp import write_random_mtp_layers
 
 _COMMON = {
@@ -221,7 +222,7 @@ def build_random_checkpoint(
     out_dir = Path(out_dir)
     config = {k: (dict(v) if isinstance(v, dict) else v) for k, v in config.items()}
     mx.random.seed(seed)
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = classes_for_config(config)
     model = model_class(args_class.from_dict(config))
 
     # Scale weights so activations stay in a sane range through random layers. Parameters a module

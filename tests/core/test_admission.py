@@ -7,6 +7,7 @@ from collections import deque
 
 import pytest
 
+from services.common.mlx_lm_adapter import GeneratorState
 from services.core.prefill_pacer import PrefillPacer
 from services.core.step_budget import share_step_budget
 
@@ -48,5 +49,5 @@ class Batches:
 def test_decoding_and_prefilling_sequences_of_every_kind_share_max_num_seqs(batches):
     generators = [Batches(*shape) for shape in batches]
     share_step_budget(generators, max_num_seqs=4, max_num_batched_tokens=512, pacer=PrefillPacer(0.0))
-    in_batches = sum(len(g._generation_batch) + len(g._prompt_batch) for g in generators)
+    in_batches = sum(GeneratorState(g).running() for g in generators)
     assert in_batches + sum(g.admitted() for g in generators) == 4

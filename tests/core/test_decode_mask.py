@@ -8,6 +8,7 @@ import mlx_lm
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import BatchKVCache
 
+from services.common.mlx_lm_adapter import GeneratorState
 from services.core.batch_step import GeneratorStep
 from services.core.decode_mask import skip_decode_mask_if_unpadded
 
@@ -29,7 +30,7 @@ def test_a_padded_batch_keeps_its_mask_and_an_aligned_one_drops_it(tiny_models):
     unpadded_by_rows: dict[int, set[bool]] = {}
     while any(len(t) < n for t, n in ((tokens[uid_short], 4), (tokens[uid_long], 10))):
         step = GeneratorStep(generator)
-        batch = generator._generation_batch
+        batch = GeneratorState(generator).generation_batch
         if len(batch) > 0:
             unpadded_by_rows.setdefault(len(batch), set()).add(batch.prompt_cache[0].decode_unpadded)
         _, responses = step.finish([task() for task in step.tasks])

@@ -10,6 +10,7 @@ from mlx_lm import load
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
+from services.common.mlx_lm_adapter import GeneratorState
 from services.core.kv import (
     BatchTurboQuantKVCache,
     KVCacheSettings,
@@ -91,7 +92,7 @@ def test_batch_generator_matches_one_sequence_at_a_time(tiny, aging):
     saw_batch_cache = False
     while any(len(v) < 8 for v in out.values()):
         responses = generator.next_generated()
-        batch = generator._generation_batch.prompt_cache
+        batch = GeneratorState(generator).generation_batch.prompt_cache
         saw_batch_cache |= any(isinstance(c, BatchTurboQuantKVCache) for c in batch)
         for r in responses:
             out[r.uid].append(r.token)

@@ -16,13 +16,14 @@ import copy
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
-from mlx_lm.models.cache import _BaseCache
+
+from services.common.mlx_lm_adapter import BaseCache
 
 if TYPE_CHECKING:
     from services.core.kv.cache import TurboQuantKVCache
 
 
-class BatchTurboQuantKVCache(_BaseCache):
+class BatchTurboQuantKVCache(BaseCache):
     """Per-row TurboQuant caches behind mlx-lm's batch cache protocol.
 
     `offset` is an int array [B] of each row's own length (RoPE positions start at 0 in

@@ -15,8 +15,9 @@ import copy
 from functools import lru_cache
 
 import mlx.core as mx
-from mlx_lm.models.cache import _BaseCache, create_attention_mask
+from mlx_lm.models.cache import create_attention_mask
 
+from services.common.mlx_lm_adapter import BaseCache
 from services.core.kv import kernel_slot
 from services.core.kv.codec import TurboQuantCodec
 from services.core.kv.compressed import CompressedTokens
@@ -61,7 +62,7 @@ def _encode(codec: TurboQuantCodec, x: mx.array) -> CompressedTokens:
     return codec.encode(x)
 
 
-class TurboQuantKVCache(_BaseCache):
+class TurboQuantKVCache(BaseCache):
     """KV cache of one layer for one sequence (batch 1, or several rows of equal length).
 
     Contract: `update_and_fetch(keys, values)` stores [B, H, N, D] keys (after RoPE) and

@@ -3,8 +3,8 @@ forward: each row feeds its pending token and its draft, so one expert call per 
 checks every row's draft, and a row gains up to 1 + K tokens per step.
 
 It keeps mlx-lm's `GenerationBatch` state as `GenerationBatch._step` leaves it (the token to feed
-next in `_next_tokens`, the tokens in the KV cache in `tokens`), so a step without drafts is
-mlx-lm's own `next()`, and the two kinds of step mix freely.
+next, the tokens in the KV cache in `tokens`: services/common/mlx_lm_adapter.DecodeState), so a
+step without drafts is mlx-lm's own `next()`, and the two kinds of step mix freely.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
+from services.common.mlx_lm_adapter import DecodeState
 from services.core.sampling import FilteredSampler
 from services.core.speculative.acceptance import accept_greedy, accept_one, accept_sampled, sample_one
 from services.core.speculative.config import SpeculativeConfig
@@ -80,7 +81,7 @@ class SpeculativeDecoder:
         self._forget(batch.uids)
         if not can_trim_rows(batch.prompt_cache):
             return [self._in_token_order(r) for r in batch.next()]
-        pending = batch._next_tokens.tolist()
+        pending = DecodeState(batch).next_tokens.tolist()
         drafts = self._drafts(batch, pending)
         if not any(drafts):
             uids = list(batch.uids)
@@ -123,7 +124,7 @@ class SpeculativeDecoder:
                 index = self._prefilling.pop(uid, None) or self._drafter.index()
                 self._rows[uid] = (index, DraftPolicy(self.config.num_speculative_tokens))
             index, policy = self._rows[uid]
-            left = batch.max_tokens[i] - batch._num_tokens[i] - 1  # the pending token is one
+            left = batch.max_tokens[i] - DecodeState(batch).emitted[i] - 1  # the pending token is one
             sampler = batch.samplers[i]
             drafting = (
                 left > 0
@@ -140,9 +141,11 @@ class SpeculativeDecoder:
         return [d.tolist() if isinstance(d, mx.array) else d for d in drafts]
 
     def _verify(self, batch: GenerationBatch, pending: list[int], drafts: list[list[int]]) -> list[Response]:
+        state = DecodeState(batch)
+        dtype = state.next_tokens.dtype
         width = 1 + max(len(d) for d in drafts)
         rows = [[p, *d] + [p] * (width - 1 - len(d)) for p, d in zip(pending, drafts, strict=True)]
-        logits = batch.model(mx.array(rows, dtype=batch._next_tokens.dtype), cache=batch.prompt_cache)
+        logits = batch.model(mx.array(rows, dtype=dtype), cache=batch.prompt_cache)
         hidden = self._drafter.last_hidden() if self._wants_hidden else None  # [B, width, H]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         targets = mx.argmax(logprobs, axis=-1)
@@ -165,7 +168,7 @@ class SpeculativeDecoder:
                 self.counters.record(len(draft), kept)
             if hidden is not None:  # the positions this step confirmed, and their tokens
                 self._rows[uid][0].feed(hidden[i : i + 1, : kept + 1], [pending[i], *draft[:kept]])
-            row = [(pending[i], batch._next_logprobs[i])] + [(draft[j], scores[j]) for j in range(kept)]
+            row = [(pending[i], state.next_logprobs[i])] + [(draft[j], scores[j]) for j in range(kept)]
             row, reason = _until_finished(batch, i, row)
             batch.tokens[i].extend(t for t, _ in row)
             emitted.append(row)
@@ -174,10 +177,12 @@ class SpeculativeDecoder:
             drop.append(width - len(row))
         trim_rows(batch.prompt_cache, drop, batch.uids, self.order)
 
-        batch._current_tokens = mx.array(pending, dtype=batch._next_tokens.dtype)
-        batch._current_logprobs = batch._next_logprobs
-        batch._next_tokens = mx.array([t for t, _ in following], dtype=batch._next_tokens.dtype)
-        batch._next_logprobs = [lp for _, lp in following]
+        state.advance(
+            mx.array(pending, dtype=dtype),
+            state.next_logprobs,
+            mx.array([t for t, _ in following], dtype=dtype),
+            [lp for _, lp in following],
+        )
 
         responses, keep = [], []
         for i, (uid, row, reason) in enumerate(zip(batch.uids, emitted, reasons, strict=True)):
@@ -215,10 +220,11 @@ def _verify_processed(
     token: its logits processors (penalties, logit_bias, a grammar) see the context with every
     kept token and never a rejected one, so a grammar's state stays that of the emitted text.
     -> (drafts kept, next token, the processed logprobs [1, vocab] of positions 0..kept)."""
+    state = DecodeState(batch)
     processors = batch.logits_processors[i]
-    context_buffer = batch._token_context[i]
+    context_buffer = state.token_context[i]
     sampler = batch.samplers[i]
-    dtype = batch._next_tokens.dtype
+    dtype = state.next_tokens.dtype
 
     def processed(position: int, fed: int) -> mx.array:
         context = context_buffer.update_and_fetch(mx.array([fed], dtype=dtype))
@@ -238,10 +244,11 @@ def _verify_processed(
 
 def _until_finished(batch: GenerationBatch, i: int, row: list) -> tuple[list, str | None]:
     """The tokens row i emits, cut at the first that ends it (max_tokens or a stop)."""
+    state = DecodeState(batch)
     for n, (token, _) in enumerate(row, start=1):
-        batch._num_tokens[i] += 1
-        reason = "length" if batch._num_tokens[i] >= batch.max_tokens[i] else None
-        if batch._matchers[i].advance(token):
+        state.emitted[i] += 1
+        reason = "length" if state.emitted[i] >= batch.max_tokens[i] else None
+        if state.stop_matchers[i].advance(token):
             reason = "stop"
         if reason is not None:
             return row[:n], reason

@@ -15,6 +15,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from services.common.mlx_lm_adapter import write_index
 from services.core.kv.batch_cache import BatchTurboQuantKVCache
 
 TRIMMABLE = (BatchKVCache, BatchTurboQuantKVCache)
@@ -82,7 +83,7 @@ def trim_rows(caches: list, drop: list[int], uids: list[int], order: RowOrder) -
         if least:
             cache.trim(least)
         _realign(cache, pads, extra)
-    end = plain[0]._idx
+    end = write_index(plain[0])
     for uid, pad, more in zip(uids, pads, extra, strict=True):
         valid = end - pad - more  # the row's tokens, after the move
         if more:
@@ -96,7 +97,7 @@ def _realign(cache: BatchKVCache, pads: list[int], extra: list[int]) -> None:
     (`pads`: each row's left padding before the move)."""
     if not any(extra):
         return
-    end = cache._idx
+    end = write_index(cache)
     for i, garbage in enumerate(extra):
         if not garbage:
             continue
