@@ -6,8 +6,7 @@ read, answered by the servicer's own `answer()` (same validation, in-band errors
 counters as Forward) and written back without an event-loop hop. Why threads and not the
 event loop: a thread blocked in recv wakes straight into its work, where a loop callback
 goes through the selector and a future first, and only a thread can poll its socket before
-it sleeps (`spin_s`, which bench/split_ab.py --compare spin measures); thread against loop alone made no
-difference beyond this VM's noise in bench/layer_call.py.
+it sleeps (`spin_s`, which bench/split_ab.py --compare spin measures).
 
 A connection that sends something that is not a frame (an oversize length, bytes that do
 not parse) is closed; the worker and its other connections carry on.

@@ -44,10 +44,9 @@ log = get_logger(__name__)
 
 IO_MODES = ("direct", "buffered")
 DEFAULT_IO_THREADS = 8
-# 0: whole records. On this project's Linux VM (a virtio disk that gives ~1 GB/s at every queue
-# depth) bench/stream.py measured no gain from segments of 128 KiB-1 MiB, and a loss from small
-# ones on the busy 2-core CPU; a disk whose throughput grows with queue depth may differ:
-# measure it with `--io-segment-kb` (the bench's read-path replay compares settings).
+# 0: whole records. Segments pay only on a disk whose throughput grows with queue depth, and
+# small ones cost CPU: measure a disk with `--io-segment-kb` (bench/stream.py's read-path replay
+# compares settings; docs/benchmarks.md, "Expert streaming").
 DEFAULT_MIN_SEGMENT_BYTES = 0
 DIRECT_IO_ALIGNMENT = 4096
 

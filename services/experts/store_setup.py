@@ -16,11 +16,9 @@ from services.proto.moemesh.v1 import expert_pb2
 
 log = get_logger(__name__)
 
-# Chosen by bench/stream.py (README, "Expert streaming"; bench/results/stream-cpu-x86-2core-v2.json):
-# at a 25 % budget direct I/O streamed 1.01 GB/s (median of 7 rounds) vs 0.71 through the page cache
-# kept cold (direct was faster in each of 4 runs), and it leaves no second copy of streamed experts in
-# the page cache; lfu-decay tied LRU on the bench model's routing (0.8905 vs 0.8888 hit rate) and beat
-# it on Zipf-skewed routing (0.60 vs 0.56).
+# Direct I/O streams faster than a cold page cache and leaves no second copy of streamed experts
+# in it; lfu-decay ties LRU on uniform routing and wins on skewed routing (bench/stream.py; the
+# figures are in docs/benchmarks.md, "Expert streaming").
 DEFAULT_IO_MODE = "direct"
 DEFAULT_POLICY = "lfu-decay"
 TRACE_ENV = "MOE_MESH_EXPERT_TRACE"  # a file: one line per call, "layer expert expert ..." (benchmarks)

@@ -133,7 +133,7 @@ class Cluster:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 # Their own session: a Ctrl-C in the terminal reaches `up` alone, which then stops
-                # each child once, in order (it used to reach every child twice).
+                # each child once, in order (not every child twice).
                 start_new_session=True,
                 preexec_fn=_die_with_parent,  # noqa: PLW1509 - only calls prctl, no locks taken
             )

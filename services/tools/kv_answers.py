@@ -5,14 +5,11 @@ at the default window (4 sinks + 128 recent tokens) ~550 of its ~690 tokens are 
 
 The rule (`departure`): an answer is fp16's, or where it first leaves fp16's answer, fp16 itself
 was nearly undecided — its own token led the one taken by less than NEAR_TIE_NATS of log
-probability. Why not plain equality: any lossy cache moves the logits a little, and on the
-135M demo model the lead at a departure point is often a few hundredths of a nat (0.086 nats,
-p 0.157 vs 0.144, in one of the six answers), while the default K4/V3 cache moves fp16's leads
-by 0.18 nats rms along its answers and the paper's K3+QJL/V3 by 0.30 (`lead_shifts`; mlx-lm's
-8-bit KV cache 0.066, its 4-bit one 0.91: bench/results/kv_quality-cpu-w128-greedy-20-lead-shifts*.json).
-Even mlx-lm's 8-bit cache leaves 3 of 20 answers, at leads of 0.010-0.066 nats; the default
-leaves 5 of 20, all at leads < 0.09. A broken or too coarse cache departs where fp16 was sure
-(K2+QJL/V2: leads of 0.85 and 1.6 nats).
+probability. Why not plain equality: any lossy cache moves the logits a little (even mlx-lm's
+8-bit KV cache), and on the 135M demo model fp16's lead at a departure point is often a few
+hundredths of a nat, so a sound cache may leave an answer where fp16 was nearly undecided. A
+broken or too coarse cache departs where fp16 was sure. `lead_shifts` measures how far a cache
+moves fp16's leads (figures: docs/benchmarks.md, TurboQuant quality).
 """
 
 from __future__ import annotations

@@ -26,11 +26,10 @@ from services.core.kv.token_buffer import TokenBuffer, token_length
 
 # Where a prefill chunk's queries see the tokens the chunk itself compresses as they would had the
 # prompt come one token at a time (attention._attention_by_boundary), so that TurboQuant's tokens
-# do not depend on chunking. On CPUs it is also the faster prefill (1.30x fp16 at 1K against
-# 0.95x, bench/results/kv-cpu-prefill-v4-dense-kernel.json). On GPUs, where the pacer keeps 512-token
-# chunks unless the machine is loaded, one fused causal call over the runs as stored is kept: the
-# per-position view took the H200's prefill from 0.52x to 0.17x fp16 at 16K as one masked call and
-# to 0.04x as calls per group (bench/results/kv-h200-chunk-invariance.json).
+# do not depend on chunking. On CPUs it is also the faster prefill. On GPUs, where the pacer keeps
+# 512-token chunks unless the machine is loaded, one fused causal call over the runs as stored is
+# kept: there the per-position view costs prefill a factor of several (docs/benchmarks.md,
+# TurboQuant speed).
 CHUNK_INVARIANT_PREFILL = mx.default_device() == mx.cpu
 # Elsewhere a multi-token update's tokens age only after its attention call ran (`age`, called by
 # attention.turboquant_attention): every query of the chunk then sees at least its own recent

@@ -53,8 +53,8 @@ def codec_kernels_match(backend, seed: int, failures: list[str]) -> bool:
     float32 through TF32), so a coordinate within rounding of a codebook boundary may land
     on the other side: a few codes in a thousand may differ, each by one level, and each
     such vector's residual, hence a share of its QJL sign bits, with it. Norms must agree;
-    a wrong bit layout agrees on about 1 byte in 256 (the H200 measured 99.8-99.9 % of the
-    code bytes)."""
+    a correct kernel agrees on all but a few code bytes in a thousand, a wrong bit layout on
+    about 1 byte in 256."""
     mx.random.seed(seed)
     for case_index, (bits, qjl, dim, n_queries) in enumerate(CODEC_CASES):
         case = f"K{bits}{'+QJL' if qjl else ''} d{dim}"

@@ -2,10 +2,8 @@
 
 A prefill chunk normally runs through one fused mx.fast.scaled_dot_product_attention over
 the run decoded for that call into the rotated domain (`attention._stored_attention`): on
-a GPU that is 3-10x faster than any composition that keeps the scores in memory (H200, one
-layer, 2048 queries over 16K tokens, d128: 3.0 ms fused, 23-33 ms block by block, 190 ms
-scored from the codes by the kernels; `bench/results/prefill_paths-h200.json`). The
-decoded copy is transient, one layer at a time, but grows with the context, so a run whose
+a GPU the fused call is several times faster than any composition that keeps the scores in
+memory (docs/benchmarks.md, TurboQuant speed). The decoded copy is transient, one layer at a time, but grows with the context, so a run whose
 copy would exceed DECODED_BUDGET_BYTES is read block by block under an online softmax
 (`blockwise_attention`), each block no larger than the budget.
 """

@@ -13,16 +13,13 @@ KV_CACHE_KINDS = ("fp16", "turboquant")
 class KVCacheSettings:
     """TurboQuant settings. The default is K4/V3: keys 4-bit MSE stage (no QJL), values 3-bit,
     4.125 / 3.125 bits per coordinate at head_dim 128 plus the norms, 4 exact sink tokens and a
-    128-token exact window. It uses the same memory as the paper's K3+QJL/V3 (4.41x against
-    4.34x smaller than fp16 at head_dim 128) and serves attention better: on the demo model
-    perplexity +0.47 % against +1.07 % (the 3 % bar), greedy decisions moved 0.18 against
-    0.30 nats rms, every greedy departure where fp16's own lead was < 0.09 nats, and decode
-    is faster (no sign plane to read). Why: QJL makes each score unbiased but adds variance,
-    (pi/2 - 1)|q|^2|r|^2/d for a residual r, and with 3 bits |r|^2 = 0.0345|k|^2; measured
-    at d = 128 the score error of K3+QJL has variance 0.0196/d against 0.0092/d for 4-bit MSE
-    keys, whose only bias is a 0.85 % shrink of every score -- a softmax temperature change
-    the softmax barely feels, while it does feel the variance
-    (docs/benchmarks.md, TurboQuant). PAPER_SETTINGS is the paper's K3+QJL/V3.
+    128-token exact window. It uses about the memory of the paper's K3+QJL/V3 and serves
+    attention better (perplexity, greedy answers and decode speed: docs/benchmarks.md,
+    TurboQuant). Why: QJL makes each score unbiased but adds variance,
+    (pi/2 - 1)|q|^2|r|^2/d for a residual r, about twice the score-error variance of 4-bit MSE
+    keys, whose only bias is a slight uniform shrink of every score -- a softmax temperature
+    change the softmax barely feels, while it does feel the variance. PAPER_SETTINGS is the
+    paper's K3+QJL/V3.
 
     key_bits / value_bits: MSE-stage bits (2, 3 or 4; 1 is allowed for experiments).
     key_qjl: add the 1-bit QJL residual stage to keys (unbiased inner products).

@@ -2,12 +2,10 @@
 
 On MLX's CUDA backend, `mx.fast.scaled_dot_product_attention` with more than one query runs
 cuDNN's fused attention, and MLX builds a cuDNN graph (its kernels compiled) for every new
-combination of batch rows, query length, key length, strides and mask shape. On an H200 that
-build costs 40-60 ms, against a few ms for the chunk itself. A server meets new shapes all the
-time: requests join the batch in groups whose sizes depend on when they arrive, prompt lengths
-vary, a prefix-cache hit leaves a suffix of any length over a cached run of any length. So a
-burst of requests paid one build per prefill step (bench/concurrency.py, 16 streams: three steps
-of 45-60 ms each where the same steps on seen shapes take 5-13 ms).
+combination of batch rows, query length, key length, strides and mask shape. That build costs
+tens of ms, against a few ms for the chunk itself. A server meets new shapes all the time:
+requests join the batch in groups whose sizes depend on when they arrive, prompt lengths vary,
+a prefix-cache hit leaves a suffix of any length over a cached run of any length.
 
 Here a prefill chunk whose scores are small runs as plain ops instead: two matmuls and a
 softmax, which MLX runs without a per-shape build. Larger chunks keep the fused kernel: their
