@@ -1,12 +1,11 @@
 """moe-mesh: a core plus expert workers over gRPC, OpenAI-compatible HTTP in front.
 
-gRPC's EventEngine-based client and listener (grpcio's default) add latency to our
-small, frequent bidi messages when the peer has just been busy computing, which is
-every expert layer call: `bench/grpc_echo.py` on the 2-core CI VM, server busy
-2.5 ms per call, round-trip overhead p50 250-317 us with them off vs 338-403 us on
-(three runs; with an idle server the two are within noise). The expert layer call
-is the hottest path we have, so every moe-mesh process turns them off before gRPC
-loads (a value the user set in GRPC_EXPERIMENTS wins).
+gRPC's EventEngine-based client and listener (grpcio's default) are turned off in every
+moe-mesh process before gRPC loads (a value the user set in GRPC_EXPERIMENTS wins): the
+expert layer call is small, frequent and follows a busy peer, the case where they were
+slower on the 2-core CI VM. `bench/grpc_echo.py` measures both settings; the runs differ
+from one another (docs/benchmarks.md, "Transport floors"). Same-host workers answer over
+frame sockets (services/common/frames.py), outside gRPC.
 """
 
 import os

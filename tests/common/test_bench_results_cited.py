@@ -1,5 +1,6 @@
 """Every file in bench/results is a current figure that the docs cite: a result file nothing cites is
-history, which git keeps, or a figure the docs forgot."""
+history, which git keeps, or a figure the docs forgot. There is one file per bench and machine,
+`<bench>-<machine>.json`; several current runs of one bench on one machine share it under "runs"."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 CITED_IN = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 JSON_NAME = re.compile(r"[\w.*-]+\.json")
+# machine: cpu = the 2-core x86 VM, h200 = the H200 GPU machine, h200host = that machine's 16-core CPU.
+RESULT_NAME = re.compile(r"^[a-z_]+-(cpu|h200|h200host)\.json$")
 
 
 def cited_names() -> set[str]:
@@ -27,6 +30,16 @@ def test_every_bench_result_file_is_cited_by_the_docs():
     assert results, "bench/results holds no result files"
     uncited = [name for name in results if not is_cited(name, names)]
     assert not uncited, f"no doc cites these result files (cite them or remove them): {uncited}"
+
+
+def test_one_result_file_per_bench_and_machine():
+    results = sorted(p.name for p in (ROOT / "bench" / "results").iterdir())
+    assert results, "bench/results holds no result files"
+    misnamed = [name for name in results if not RESULT_NAME.match(name)]
+    assert not misnamed, (
+        f"name result files <bench>-<machine>.json (machine: cpu, h200 or h200host), one per bench and "
+        f"machine, with several runs under 'runs'; git keeps superseded ones: {misnamed}"
+    )
 
 
 def test_every_result_file_the_docs_name_exists():
