@@ -6,6 +6,9 @@ Used by bench/cluster.py where the kernel lacks sch_netem (containers often do).
 their order; each chunk read at time t is written at t + delay, so throughput is not capped
 by the delay (like a long pipe, not like stop-and-wait). The relay's own cost (Python, two
 extra socket hops) is measured separately by running it with --delay-ms 0.
+
+With --initial-delay-ms the relay starts at that delay; SIGUSR1 switches it to --delay-ms and
+SIGUSR2 back (bench/soak_link.py delays a live link this way, connections kept open).
 """
 
 from __future__ import annotations
@@ -13,9 +16,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import signal
 
 
-async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float) -> None:
+class Delay:
+    """The relay's delay in seconds, read for every chunk: it may change while connections run."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+
+async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: Delay) -> None:
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -31,7 +42,7 @@ async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay
     sender = asyncio.create_task(send())
     try:
         while data := await reader.read(1 << 20):
-            queue.put_nowait((loop.time() + delay_s, data))
+            queue.put_nowait((loop.time() + delay.seconds, data))
     except ConnectionError:
         pass
     finally:
@@ -45,8 +56,15 @@ async def main() -> None:
     parser.add_argument("--listen", required=True)
     parser.add_argument("--target", required=True)
     parser.add_argument("--delay-ms", type=float, default=1.0)
+    parser.add_argument(
+        "--initial-delay-ms", type=float, default=None, help="until SIGUSR1 (default: --delay-ms)"
+    )
     args = parser.parse_args()
-    delay_s = args.delay_ms / 1000
+    delayed = args.delay_ms / 1000
+    delay = Delay(delayed if args.initial_delay_ms is None else args.initial_delay_ms / 1000)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGUSR1, lambda: setattr(delay, "seconds", delayed))
+    loop.add_signal_handler(signal.SIGUSR2, lambda: setattr(delay, "seconds", 0.0))
     target_host, target_port = args.target.rsplit(":", 1)
 
     async def handle(client_reader, client_writer) -> None:
@@ -56,7 +74,7 @@ async def main() -> None:
             client_writer.close()
             return
         await asyncio.gather(
-            pipe(client_reader, server_writer, delay_s), pipe(server_reader, client_writer, delay_s)
+            pipe(client_reader, server_writer, delay), pipe(server_reader, client_writer, delay)
         )
 
     host, port = args.listen.rsplit(":", 1)

@@ -95,10 +95,11 @@ async def sample(processes, core_address: str, started: float) -> dict:
     return row
 
 
-async def soak(url: str, model: str, processes, core_address: str, args) -> dict:
+async def soak(url: str, model: str, processes, core_address: str, args, keep_outcomes: bool = False) -> dict:
     """An idle sample; the warm-up load, idle, a sample (the reference: caches filled, nothing
     running); the load, sampled every SAMPLE_S (faults too with --chaos-every); idle, a last
-    sample. `processes()` gives {name: pid} of the services now."""
+    sample. `processes()` gives {name: pid} of the services now. `keep_outcomes`: the report also
+    holds every request's Outcome ("outcomes") and, under "chaos", each fault ("fault_records")."""
     started = time.monotonic()
     idle = await sample(processes, core_address, started)
     if args.warmup:
@@ -135,6 +136,10 @@ async def soak(url: str, model: str, processes, core_address: str, args) -> dict
             worker_errors = sum(n for a, n in report["chaos"]["errors_by_fault"].items() if a != "kill_core")
             report["targets"]["worker_faults_fail_no_request"] = worker_errors == 0
         del report["targets"]["rss_growth_within_5pct"]  # restarted processes start over
+        if keep_outcomes:
+            report["chaos"]["fault_records"] = faults
+    if keep_outcomes:
+        report["outcomes"] = outcomes
     return report
 
 

@@ -1,6 +1,8 @@
 """Faults injected while the soak runs (bench/soak.py --chaos-every): every `every_s` seconds, in
 turn, kill -9 a worker, SIGSTOP another for 5 s, or kill -9 core (`--chaos-actions` picks which).
 `moe-mesh up` starts what died again. With `up --replicas 2` a worker's fault must fail no request.
+`delay_link` (bench/soak_link.py, whose worker link runs through bench/delay_relay.py) adds
+DELAY_MS to every byte on that link for DELAY_S, connections kept open: it must fail no request.
 
 An error is the fault's when the request overlapped the fault's window (the fault, until the
 process is back and `CHAOS_WINDOW_S` more); the figure that must be zero is errors outside every
@@ -19,6 +21,7 @@ from bench.soak_traffic import EXPECTED, Outcome
 
 CHAOS_WINDOW_S = 60.0  # after a fault: a restart (a core loads its model) plus requests then in flight
 STOP_S = 5.0
+DELAY_MS, DELAY_S = 50.0, 10.0
 FAULT_ERRORS = {"http_503", "RemoteProtocolError", "ReadError"}  # 503 naming the cause, or a cut stream
 
 
@@ -29,7 +32,8 @@ class Fault:
     target: str
 
 
-ACTIONS = ("kill_worker", "stop_worker", "kill_core")
+ACTIONS = ("kill_worker", "stop_worker", "kill_core")  # what `moe-mesh up` recovers from
+LINK_ACTIONS = ("delay_link",)  # a relay's link (bench/soak_link.py)
 
 
 async def inject(
@@ -37,16 +41,27 @@ async def inject(
 ) -> None:
     """Until `stop_at`, one fault every `every_s`, taking `actions` in turn: `pids_of(role)` finds
     the current processes."""
-    unknown = set(actions) - set(ACTIONS)
+    unknown = set(actions) - set(ACTIONS + LINK_ACTIONS)
     if unknown or not actions:
-        raise ValueError(f"chaos actions must be some of {', '.join(ACTIONS)}, not {sorted(unknown)}")
+        known = ", ".join(ACTIONS + LINK_ACTIONS)
+        raise ValueError(f"chaos actions must be some of {known}, not {sorted(unknown)}")
+    if "delay_link" in actions and not pids_of("relay"):
+        raise ValueError("delay_link needs a worker link through bench/delay_relay.py (bench/soak_link.py)")
     turn = 0
     while time.monotonic() + every_s < stop_at:
         await asyncio.sleep(every_s)
         action = actions[turn % len(actions)]
         turn += 1
         workers = sorted(pids_of("expert"))
-        if action == "kill_core":
+        if action == "delay_link":
+            relay = pids_of("relay")[0]
+            faults.append(
+                Fault(time.monotonic(), action, f"{DELAY_MS:.0f} ms on a worker link for {DELAY_S:.0f} s")
+            )
+            os.kill(relay, signal.SIGUSR1)
+            await asyncio.sleep(DELAY_S)
+            os.kill(relay, signal.SIGUSR2)
+        elif action == "kill_core":
             pid = pids_of("core")[0]
             faults.append(Fault(time.monotonic(), action, f"core pid {pid}"))
             os.kill(pid, signal.SIGKILL)

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from bench.soak import soak_up
+from bench.soak_link import soak_slow_link
 from tests.helpers import short_dir
 
 pytestmark = pytest.mark.slow
@@ -40,3 +41,18 @@ def test_with_two_replicas_a_worker_killed_or_stopped_fails_no_request(tmp_path)
     assert report["requests"] >= 4
     assert report["unexpected_errors"] == 0, report["error_examples"]  # none at all, in or out of the faults
     assert report["targets"]["worker_faults_fail_no_request"], chaos
+
+
+def test_a_worker_link_slowed_by_50_ms_fails_no_request(tmp_path):
+    """The first worker reached through a relay that adds 50 ms each way for 10 s, twice, with
+    connections kept open (bench/soak_link.py): requests slow down and none fails."""
+    args = SimpleNamespace(
+        clients=3, seconds=30, warmup=0, idle=3, seed=2, experts=2, cache_gb=0.1, chaos_every=8, up_flags=[]
+    )
+    report = soak_slow_link(tmp_path / "cache", short_dir("mm-soak-link-"), args)
+    chaos, by_link = report["chaos"], report["by_link"]
+    print({k: report[k] for k in ("requests", "outcomes_by_kind")}, chaos, by_link)
+    assert [f["action"] for f in chaos["faults"]] == ["delay_link", "delay_link"], chaos
+    assert by_link["overlapped_slow_link"]["requests"] >= 1, by_link  # the delay met live requests
+    assert report["unexpected_errors"] == 0, report["error_examples"]
+    assert report["targets"]["kv_and_requests_back_to_idle"], (report["idle"], report["after_idle"])
