@@ -184,8 +184,17 @@ class Engine:
                 self._outbox.flush()
             if self.layer_call_timings is not None:
                 self.layer_call_timings.record_part("engine_step", (time.perf_counter() - started) * 1e6)
-            if not self._active:  # the last sequence left: return its freed KV pages to the system
-                trim_heap()
+            if not self._active:
+                self._release_idle_memory()
+
+    def _release_idle_memory(self) -> None:
+        """The last sequence left: what only running sequences needed goes back to the system, so
+        idle memory is weights + the prefix cache, not the peak of the last burst. The batches are
+        made anew by the next request; MLX's freed buffers (kept for reuse up to --mlx-cache-gb)
+        and the C heap's free pages are returned."""
+        self.batches.reset()
+        mx.clear_cache()
+        trim_heap()
 
     def _handle(self, item) -> None:
         kind, sequence = item

@@ -97,7 +97,8 @@ class KindBatches:
         return sum(GeneratorState(g).running() for g in self.generators.values())
 
     def reset(self) -> None:
-        """Close every batch (a failed step lost them); the next requests start new ones."""
+        """Close every batch (a failed step lost them, or the engine went idle); the next requests
+        start new ones."""
         for generator in self.generators.values():
             generator.close()
         self.generators.clear()
