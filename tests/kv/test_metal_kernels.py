@@ -32,7 +32,7 @@ def test_kernels_match_the_twin():
     assert backend_matches_twin(kernels, seed=1)
 
 
-# ---- the self-check every GPU backend passes first (metal/selfcheck.py), run on the twin ----
+# ---- the self-check every GPU backend passes first (services/core/kv/kernel_check.py), on the twin ----
 
 
 class TwinBackend:
@@ -122,7 +122,7 @@ def emulated_backend(source=kernels.SOURCE) -> backend.KernelBackend:
 
 @needs_emulator
 def test_the_metal_source_matches_the_twin_when_run_on_the_cpu():
-    """What a Mac's start-up self-check runs (metal/selfcheck.py), on metal/turboquant.metal
+    """What a Mac's start-up self-check runs (services/core/kv/kernel_check.py), on metal/turboquant.metal
     itself: its arithmetic, bit layout, barriers and SIMD-group reductions, not Apple's
     compiler or its speed."""
     for seed in (0, 1):
