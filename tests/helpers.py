@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.grpc_util import normalize_address
 from services.ops.up import free_port  # noqa: F401 - the tests take it from here
-from services.proto.moemesh.v1 import expert_pb2
+from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc, expert_pb2
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -229,3 +229,13 @@ def place_in_hf_cache(hf_home: Path, repo_id: str, checkpoint: Path) -> Path:
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / "main").write_text(commit)
     return snapshot
+
+
+async def greedy_ids(stub: core_pb2_grpc.CoreStub, prompt: list[int], max_tokens: int) -> list[int]:
+    """Core's greedy continuation of token ids `prompt`: exactly `max_tokens` token ids."""
+    request = core_pb2.GenerateRequest(
+        token_ids=core_pb2.TokenIds(ids=prompt),
+        sampling=core_pb2.SamplingParams(temperature=0),
+        stopping=core_pb2.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True),
+    )
+    return [t async for chunk in stub.Generate(request, timeout=120) for t in chunk.token_ids]

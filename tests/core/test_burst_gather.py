@@ -15,8 +15,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.core.inbox import EngineInbox
-from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
-from tests.helpers import core_args, free_port, spawn, stop, wait_serving
+from services.proto.moemesh.v1 import core_pb2_grpc
+from tests.helpers import core_args, free_port, greedy_ids, spawn, stop, wait_serving
 
 
 def add(prompt_tokens: int = 4) -> tuple[str, SimpleNamespace]:
@@ -141,13 +141,8 @@ def test_a_burst_of_clients_is_prefilled_in_one_step_with_its_tokens_unchanged(t
         async with grpc.aio.insecure_channel(address) as channel:
             stub = core_pb2_grpc.CoreStub(channel)
 
-            async def one(prompt: list[int]) -> list[int]:
-                request = core_pb2.GenerateRequest(
-                    token_ids=core_pb2.TokenIds(ids=prompt),
-                    sampling=core_pb2.SamplingParams(temperature=0),
-                    stopping=core_pb2.StoppingCriteria(max_tokens=1, ignore_eos=True),
-                )
-                return [t async for chunk in stub.Generate(request, timeout=120) for t in chunk.token_ids]
+            def one(prompt: list[int]):
+                return greedy_ids(stub, prompt, 1)
 
             await one(prompts[0])  # warm: the first request compiles and loads
             before = engine_steps(metrics_port)

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
-from tests.helpers import core_args, spawn, stop, wait_serving
+from tests.helpers import core_args, greedy_ids, spawn, stop, wait_serving
 
 pytestmark = pytest.mark.slow
 
@@ -25,22 +25,14 @@ def test_an_idle_core_holds_no_freed_buffers_and_serves_the_same_tokens_again(ti
         async with grpc.aio.insecure_channel(address) as channel:
             stub = core_pb2_grpc.CoreStub(channel)
 
-            async def one(prompt: list[int]) -> list[int]:
-                request = core_pb2.GenerateRequest(
-                    token_ids=core_pb2.TokenIds(ids=prompt),
-                    sampling=core_pb2.SamplingParams(temperature=0),
-                    stopping=core_pb2.StoppingCriteria(max_tokens=8, ignore_eos=True),
-                )
-                return [t async for chunk in stub.Generate(request, timeout=120) for t in chunk.token_ids]
-
-            first = await asyncio.gather(*(one(p) for p in prompts))
+            first = await asyncio.gather(*(greedy_ids(stub, p, 8) for p in prompts))
             deadline = time.monotonic() + 10
             while True:  # the engine releases right after its last step, which the reply may beat
                 stats = await stub.GetStats(core_pb2.GetStatsRequest(), timeout=10)
                 if stats.mlx_cache_bytes == 0 or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.1)
-            again = await asyncio.gather(*(one(p) for p in prompts))
+            again = await asyncio.gather(*(greedy_ids(stub, p, 8) for p in prompts))
             return first, again, stats
 
     try:
