@@ -56,3 +56,19 @@ def test_up_passes_serving_flags_to_core(monkeypatch):
     # and core's own parser takes them as they are
     parsed = cli.build_parser().parse_args(["core", "--split", "s", "--worker", "local", *core_args])
     assert (parsed.max_num_seqs, parsed.max_queue, parsed.prefix_cache_gb) == (4, 9, 0.0)
+
+
+@pytest.mark.slow
+def test_service_files_naming_the_old_module_still_start():
+    """launchd/systemd files rendered before the command line moved run `python -m services.cli`."""
+    import subprocess
+    import sys
+
+    from services.ops.command import cli_command
+
+    def version(module: str) -> str:
+        command = [sys.executable, "-m", module, "--version"]
+        return subprocess.run(command, check=True, capture_output=True, text=True, timeout=60).stdout
+
+    assert cli_command("core")[-2:] == ["services.ops.cli", "core"]
+    assert version("services.cli") == version("services.ops.cli") and "moe-mesh" in version("services.cli")
