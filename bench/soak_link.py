@@ -21,12 +21,13 @@ import os
 import platform
 import subprocess
 import sys
-import time
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode import log
+from bench.gateway import wait_http
 from bench.soak import percentile, soak
 from bench.soak_chaos import DELAY_MS, DELAY_S
 from bench.soak_traffic import EXPECTED
@@ -61,17 +62,9 @@ def start_cluster(work: Path, cache: Path, args) -> tuple[dict[str, subprocess.P
     from services.ops.up import free_port, resolve_split
     from tests.helpers import spawn, wait_serving
 
-    env = {"MOE_MESH_CACHE": str(cache)}
-    previous = os.environ.get("MOE_MESH_CACHE")
-    os.environ["MOE_MESH_CACHE"] = str(cache)  # where the demo model is built or found
-    try:
-        with contextlib.redirect_stdout(sys.stderr):  # the demo model's build logs: stdout is the JSON
-            split = resolve_split(None)
-    finally:
-        if previous is None:
-            del os.environ["MOE_MESH_CACHE"]
-        else:
-            os.environ["MOE_MESH_CACHE"] = previous
+    env = {"MOE_MESH_CACHE": str(cache)}  # where the demo model is built or found, here and in the services
+    with mock.patch.dict(os.environ, env), contextlib.redirect_stdout(sys.stderr):  # stdout is the JSON
+        split = resolve_split(None)
     relay_port, worker_port, http_port = free_port(), free_port(), free_port()
     config = work / "cluster.toml"
     config.write_text(slow_link_cluster(split, work, args.experts, relay_port, worker_port, http_port))
@@ -94,22 +87,8 @@ def start_cluster(work: Path, cache: Path, args) -> tuple[dict[str, subprocess.P
     wait_serving(core, procs["core"], 300, work / "core.log")
     procs["gateway"] = spawn(["gateway", "--config", str(config)], work / "gateway.log", env)
     url = f"http://127.0.0.1:{http_port}"
-    _wait_http(f"{url}/v1/models", procs["gateway"])
+    wait_http(url, procs["gateway"], 60)
     return procs, url, core
-
-
-def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 60) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"the gateway did not answer {url}")
 
 
 def soak_slow_link(cache: Path, work: Path, args) -> dict:

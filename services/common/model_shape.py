@@ -1,16 +1,23 @@
-"""What a model's config.json says about its memory: KV bytes per token (`moe-mesh plan`
-states it; core sizes its KV budget with it)."""
+"""What a model's config.json says about its language model: its own section of a
+multimodal config, and KV bytes per token (`moe-mesh plan` states it; core sizes its KV
+budget with it)."""
 
 from __future__ import annotations
 
 
-def _text_config(config: dict) -> dict:
+def text_config(config: dict) -> dict:
+    """The language model's section: `text_config` in a multimodal config, else the config."""
+    return config.get("text_config") or config
+
+
+def _with_text_config(config: dict) -> dict:
+    """The config with its language model's keys over the top level's."""
     return {**config, **(config.get("text_config") or {})}
 
 
 def kv_bytes_per_token(config: dict, element_bytes: float) -> tuple[float, str]:
     """KV bytes per token over the attention layers, and how it was estimated."""
-    text = _text_config(config)
+    text = _with_text_config(config)
     layers = int(text.get("num_hidden_layers", 0))
     heads = int(text.get("num_attention_heads", 1))
     kv_heads = int(text.get("num_key_value_heads", heads))

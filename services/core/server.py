@@ -17,6 +17,7 @@ from services.common.load_progress import load_stage_done
 from services.common.logging import get_logger
 from services.common.manifest import Manifest
 from services.common.model_shape import kv_bytes_per_token
+from services.common.model_shape import text_config as model_text_config
 from services.common.ranges import format_ranges
 from services.common.tls import TlsFiles
 from services.core.cluster_status import cluster_stats
@@ -36,10 +37,6 @@ from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 
 log = get_logger(__name__)
 SERVICE_NAME = core_pb2.DESCRIPTOR.services_by_name["Core"].full_name
-
-
-def _text_config(config: dict) -> dict:
-    return config.get("text_config") or config
 
 
 def vocab_size_of(text_config: dict) -> int:
@@ -85,7 +82,7 @@ def build_engine(
     aliases (default: the checkpoint's folder name)."""
     manifest = Manifest.load(split_dir)
     tokenizer = load_core_tokenizer(split_dir, manifest)
-    text_config = _text_config(manifest.config)
+    text_config = model_text_config(manifest.config)
     model_id, *aliases = served_model_names or [manifest.model_id(split_dir)]
     context_length = context_length_of(text_config, engine_config.max_model_len)
     preparer = RequestPreparer(

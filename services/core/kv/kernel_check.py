@@ -10,7 +10,6 @@ choosing, and every cache sees no backend until it has chosen.
 
 from __future__ import annotations
 
-from functools import cache
 from pathlib import Path
 
 import mlx.core as mx
@@ -218,11 +217,11 @@ def backend_matches_twin(backend, seed: int = 0, failures: list[str] | None = No
     return not failures
 
 
-@cache
 def kernels_pass(backend) -> bool:
     """Whether `backend` (a module of metal/ with NAME, present(), sources() and its kernels)
-    may serve here: present on this device and matching the twin, once per device and kernel
-    build. Any failure of the kernels, even a crash, means no: the twin serves."""
+    may serve here: present on this device and matching the twin, checked once per device and
+    kernel build (kernel_select.py keeps the choice for the process). Any failure of the
+    kernels, even a crash, means no: the twin serves."""
     try:
         if not backend.present():
             return False

@@ -118,13 +118,13 @@ class SpeculativeDecoder:
         self.order.forget(live)
 
     def _drafts(self, batch: GenerationBatch, pending: list[int]) -> list[list[int]]:
-        drafts = []
+        drafts, emitted = [], DecodeState(batch).emitted
         for i, uid in enumerate(batch.uids):
             if uid not in self._rows:  # a draft model's index holds a KV cache: made once per sequence
                 index = self._prefilling.pop(uid, None) or self._drafter.index()
                 self._rows[uid] = (index, DraftPolicy(self.config.num_speculative_tokens))
             index, policy = self._rows[uid]
-            left = batch.max_tokens[i] - DecodeState(batch).emitted[i] - 1  # the pending token is one
+            left = batch.max_tokens[i] - emitted[i] - 1  # the pending token is one
             sampler = batch.samplers[i]
             drafting = (
                 left > 0

@@ -17,16 +17,14 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from services.common.model_shape import text_config
+
 MTP_FILE = "mtp.safetensors"
 FAMILIES = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa")
 RECURRENT_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 # Copies of the main model's embedding and output head: the main model's own serve.
 _SHARED = ("embed_tokens.", "shared_head.head.")
 _AS_LAYER_0 = "model.layers.0."
-
-
-def text_config(config: dict) -> dict:
-    return config.get("text_config", config)
 
 
 def mtp_layer_count(config: dict) -> int:
