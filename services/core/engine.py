@@ -38,6 +38,7 @@ from services.core.kv import KV_CACHE_KINDS
 from services.core.logprobs import LogprobWriter
 from services.core.prefill_pacer import PrefillPacer
 from services.core.prefix_cache import PrefixCache
+from services.core.prompt_start import PromptStart
 from services.core.request_prep import PreparedRequest
 from services.core.sequence import EngineError, Outbox, Sequence, step_failure
 from services.core.sequence_output import SequenceOutput
@@ -86,6 +87,7 @@ class Engine:
         self.step_failure = step_failure  # (error) -> (status, message) for the step's requests
         self.step_started: float | None = None  # perf_counter() of the step in progress, if any
         self.batches = KindBatches(config, self.counters, self._speculates)
+        self.prompt_start = PromptStart(self.prefix_cache, self.batches.new_cache)
         self._thread = threading.Thread(target=releasing_mlx(self._run), name="engine", daemon=True)
 
     # ---- called from other threads ---------------------------------------------------------
@@ -153,6 +155,7 @@ class Engine:
         try:
             self.model, self.probe_workers, self.layer_call_timings = self._loader()
             self.batches.use_model(self.model, self.tokenizer)
+            self.prompt_start.vision = getattr(self.model, "vision_prefill", None)
         except BaseException as error:  # reported by the server, which then exits
             self.load_error = error
             log.exception("model_load_failed")
@@ -211,29 +214,30 @@ class Engine:
             sequence.send(EngineError(grpc.StatusCode.UNAVAILABLE, "; ".join(self.problems)))
             return
         request = sequence.request
-        cache, cached = None, 0
-        if request.prompt_logprobs:  # every prompt position is computed, so none comes from the cache
+        if request.prompt_logprobs:
             sequence.prompt_logprobs = [self.logprobs.entry(request.prompt[0])]  # no context: no logprob
-        else:
-            cache, cached = self.prefix_cache.lookup(sequence.kind, request.prompt)
         try:
-            if cache is None:
-                cache = self.batches.new_cache(sequence.kind)
-            cuts = [cached, *(at for at in request.snapshot_at if at > cached), len(request.prompt)]
+            cache, held, cached = self.prompt_start.cache_for(sequence)
+            cuts = [held, *(at for at in request.snapshot_at if at > held), len(request.prompt)]
             sequence.batch = self.batches.place(sequence.kind)
             (sequence.uid,) = self.batches.generator(sequence.batch).insert_segments(
                 [[request.prompt[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]],
                 max_tokens=[request.max_tokens],
                 caches=[cache],
-                all_tokens=[request.prompt[:cached]],
+                all_tokens=[request.prompt[:held]],
                 samplers=[request.sampler],
                 logits_processors=[request.processors],
                 stop_sequences=[request.stop_sequences],
             )
-        except Exception as error:  # a bad cache kind or settings: this request fails, no other
+        except (
+            Exception
+        ) as error:  # a bad cache kind, an image prefill's expert call: this request fails, no other
             log.exception("insert_failed")
             self._release(sequence)
-            sequence.send(EngineError(grpc.StatusCode.INTERNAL, f"could not start the request: {error}"))
+            code, message = step_failure(error)
+            if code == grpc.StatusCode.INTERNAL:
+                message = f"could not start the request: {error}"
+            sequence.send(EngineError(code, message))
             return
         sequence.cached_tokens = cached
         self._active[sequence.key] = sequence
@@ -314,7 +318,7 @@ class Engine:
         if remove:
             keep = keep_prefix and self.prefix_cache.enabled
             for tokens, cache in self.batches.remove(sequence.batch, sequence.uid, keep):
-                self.prefix_cache.store(sequence.kind, tokens, cache)
+                self.prefix_cache.store(*sequence.prefix_entry(tokens), cache)
             self._refresh_gauges()  # a cancel between steps: no step follows to do it
 
     def _refresh_gauges(self) -> None:

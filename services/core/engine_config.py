@@ -19,6 +19,7 @@ class EngineConfig:
     # (services/core/prefill_pacer.py); 0: tokens only
     max_step_seconds: float = 1.0
     prefix_cache_bytes: int = 1 << 30  # 0 turns prefix caching off
+    image_cache_bytes: int = 1 << 30  # vision-tower outputs kept by image (models with images only)
     kv_cache: str = "fp16"  # the launch default; a request may ask for another kind
     kv_settings: object | None = None  # services.core.kv.KVCacheSettings for turboquant
     max_model_len: int | None = None  # the context a request may fill; None: the model's own

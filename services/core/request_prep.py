@@ -15,10 +15,12 @@ import grpc
 from mlx_lm.generate import StopSequences
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from services.common.images import ImageError
 from services.core.output_prep import OutputPreparer, template_tools
 from services.core.sampling import Sampler, SamplingError, make_processors, make_sampler
 from services.core.structured_output import GrammarError
 from services.core.text_output import OutputSpec
+from services.core.vision.prompt_images import ImagePreparer, PromptImages, image_parts, template_content
 from services.proto.moemesh.v1 import core_pb2
 
 MAX_STOP_STRINGS = 16
@@ -54,6 +56,7 @@ class PreparedRequest:
     score_only: bool = False  # max_tokens 0 with prompt_logprobs: the one token generated is not sent
     output: OutputSpec = field(default_factory=OutputSpec)  # how the output stream is routed
     speculative: bool = True  # may this request's tokens be drafted (when core speculates)
+    images: PromptImages | None = None  # a chat's images, their positions expanded in `prompt`
     created: float = field(default_factory=time.time)
 
 
@@ -79,6 +82,7 @@ class RequestPreparer:
         self.context_length = context_length
         self.vocab_size = vocab_size
         self.output_preparer = OutputPreparer(tokenizer, vocab_size)
+        self.images: ImagePreparer | None = None  # set where the model has a vision tower
         # No token is longer than the longest vocabulary piece (byte-level pieces have a character
         # per byte), so text longer than this cannot fit the context: it is refused before the
         # tokenizer spends seconds to minutes on it.
@@ -93,7 +97,12 @@ class RequestPreparer:
             chars, field = len(request.prompt), "prompt"
         elif kind == "chat":
             chat = request.chat
-            chars = sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in chat.messages)
+            chars = sum(
+                len(m.content)
+                + sum(len(c.arguments) for c in m.tool_calls)
+                + sum(len(p.text) for p in m.parts)
+                for m in chat.messages
+            )
             chars += sum(len(tool.parameters_json) + len(tool.description) for tool in chat.tools)
             field = "chat"
         else:
@@ -109,7 +118,9 @@ class RequestPreparer:
         """Tokens of a GenerateRequest's or CountTokensRequest's input."""
         kind = request.WhichOneof("input")
         if kind == "chat":
-            return self._render_chat(request.chat, self._chat_inputs(request.chat))
+            return self._with_images(
+                request.chat, self._render_chat(request.chat, self._chat_inputs(request.chat))
+            )[0]
         if kind == "prompt":
             if not request.prompt:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
@@ -168,7 +179,7 @@ class RequestPreparer:
                 )
             entry: dict = {
                 "role": "system" if message.role == "developer" else message.role,
-                "content": message.content,
+                "content": template_content(message) if message.parts else message.content,
             }
             if message.name:
                 entry["name"] = message.name
@@ -188,23 +199,7 @@ class RequestPreparer:
             tools = template_tools(chat)
         except GrammarError as error:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
-        try:
-            kwargs = json.loads(chat.template_kwargs_json) if chat.template_kwargs_json else {}
-        except json.JSONDecodeError as error:
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"chat.template_kwargs_json: {error}"
-            ) from None
-        if not isinstance(kwargs, dict):
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT, "chat.template_kwargs_json: must be a JSON object"
-            )
-        reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
-        if reserved:
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"chat.template_kwargs_json: {', '.join(reserved)} cannot be set here (the request's own fields set them)",
-            )
-        return messages, tools or None, kwargs
+        return messages, tools or None, template_kwargs(chat)
 
     def _render_chat(
         self, chat: core_pb2.ChatInput, inputs: tuple[list[dict], list | None, dict]
@@ -265,6 +260,22 @@ class RequestPreparer:
         except Exception as error:  # noqa: BLE001 - jinja raises anything for conversations the template refuses
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"chat template: {error}") from None
 
+    def _with_images(
+        self, chat: core_pb2.ChatInput, prompt: list[int]
+    ) -> tuple[list[int], PromptImages | None]:
+        """The prompt with its images' positions, and the images (None for a chat without any)."""
+        parts = image_parts(chat)
+        if not parts:
+            return prompt, None
+        if self.images is None:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{parts[0][0]}: model {self.model_id!r} takes text only"
+            )
+        try:
+            return self.images.prepare(parts, prompt)
+        except ImageError as error:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
+
     def check_model(self, model: str) -> None:
         """A request naming a model must name the served one or an alias (empty: whatever is served)."""
         if model and model not in self.model_names:
@@ -282,7 +293,13 @@ class RequestPreparer:
         self.check_model(request.model)
         self._check_text_fits(request)
         chat = self._chat_inputs(request.chat) if request.WhichOneof("input") == "chat" else None
-        prompt = self._render_chat(request.chat, chat) if chat else self.prompt_tokens(request)
+        prompt, images = (
+            self._with_images(request.chat, self._render_chat(request.chat, chat))
+            if chat
+            else (self.prompt_tokens(request), None)
+        )
+        if images is not None and request.prompt_logprobs:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt_logprobs: not available with images")
         if not prompt:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, "input: the prompt is empty after tokenization"
@@ -343,7 +360,8 @@ class RequestPreparer:
             top_logprobs=request.top_logprobs,
             deadline=deadline,
             speculative=not request.HasField("speculative") or request.speculative,
-            snapshot_at=self._snapshot_points(chat, prompt) if chat else (),
+            snapshot_at=self._snapshot_points(chat, prompt) if chat and images is None else (),
+            images=images,
             prompt_logprobs=request.prompt_logprobs,
             score_only=score_only,
         )
@@ -354,3 +372,22 @@ def _json_or_text(text: str):
         return json.loads(text)
     except (json.JSONDecodeError, TypeError):
         return text
+
+
+def template_kwargs(chat: core_pb2.ChatInput) -> dict:
+    """The request's extra chat-template arguments (a JSON object, none of core's own)."""
+    try:
+        kwargs = json.loads(chat.template_kwargs_json) if chat.template_kwargs_json else {}
+    except json.JSONDecodeError as error:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"chat.template_kwargs_json: {error}") from None
+    if not isinstance(kwargs, dict):
+        raise RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT, "chat.template_kwargs_json: must be a JSON object"
+        )
+    reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"chat.template_kwargs_json: {', '.join(reserved)} cannot be set here (the request's own fields set them)",
+        )
+    return kwargs

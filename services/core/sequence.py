@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -85,10 +86,16 @@ class Sequence:
     submitted_at: float = field(default_factory=time.monotonic)
     prefill_started_at: float | None = None
     first_token_at: float | None = None
+    # (tokens) -> (kind, tokens) the prefix cache keys this sequence's KV by; None: (kind, tokens)
+    prefix_keyer: Callable[[list[int]], tuple[str, list[int]]] | None = None
 
     @property
     def key(self) -> tuple[tuple[str, int], int | None]:
         return (self.batch, self.uid)
+
+    def prefix_entry(self, tokens: list[int]) -> tuple[str, list[int]]:
+        """(kind, tokens) under which the prefix cache keeps this sequence's KV of `tokens`."""
+        return (self.kind, list(tokens)) if self.prefix_keyer is None else self.prefix_keyer(list(tokens))
 
     def send(self, item) -> None:
         self.outbox.put(self.loop, self.out, item)

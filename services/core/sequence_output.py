@@ -102,7 +102,9 @@ class SequenceOutput:
             fill_final(chunk, sequence)
             if not sequence.done:
                 if response.prompt_cache is not None:
-                    self.prefix_cache.store(sequence.kind, response.all_tokens, response.prompt_cache)
+                    self.prefix_cache.store(
+                        *sequence.prefix_entry(response.all_tokens), response.prompt_cache
+                    )
                 self._finish_sequence(sequence, remove=False)
         sequence.send(chunk)
 

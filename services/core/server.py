@@ -33,6 +33,7 @@ from services.core.servicer import CoreServicer
 from services.core.speculative.mtp import check_mtp_servable, load_mtp
 from services.core.stats_line import log_stats_lines
 from services.core.structured_output import GrammarError
+from services.core.vision.tower import image_preparer, load_vision
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 
 log = get_logger(__name__)
@@ -88,6 +89,7 @@ def build_engine(
     preparer = RequestPreparer(
         tokenizer, model_id, context_length, vocab_size_of(text_config), tuple(aliases)
     )
+    preparer.images = image_preparer(split_dir, manifest)
 
     local_layers = set(local_experts.owned(manifest)) if local_experts else set()
     remote_layers = {layer.layer for layer in manifest.layers} - local_layers
@@ -135,6 +137,14 @@ def build_engine(
         model, on_kernel = load_core_model(split_dir, manifest, dispatcher, dense_kernel, local_modules)
         if drafts_with_mtp:
             model.mtp_draft = load_mtp(model, split_dir, manifest.config)  # core's own: never on workers
+        if (
+            preparer.images is not None
+        ):  # a plain attribute: the vision model's arrays are not core's parameters
+            object.__setattr__(
+                model,
+                "vision_prefill",
+                load_vision(split_dir, manifest, model, engine_config.image_cache_bytes),
+            )
         log.info(
             "core_model_loaded",
             seconds=round(time.monotonic() - started, 2),

@@ -40,6 +40,7 @@ from services.common.tensor_codec import dtype_name
 from services.core.speculative.mtp_weights import MTP_FILE, extract_mtp_weights
 from services.tools.safetensors_header import check_safetensors
 from services.tools.split_disk import GB, check_free_space, link_or_copy
+from services.tools.split_vision import write_vision_weights
 
 log = get_logger(__name__)
 
@@ -184,6 +185,7 @@ def _write_split(
     if mtp_weights:
         mx.save_safetensors(str(staging / "core" / MTP_FILE), mtp_weights, metadata={"format": "mlx"})
         log.info("split_mtp_layers", tensors=len(mtp_weights))
+    write_vision_weights(model_path, config, staging / "core")
     for name in sorted(core_weights):
         digest.update(name.encode())
     (staging / "core" / "config.json").write_text(json.dumps(config, indent=1, default=str))

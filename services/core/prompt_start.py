@@ -1,0 +1,40 @@
+"""The KV cache a new sequence starts from, and how many of its prompt positions it already holds.
+
+A text prompt starts from the prefix cache's longest match (or an empty cache). A prompt with images
+starts the same way under its image-keyed entry (vision/prefill.py `prefix_key`: an image's
+positions are named by its pixels), and the vision path then prefills the rest of it, bar the last
+token, through mlx-vlm's language model: the engine's batch sees it as a prefix-cache hit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from services.core.prefix_cache import PrefixCache
+from services.core.sequence import Sequence
+from services.core.vision.prefill import VisionPrefill, prefix_key
+
+
+class PromptStart:
+    def __init__(self, prefix_cache: PrefixCache, new_cache: Callable[[str], list]):
+        self.prefix_cache = prefix_cache
+        self.new_cache = new_cache
+        self.vision: VisionPrefill | None = None  # set once a model with a vision tower loads
+
+    def cache_for(self, sequence: Sequence) -> tuple[list, int, int]:
+        """(the sequence's starting cache, the prompt positions it holds, how many of those came from
+        the prefix cache). Runs on the engine thread."""
+        request = sequence.request
+        if request.prompt_logprobs:  # every prompt position is computed, so none comes from the cache
+            return self.new_cache(sequence.kind), 0, 0
+        images = request.images
+        if images is not None:
+            if self.vision is None:
+                raise ValueError("this model has no vision tower")
+            _, shift = self.vision.positions(request.prompt, images)
+            sequence.prefix_keyer = lambda tokens: prefix_key(sequence.kind, tokens, images, shift)
+        cache, cached = self.prefix_cache.lookup(*sequence.prefix_entry(request.prompt))
+        if cache is None:
+            cache, cached = self.new_cache(sequence.kind), 0
+        held = self.vision.prefill(cache, request.prompt, images, cached) if images is not None else cached
+        return cache, held, cached

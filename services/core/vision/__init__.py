@@ -1,0 +1,1 @@
+"""Images in: the vision tower in core, image prompts prefilled through the split."""

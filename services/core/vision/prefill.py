@@ -1,0 +1,149 @@
+"""A prompt with images, prefilled into a sequence's KV cache through mlx-vlm's language model.
+
+The vision tower encodes each image once (its features are kept by pixel hash, `VisionFeatures`);
+the prompt's embeddings get those features at the image positions, and mlx-vlm's language model
+runs the prompt, bar its last token, into the cache the engine then decodes from.
+
+Positions. Qwen-VL models give image positions 3-D rotary positions that advance less than one per
+token, so decoding continues from `cache offset + delta` (delta <= 0), where mlx-lm's text model,
+which decodes here, rotates at the cache offset. Rotary attention depends only on position
+differences, so the prompt is prefilled at its positions minus delta: every score is the model's
+own, and decoding at the cache offset continues exactly where the prompt left off.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import mlx.core as mx
+from mlx import nn
+
+from services.core.kv.sdpa_hook import install_turboquant_attention
+from services.core.vision.prompt_images import PromptImages
+
+PREFILL_CHUNK = 2048  # prompt positions per forward: bounds the activations of a long prompt
+
+
+class VisionFeatures:
+    """Vision-tower outputs per image hash, least recently used first out, under a byte budget."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.nbytes = 0
+        self.hits = 0
+        self.misses = 0
+        self._entries: OrderedDict[str, tuple[tuple, int]] = OrderedDict()
+
+    def get(self, key: str):
+        found = self._entries.get(key)
+        if found is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._entries.move_to_end(key)
+        return found[0]
+
+    def put(self, key: str, value: tuple, nbytes: int) -> None:
+        if nbytes > self.budget_bytes:
+            return
+        self._entries[key] = (value, nbytes)
+        self.nbytes += nbytes
+        while self.nbytes > self.budget_bytes:
+            _, (_, size) = self._entries.popitem(last=False)
+            self.nbytes -= size
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class VisionPrefill:
+    def __init__(self, model: nn.Module, video_token_id: int | None, cache_bytes: int):
+        """`model`: mlx-vlm's model sharing core's language modules (tower.share_language_modules)."""
+        self.model = model
+        self.language = model.language_model
+        self.features = VisionFeatures(cache_bytes)
+        self._video_token_id = video_token_id
+        install_turboquant_attention(model)  # attention over TurboQuant caches, as in core's model
+
+    def _encode(self, image) -> tuple[mx.array, list[mx.array] | None]:
+        found = self.features.get(image.hash)
+        if found is not None:
+            return found
+        dtype = self.model.vision_tower.patch_embed.proj.weight.dtype
+        out = self.model.vision_tower(mx.array(image.pixel_values).astype(dtype), mx.array([image.grid_thw]))
+        hidden, deep = out if isinstance(out, tuple) else (out, None)
+        mx.eval(hidden, deep)
+        nbytes = hidden.nbytes + sum(d.nbytes for d in deep or [])
+        self.features.put(image.hash, (hidden, deep), nbytes)
+        return hidden, deep
+
+    def positions(self, prompt: list[int], images: PromptImages) -> tuple[mx.array | None, int]:
+        """The prompt's rotary positions shifted to end at len(prompt) - 1 ([3, 1, L] for 3-D
+        positions; None where the model has plain 1-D ones), and the shift."""
+        if not hasattr(self.language, "get_rope_index"):
+            return None, 0
+        grids = mx.array([image.grid_thw for image in images.images], dtype=mx.int32)
+        position_ids, deltas = self.language.get_rope_index(mx.array([prompt]), grids)
+        shift = int(deltas.reshape(-1)[0].item())
+        return position_ids - shift, shift
+
+    def prefill(self, cache: list, prompt: list[int], images: PromptImages, start: int = 0) -> int:
+        """Run `prompt[start:-1]` into `cache` (which holds `prompt[:start]`); returns the positions
+        the cache then holds. Only the images with positions in that window are encoded."""
+        end = len(prompt) - 1
+        if start >= end:
+            return end
+        ids = mx.array([prompt[start:end]])
+        embeds = self.language.model.embed_tokens(ids)
+        where, rows, deep_rows = [], [], []
+        for first, image in image_spans(prompt, images):
+            a, b = max(first, start), min(first + image.tokens, end)
+            if a >= b:
+                continue
+            hidden, deep = self._encode(image)
+            where += range(a - start, b - start)
+            rows.append(hidden[a - first : b - first])
+            if deep is not None:
+                deep_rows.append([level[a - first : b - first] for level in deep])
+        if where:
+            embeds[0, mx.array(where, dtype=mx.uint32)] = mx.concatenate(rows).astype(embeds.dtype)
+        deep = [mx.concatenate(level) for level in zip(*deep_rows, strict=True)] if deep_rows else None
+        positions, _ = self.positions(prompt, images)
+        is_image = ids == images.token_id
+        before = [0]  # image positions of the window before each of its positions
+        for token in prompt[start:end]:
+            before.append(before[-1] + (token == images.token_id))
+        for a in range(0, end - start, PREFILL_CHUNK):
+            b = min(a + PREFILL_CHUNK, end - start)
+            kwargs = {"inputs_embeds": embeds[:, a:b], "cache": cache}
+            if positions is not None:
+                kwargs["position_ids"] = positions[..., start + a : start + b]
+            if deep is not None:
+                kwargs["visual_pos_masks"] = is_image[:, a:b]
+                kwargs["deepstack_visual_embeds"] = [level[before[a] : before[b]] for level in deep]
+            self.language.model(ids[:, a:b], **kwargs)
+            mx.eval([c.state for c in cache])
+        return end
+
+
+def image_spans(prompt: list[int], images: PromptImages) -> list[tuple[int, object]]:
+    """(first position, image) of each image in the prompt, in order."""
+    spans, i, pending = [], 0, iter(images.images)
+    while i < len(prompt):
+        image = next(pending, None) if prompt[i] == images.token_id else None
+        if image is None:
+            i += 1
+            continue
+        spans.append((i, image))
+        i += image.tokens
+    return spans
+
+
+def prefix_key(kind: str, tokens: list[int], images: PromptImages, shift: int) -> tuple[str, list[int]]:
+    """The prefix cache's (kind, tokens) for a sequence with images: each image's positions become a
+    negative id from its pixel hash (no text token and no other image matches them), and the kind
+    carries the position shift (a cache prefilled at another shift is not reusable)."""
+    key = list(tokens)
+    for first, image in image_spans(key, images):
+        key[first : first + image.tokens] = [-1 - int(image.hash[:12], 16)] * image.tokens
+    return f"{kind}@images{shift}", key[: len(tokens)]

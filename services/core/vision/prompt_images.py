@@ -1,0 +1,97 @@
+"""A chat's images, made ready on the request thread: decoded, named, preprocessed, given positions.
+
+The chat template renders each image part as one image token (inside the model's vision markers).
+Each image is decoded and checked (services/common/images.py), named by the hash of its pixels,
+and run through the checkpoint's own image processor (mlx-vlm's, as `mlx_vlm.generate` uses
+it); its one token then becomes as many as the vision tower gives it, as the model's processor
+would expand it in text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from services.common.images import ImageError, decode_image, pixel_hash
+from services.proto.moemesh.v1 import core_pb2
+
+MAX_IMAGES_PER_REQUEST = 32
+
+
+@dataclass(frozen=True)
+class PromptImage:
+    hash: str  # of the decoded pixels: the vision cache's and the prefix cache's key
+    pixel_values: np.ndarray  # the image processor's patches
+    grid_thw: tuple[int, int, int]  # patches in time, height and width, before merging
+    tokens: int  # prompt positions it fills
+
+
+@dataclass(frozen=True)
+class PromptImages:
+    images: tuple[PromptImage, ...]
+    token_id: int  # the prompt token that stands for an image position
+
+
+def template_content(message: core_pb2.ChatMessage) -> list[dict]:
+    """A message's parts as the chat template takes them (images as `{"type": "image"}`)."""
+    return [
+        {"type": "text", "text": part.text} if part.WhichOneof("part") == "text" else {"type": "image"}
+        for part in message.parts
+    ]
+
+
+def image_parts(chat: core_pb2.ChatInput) -> list[tuple[str, core_pb2.ImageInput]]:
+    """(field, image) of every image in the chat, in prompt order."""
+    return [
+        (f"chat.messages[{m}].parts[{p}].image", part.image)
+        for m, message in enumerate(chat.messages)
+        for p, part in enumerate(message.parts)
+        if part.WhichOneof("part") == "image"
+    ]
+
+
+class ImagePreparer:
+    """Turns a chat's images and its rendered prompt into the prompt the vision path runs."""
+
+    def __init__(self, processor_dir: Path, config: dict, token_id: int):
+        from mlx_vlm.utils import get_model_and_args, load_processor
+
+        get_model_and_args(config=dict(config))  # the family's processor registers on import
+        self.processor = load_processor(str(processor_dir), add_detokenizer=False).image_processor
+        self.merge = int(getattr(self.processor, "merge_size", 1) or 1)
+        self.token_id = token_id
+
+    def prepare(
+        self, parts: list[tuple[str, core_pb2.ImageInput]], prompt: list[int]
+    ) -> tuple[list[int], PromptImages]:
+        """The prompt with each image's token expanded, and the images. Raises ImageError naming
+        the field of an image that cannot be used, or "images" where the template placed a
+        different number of image tokens than there are images."""
+        if len(parts) > MAX_IMAGES_PER_REQUEST:
+            raise ImageError("images", f"{len(parts)} images; at most {MAX_IMAGES_PER_REQUEST} per request")
+        images = tuple(self._one(field, image) for field, image in parts)
+        placed = [i for i, token in enumerate(prompt) if token == self.token_id]
+        if len(placed) != len(images):
+            raise ImageError(
+                "images",
+                f"the chat template placed {len(placed)} image tokens for {len(images)} images",
+            )
+        expanded: list[int] = []
+        start = 0
+        for at, image in zip(placed, images, strict=True):
+            expanded += prompt[start:at] + [self.token_id] * image.tokens
+            start = at + 1
+        expanded += prompt[start:]
+        return expanded, PromptImages(images, self.token_id)
+
+    def _one(self, field: str, image: core_pb2.ImageInput) -> PromptImage:
+        picture = decode_image(image.data, field, image.media_type)
+        try:
+            out = self.processor(images=[picture])
+        except Exception as error:  # noqa: BLE001 - a processor refuses odd sizes in its own words
+            raise ImageError(field, f"the model's image processor refused it: {error}") from None
+        grid = tuple(int(v) for v in np.asarray(out["image_grid_thw"]).reshape(-1)[:3])
+        tokens = grid[0] * grid[1] * grid[2] // (self.merge * self.merge)
+        return PromptImage(pixel_hash(picture), np.asarray(out["pixel_values"]), grid, tokens)

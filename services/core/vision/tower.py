@@ -1,0 +1,178 @@
+"""Core's vision side: mlx-vlm's model for a vision-language checkpoint, sharing core's language model.
+
+`split` writes the checkpoint's non-language weights (vision tower, projector: everything mlx-vlm
+keeps outside `language_model`) to `core/vision.safetensors`. Core builds mlx-vlm's model for the
+config, loads those weights into it, and then hands it core's own language-model modules, path for
+path: the same arrays, the same `RemoteExperts` at every MoE layer. Nothing is loaded twice, and a
+prompt with images runs through mlx-vlm's language model (3-D positions, DeepStack) with the very
+modules the engine decodes with.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+from mlx import nn
+
+from services.common.model_build import find_module, replace_modules
+from services.common.model_shape import text_config
+
+VISION_FILE = "vision.safetensors"
+LANGUAGE = "language_model"
+
+
+class VisionUnsupported(ValueError):
+    """A vision-language checkpoint core cannot serve images for; the message names its family."""
+
+
+def vision_model_type(config: dict) -> str | None:
+    """The model type whose images mlx-vlm would handle, or None for a text-only config."""
+    return config.get("model_type") if config.get("vision_config") else None
+
+
+def mlx_vlm_families() -> tuple[str, ...]:
+    """mlx-vlm's model families that have routed experts and a vision tower, read from mlx-vlm's
+    own sources (a family it adds is listed without anyone naming it here); () without mlx-vlm."""
+    try:
+        import mlx_vlm.models
+    except ImportError:
+        return ()
+    root = Path(mlx_vlm.models.__file__).parent
+    found = []
+    for folder in sorted(p for p in root.iterdir() if p.is_dir() and (p / "vision.py").exists()):
+        sources = "".join(f.read_text(errors="ignore") for f in folder.glob("*.py"))
+        if "SwitchGLU" in sources or "switch_layers" in sources:
+            found.append(folder.name)
+    return tuple(found)
+
+
+def build_vision_model(config: dict) -> nn.Module:
+    """mlx-vlm's model for `config`, as mlx-vlm's own loader builds it, with random weights."""
+    try:
+        from mlx_vlm.utils import get_model_and_args, update_module_configs
+    except ImportError as error:
+        raise VisionUnsupported(
+            "images need mlx-vlm: pip install --no-deps -r requirements-vision.txt"
+        ) from error
+    config = dict(config)
+    try:
+        model_class, _ = get_model_and_args(config=config)
+    except ValueError as error:
+        raise VisionUnsupported(f"mlx-vlm has no model for {config.get('model_type')!r}: {error}") from None
+    config.setdefault("text_config", {})
+    config.setdefault("vision_config", {})
+    model_config = model_class.ModelConfig.from_dict(config)
+    model_config = update_module_configs(
+        model_config, model_class, config, ["text", "vision", "perceiver", "projector", "audio"]
+    )
+    return model_class.Model(model_config)
+
+
+def load_vision_weights(model: nn.Module, config: dict, path: Path) -> None:
+    """`path`'s tensors into `model`'s non-language modules, quantized where the file is. Raises
+    VisionUnsupported where the file and mlx-vlm's model disagree on a tensor."""
+    weights = mx.load(str(path))
+    quantization = config.get("quantization") or {}
+    if quantization:
+
+        def quantized_in_file(module_path: str, module: nn.Module) -> bool:
+            return hasattr(module, "to_quantized") and f"{module_path}.scales" in weights
+
+        nn.quantize(
+            model,
+            group_size=quantization.get("group_size", 64),
+            bits=quantization.get("bits", 4),
+            mode=quantization.get("mode", "affine"),
+            class_predicate=quantized_in_file,
+        )
+    wanted = {k for k, _ in nn.utils.tree_flatten(model.parameters()) if not k.startswith(f"{LANGUAGE}.")}
+    missing, unknown = sorted(wanted - set(weights)), sorted(set(weights) - wanted)
+    if missing or unknown:
+        raise VisionUnsupported(
+            f"{path.name} does not match mlx-vlm's {config.get('model_type')} model: "
+            f"missing {missing[:3]}, unknown {unknown[:3]}"
+        )
+    model.load_weights(list(weights.items()), strict=False)
+    mx.eval({k: v for k, v in nn.utils.tree_flatten(model.parameters()) if k in weights})
+
+
+def share_language_modules(vision_model: nn.Module, text_model: nn.Module, expert_paths: list[str]) -> None:
+    """Put `text_model`'s modules into `vision_model` at the same paths: the expert modules
+    (`expert_paths`, whatever computes them: remote proxies or local experts) and every other
+    leaf module of the language model. Raises VisionUnsupported where a parameter of mlx-vlm's
+    language model is left without core's counterpart (the two models' layouts differ)."""
+    replace_modules(vision_model, {path: find_module(text_model, path) for path in expert_paths})
+    under_experts = tuple(f"{path}." for path in expert_paths)
+    leaves = {
+        path: module
+        for path, module in text_model.named_modules()
+        if path.startswith(f"{LANGUAGE}.")
+        and path not in expert_paths
+        and not path.startswith(under_experts)
+        and not _holds_module(module.children())
+    }
+    present = {path: module for path, module in leaves.items() if _has_module(vision_model, path)}
+    replace_modules(vision_model, present)
+    shared = {id(v) for _, v in nn.utils.tree_flatten(text_model.parameters())}
+    own = [
+        k
+        for k, v in nn.utils.tree_flatten(getattr(vision_model, LANGUAGE).parameters())
+        if id(v) not in shared
+    ]
+    if own:
+        raise VisionUnsupported(
+            f"mlx-vlm's {LANGUAGE} and core's differ in layout ({len(own)} parameters unmatched, "
+            f"first {own[0]}): images are not supported for this family"
+        )
+
+
+def _holds_module(value) -> bool:
+    if isinstance(value, nn.Module):
+        return True
+    if isinstance(value, list | tuple):
+        return any(_holds_module(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_module(v) for v in value.values())
+    return False
+
+
+def _has_module(root: nn.Module, path: str) -> bool:
+    try:
+        return isinstance(find_module(root, path), nn.Module)
+    except (AttributeError, IndexError, KeyError, ValueError):
+        return False
+
+
+def image_token_id(config: dict) -> int:
+    """The token that stands for one image position in the prompt."""
+    for key in ("image_token_id", "image_token_index"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    value = text_config(config).get("image_token_id")
+    if isinstance(value, int):
+        return value
+    raise VisionUnsupported(f"{config.get('model_type')}: the config names no image token")
+
+
+def image_preparer(split_dir: Path, manifest):
+    """The request side of images for a split with a vision tower (its processor), else None."""
+    if not (Path(split_dir) / "core" / VISION_FILE).exists():
+        return None
+    from services.core.vision.prompt_images import ImagePreparer
+
+    return ImagePreparer(Path(split_dir) / "core", manifest.config, image_token_id(manifest.config))
+
+
+def load_vision(split_dir: Path, manifest, text_model: nn.Module, cache_bytes: int):
+    """The vision prefill of a split with a vision tower: mlx-vlm's model with the tower's weights
+    and `text_model`'s language modules (its experts included)."""
+    from services.core.vision.prefill import VisionPrefill
+
+    config = manifest.config
+    model = build_vision_model(config)
+    load_vision_weights(model, config, Path(split_dir) / "core" / VISION_FILE)
+    share_language_modules(model, text_model, [layer.module for layer in manifest.layers])
+    model.eval()
+    video = config.get("video_token_id", config.get("video_token_index"))
+    return VisionPrefill(model, video if isinstance(video, int) else None, cache_bytes)

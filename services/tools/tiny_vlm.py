@@ -1,0 +1,146 @@
+"""A tiny random Qwen3-VL-MoE checkpoint, built with mlx-vlm, in the layout mlx-vlm saves.
+
+It has everything a real one has at toy sizes: a vision tower with DeepStack outputs, a 4-layer
+MoE language model (layer 0 dense), interleaved 3-D rotary positions, the Qwen3 tokenizer, an image
+processor config, and a chat template that renders image parts. Tests and benches compare
+moe-mesh's answers on it with `mlx_vlm.generate`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+from mlx import nn
+from mlx.utils import tree_flatten
+
+from services.tools.synthetic_model import qwen3_tokenizer_dir
+from services.tools.tiny_families_mi_z import QWEN_TOKEN_IDS
+
+# the Qwen3 tokenizer's vision tokens
+VISION_TOKEN_IDS = {"image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652, "vision_end_token_id": 151653}  # nosec B105  # fmt: skip
+TEXT = {
+    "model_type": "qwen3_vl_moe_text",
+    "num_hidden_layers": 4,
+    "hidden_size": 64,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [0],
+    "moe_intermediate_size": 32,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 151936,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 4096,
+    "norm_topk_prob": True,
+    "tie_word_embeddings": False,
+    "rope_scaling": {"rope_type": "default", "mrope_section": [4, 2, 2], "mrope_interleaved": True},
+    **QWEN_TOKEN_IDS,
+}
+VISION = {
+    "model_type": "qwen3_vl_moe",
+    "depth": 2,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "out_hidden_size": 64,
+    "num_heads": 2,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "num_position_embeddings": 64,
+    "deepstack_visual_indexes": [0],
+    "in_channels": 3,
+}
+CONFIG = {
+    "model_type": "qwen3_vl_moe",
+    "text_config": TEXT,
+    "vision_config": VISION,
+    **VISION_TOKEN_IDS,
+    "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"],
+    "tie_word_embeddings": False,
+}
+# 64 x 64 pixels (4 merged image tokens) up to 256 x 256 (64)
+PREPROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "processor_class": "Qwen3VLProcessor",
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "min_pixels": 4096,
+    "max_pixels": 65536,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
+# Qwen-VL's convention: an image part renders as one image token between the vision markers.
+CHAT_TEMPLATE = """{%- for message in messages %}
+{{- '<|im_start|>' + message['role'] + '\\n' }}
+{%- if message['content'] is string %}{{- message['content'] }}
+{%- else %}{%- for part in message['content'] %}
+{%- if part['type'] == 'image' or 'image' in part or 'image_url' in part %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}
+{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}
+{%- endfor %}{%- endif %}
+{{- '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+
+# A larger one for benches: a vision tower whose cost shows beside the language model's
+BENCH_SIZES = {
+    "text": {
+        "num_hidden_layers": 8,
+        "hidden_size": 1024,
+        "intermediate_size": 2048,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "num_experts": 32,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 512,
+        "rope_scaling": {"rope_type": "default", "mrope_section": [16, 8, 8], "mrope_interleaved": True},
+    },
+    "vision": {
+        "depth": 12,
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_heads": 12,
+        "out_hidden_size": 1024,
+        "num_position_embeddings": 2304,
+        "deepstack_visual_indexes": [3, 6, 9],
+    },
+    "preprocessor": {"max_pixels": 448 * 448},
+}
+
+
+def build_tiny_vlm(out_dir: Path, seed: int = 0, sizes: dict | None = None) -> Path:
+    """Write the checkpoint to `out_dir` (float32: MLX's CPU expert kernel takes float32);
+    `sizes`: {"text": ..., "vision": ..., "preprocessor": ...} overrides (BENCH_SIZES)."""
+    from mlx_vlm.models.qwen3_vl_moe import Model, ModelConfig
+
+    sizes = sizes or {}
+    config = json.loads(json.dumps(CONFIG))
+    config["text_config"].update(sizes.get("text", {}))
+    config["vision_config"].update(sizes.get("vision", {}))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(seed)
+    model = Model(ModelConfig.from_dict(json.loads(json.dumps(config))))
+    # doubled weights keep activations lively through random layers (as synthetic_model does)
+    model.update(nn.utils.tree_map(lambda p: p * 2.0 if p.ndim > 1 else p, model.parameters()))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.eval(weights)
+    mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=1))
+    preprocessor = {**PREPROCESSOR, **sizes.get("preprocessor", {})}
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=1))
+    for path in qwen3_tokenizer_dir().iterdir():
+        if path.is_file():
+            shutil.copy(path, out_dir / path.name)
+    (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return out_dir

@@ -1,0 +1,225 @@
+"""Images through core: a tiny random Qwen3-VL-MoE checkpoint, split, served with its experts in
+core's process, against mlx-vlm's own `generate` on the original checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+import grpc
+import numpy as np
+import pytest
+from PIL import Image
+
+from services.core.engine_config import EngineConfig
+from services.core.expert_link.local_spec import LocalExpertsSpec
+from services.core.request_prep import RequestError
+from services.core.server import build_engine
+from services.core.vision.prefill import prefix_key
+from services.core.vision.prompt_images import PromptImage, PromptImages
+from services.proto.moemesh.v1 import core_pb2
+from services.tools.split import split_checkpoint
+from services.tools.tiny_vlm import build_tiny_vlm
+
+pytest.importorskip("mlx_vlm")  # installed by the README's test command (requirements-vision.txt)
+
+TOKENS = 12
+
+
+def picture(width: int = 64, height: int = 48, seed: int = 0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def png(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vlm")
+    build_tiny_vlm(root / "ckpt")
+    split_checkpoint(root / "ckpt", root / "split", progress=False)
+    return root
+
+
+class Served:
+    """An engine on the split, its experts in core's process."""
+
+    def __init__(self, split, **config):
+        self.engine, self.preparer, _ = build_engine(
+            split, [], EngineConfig(**config), local_experts=LocalExpertsSpec("all")
+        )
+        self.engine.start()
+        self.engine.loaded.wait()
+        assert self.engine.load_error is None
+
+    async def _run(self, request: core_pb2.GenerateRequest) -> tuple[list[int], int]:
+        loop, out = asyncio.get_running_loop(), asyncio.Queue()
+        self.engine.submit(self.preparer.prepare(request, None), out, loop)
+        ids, cached = [], 0
+        while True:
+            chunk = await out.get()
+            assert isinstance(chunk, core_pb2.GenerateChunk), chunk
+            ids += list(chunk.token_ids)
+            cached = max(cached, chunk.usage.cached_prompt_tokens)
+            if chunk.finish_reason:
+                return ids, cached
+
+    def generate(self, *requests: core_pb2.GenerateRequest) -> list[tuple[list[int], int]]:
+        async def run_all():
+            return await asyncio.gather(*(self._run(r) for r in requests))
+
+        return asyncio.run(run_all())
+
+    @property
+    def features(self):
+        return self.engine.prompt_start.vision.features
+
+    def stop(self):
+        self.engine.stop()
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint):
+    server = Served(checkpoint / "split")
+    yield server
+    server.stop()
+
+
+def chat(*messages: core_pb2.ChatMessage) -> core_pb2.GenerateRequest:
+    request = core_pb2.GenerateRequest(chat=core_pb2.ChatInput(messages=list(messages)))
+    request.stopping.max_tokens = TOKENS
+    request.sampling.temperature = 0.0
+    return request
+
+
+def user(*parts) -> core_pb2.ChatMessage:
+    content = [
+        core_pb2.ContentPart(text=part)
+        if isinstance(part, str)
+        else core_pb2.ContentPart(image=core_pb2.ImageInput(data=part, media_type="image/png"))
+        for part in parts
+    ]
+    return core_pb2.ChatMessage(role="user", parts=content)
+
+
+def mlx_vlm_greedy(path, text: str, images: list[Image.Image]) -> list[int]:
+    from mlx_vlm import generate, load
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    model, processor = load(str(path))
+    prompt = apply_chat_template(processor, model.config, text, num_images=len(images))
+    result = generate(model, processor, prompt, images, max_tokens=TOKENS, temperature=0.0, verbose=False)
+    return list(result.token_ids)
+
+
+@pytest.mark.parametrize("kind", ["fp16", "turboquant"])
+def test_greedy_tokens_equal_mlx_vlm(checkpoint, kind):
+    server = Served(checkpoint / "split", kv_cache=kind)
+    try:
+        ((ids, _),) = server.generate(chat(user(png(picture()), "Describe the image.")))
+    finally:
+        server.stop()
+    assert ids == mlx_vlm_greedy(checkpoint / "ckpt", "Describe the image.", [picture()])
+
+
+def test_two_images_in_one_message_equal_mlx_vlm(served, checkpoint):
+    first, second = picture(seed=1), picture(96, 64, seed=2)
+    ((ids, _),) = served.generate(chat(user(png(first), png(second), "Compare them.")))
+    assert ids == mlx_vlm_greedy(checkpoint / "ckpt", "Compare them.", [first, second])
+
+
+def test_repeated_image_reuses_the_prefix_and_answers_the_same(served):
+    request = chat(user(png(picture(seed=3)), "What is in it?"))
+    (first,) = served.generate(request)
+    encoded = served.features.misses
+    (again,) = served.generate(request)
+    assert again[0] == first[0]
+    # everything but the last prompt token came from the prefix cache: the encoder did not run
+    assert again[1] > 4 and served.features.misses == encoded
+
+
+def test_image_after_a_new_prefix_reuses_its_vision_features(served, checkpoint):
+    image = png(picture(seed=4))
+    served.generate(chat(user(image, "Name one colour.")))
+    hits = served.features.hits
+    system = core_pb2.ChatMessage(role="system", content="You answer briefly.")
+    ((ids, _),) = served.generate(chat(system, user(image, "Name one colour.")))
+    assert served.features.hits == hits + 1
+    fresh = Served(checkpoint / "split", image_cache_bytes=0, prefix_cache_bytes=0)
+    try:
+        ((want, _),) = fresh.generate(chat(system, user(image, "Name one colour.")))
+    finally:
+        fresh.stop()
+    assert ids == want
+
+
+def test_a_changed_pixel_is_another_image(served):
+    image = picture(seed=5)
+    served.generate(chat(user(png(image), "And this?")))
+    misses = served.features.misses
+    changed = np.asarray(image).copy()
+    changed[10, 10] ^= 0xFF
+    ((_, cached),) = served.generate(chat(user(png(Image.fromarray(changed)), "And this?")))
+    assert served.features.misses == misses + 1
+    assert cached <= 4  # the image starts at position 4: nothing from it was reused
+
+
+def test_text_and_image_requests_share_a_batch(served):
+    text = chat(core_pb2.ChatMessage(role="user", content="Say something."))
+    image = chat(user(png(picture(seed=6)), "Say something."))
+    (alone_text,) = served.generate(text)
+    (alone_image,) = served.generate(image)
+    together = served.generate(text, image, text)
+    assert [ids for ids, _ in together] == [alone_text[0], alone_image[0], alone_text[0]]
+
+
+def test_count_tokens_includes_image_positions(served):
+    counted = served.preparer.prompt_tokens(
+        core_pb2.CountTokensRequest(chat=core_pb2.ChatInput(messages=[user(png(picture(64, 64)), "Hi")]))
+    )
+    assert counted.count(151655) == 4  # 64 x 64 pixels: 4 x 4 patches, merged 2 x 2
+
+
+@pytest.mark.parametrize(
+    ("data", "media_type", "says"),
+    [
+        (b"not an image at all", "image/png", "not a PNG, JPEG, WebP or GIF"),
+        (b"", "image/png", "empty"),
+        (png(picture())[:60], "image/png", "could not be decoded"),
+        (png(picture()), "image/bmp", "not supported"),
+    ],
+)
+def test_unusable_images_are_invalid_arguments(served, data, media_type, says):
+    message = user("Look:", b"x")
+    message.parts[1].image.data, message.parts[1].image.media_type = data, media_type
+    with pytest.raises(RequestError) as raised:
+        served.preparer.prepare(chat(message), None)
+    assert raised.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "chat.messages[0].parts[1].image" in str(raised.value) and says in str(raised.value)
+
+
+def test_a_text_only_model_refuses_images(served):
+    images, served.preparer.images = served.preparer.images, None
+    try:
+        with pytest.raises(RequestError) as raised:
+            served.preparer.prepare(chat(user(png(picture()), "Hi")), None)
+    finally:
+        served.preparer.images = images
+    assert raised.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "chat.messages[0].parts[0].image" in str(raised.value) and "takes text only" in str(raised.value)
+
+
+def test_prefix_key_names_image_positions_by_their_pixels():
+    images = PromptImages(
+        (PromptImage("a" * 64, np.zeros(1), (1, 2, 2), 2), PromptImage("b" * 64, np.zeros(1), (1, 2, 2), 2)),
+        token_id=9,
+    )
+    kind, key = prefix_key("fp16", [1, 9, 9, 2, 9, 9, 3, 4], images, -2)
+    assert kind == "fp16@images-2"
+    assert key[0] == 1 and key[3] == 2 and key[6:] == [3, 4]
+    assert key[1] == key[2] < 0 and key[4] == key[5] < 0 and key[1] != key[4]
+    assert prefix_key("fp16", [1, 9, 9, 2], images, -2)[1] == key[:4]
