@@ -4,6 +4,8 @@ Contract: Anthropic's block structure becomes the role/tool-call structure chat 
 `system` → a system message; an assistant turn's `tool_use` blocks → that message's tool calls (input
 as JSON text); a user turn's `tool_result` blocks → `tool` messages carrying `tool_call_id`, in the
 order they appear, with the turn's text around them as user messages; thinking blocks are dropped.
+Where such a user message holds images, it goes to core as its text and image parts in order
+(`content` empty), each image as `image_parts.py` loaded it; without images, as its text alone.
 tool_choice auto/any/tool/none → core's AUTO/REQUIRED/NAMED/NONE; `output_config.format` (structured
 outputs; the beta's `output_format` too) → a JSON_SCHEMA response format.
 """
@@ -11,8 +13,10 @@ outputs; the beta's `output_format` too) → a JSON_SCHEMA response format.
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from services.gateway.anthropic_schema import (
+    ImageBlock,
     Message,
     MessagesInput,
     MessagesRequest,
@@ -22,6 +26,9 @@ from services.gateway.anthropic_schema import (
 )
 from services.proto.moemesh.v1 import core_pb2
 
+if TYPE_CHECKING:
+    from services.gateway.image_parts import Images
+
 TOOL_CHOICE_MODES = {
     "auto": core_pb2.ToolChoice.AUTO,
     "any": core_pb2.ToolChoice.REQUIRED,
@@ -30,29 +37,37 @@ TOOL_CHOICE_MODES = {
 }
 
 
-def core_messages(request: MessagesInput) -> list[core_pb2.ChatMessage]:
+def core_messages(request: MessagesInput, images: Images | None = None) -> list[core_pb2.ChatMessage]:
+    """`images`: the request's images, loaded (`image_parts.messages_image_sources`); needed where
+    it has any."""
     out: list[core_pb2.ChatMessage] = []
     if system := request.system_text():
         out.append(core_pb2.ChatMessage(role="system", content=system))
-    for message in request.messages:
-        out.extend(_user_turn(message) if message.role == "user" else [_assistant_turn(message)])
+    for i, message in enumerate(request.messages):
+        out.extend(_user_turn(message, i, images) if message.role == "user" else [_assistant_turn(message)])
     return out
 
 
-def _user_turn(message: Message) -> list[core_pb2.ChatMessage]:
+def _user_turn(message: Message, index: int, images: Images | None) -> list[core_pb2.ChatMessage]:
     out: list[core_pb2.ChatMessage] = []
-    text: list[str] = []
+    parts: list[core_pb2.ContentPart] = []  # text and images since the last tool_result
 
-    def flush_text() -> None:
-        if text:
-            out.append(core_pb2.ChatMessage(role="user", content="".join(text)))
-            text.clear()
+    def flush_parts() -> None:
+        if any(part.HasField("image") for part in parts):
+            out.append(core_pb2.ChatMessage(role="user", parts=parts))
+        elif parts:
+            out.append(core_pb2.ChatMessage(role="user", content="".join(part.text for part in parts)))
+        parts.clear()
 
-    for block in message.blocks():
+    for j, block in enumerate(message.blocks()):
         if isinstance(block, TextBlock):
-            text.append(block.text)
+            parts.append(core_pb2.ContentPart(text=block.text))
+        elif isinstance(block, ImageBlock):
+            if images is None or (index, j) not in images:
+                raise ValueError(f"messages[{index}].content[{j}]: the image was not loaded (image_parts.py)")
+            parts.append(core_pb2.ContentPart(image=images[index, j]))
         elif isinstance(block, ToolResultBlock):
-            flush_text()
+            flush_parts()
             content = block.text()
             out.append(
                 core_pb2.ChatMessage(
@@ -62,7 +77,7 @@ def _user_turn(message: Message) -> list[core_pb2.ChatMessage]:
                 )
             )
         # tool_use in a user turn and thinking blocks carry nothing a template can show
-    flush_text()
+    flush_parts()
     return out or [core_pb2.ChatMessage(role="user", content="")]
 
 
@@ -79,10 +94,10 @@ def _assistant_turn(message: Message) -> core_pb2.ChatMessage:
     )
 
 
-def chat_input(request: MessagesInput) -> core_pb2.ChatInput:
+def chat_input(request: MessagesInput, images: Images | None = None) -> core_pb2.ChatInput:
     choice = request.tool_choice
     mode = TOOL_CHOICE_MODES[choice.type] if choice else core_pb2.ToolChoice.AUTO
-    messages = core_messages(request)
+    messages = core_messages(request, images)
     chat = core_pb2.ChatInput(
         messages=messages,
         add_generation_prompt=True,
@@ -104,7 +119,9 @@ def chat_input(request: MessagesInput) -> core_pb2.ChatInput:
     return chat
 
 
-def build_messages_request(request: MessagesRequest, request_id: str) -> core_pb2.GenerateRequest:
+def build_messages_request(
+    request: MessagesRequest, request_id: str, images: Images | None = None
+) -> core_pb2.GenerateRequest:
     sampling = core_pb2.SamplingParams()
     if request.temperature is not None:
         sampling.temperature = request.temperature
@@ -115,7 +132,7 @@ def build_messages_request(request: MessagesRequest, request_id: str) -> core_pb
     generate = core_pb2.GenerateRequest(
         request_id=request_id,
         model=request.model,
-        chat=chat_input(request),
+        chat=chat_input(request, images),
         sampling=sampling,
         stopping=core_pb2.StoppingCriteria(max_tokens=request.max_tokens, stop=request.stop_sequences or []),
     )

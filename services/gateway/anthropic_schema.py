@@ -1,10 +1,11 @@
 """Pydantic models for the Anthropic Messages request body, `POST /v1/messages`.
 
 Contract: what validates here maps to a `GenerateRequest` (see `anthropic_mapping.py`). Content is a
-string or a list of blocks: `text`, `tool_use` (assistant turns), `tool_result` (user turns) and
-`thinking`/`redacted_thinking` (accepted and dropped, as Anthropic itself drops earlier turns'
-thinking from the prompt). Images and documents are refused with a 400 naming the block, since the
-served models are text-only. `max_tokens` is required, as in Anthropic's API.
+string or a list of blocks: `text`, `image` (user turns; a base64 or url source, whose image
+`image_parts.py` reads, fetches and checks), `tool_use` (assistant turns), `tool_result` (user turns,
+text only) and `thinking`/`redacted_thinking` (accepted and dropped, as Anthropic itself drops
+earlier turns' thinking from the prompt). Documents and other block types are refused with a 400
+naming the block. `max_tokens` is required, as in Anthropic's API.
 """
 
 from __future__ import annotations
@@ -19,6 +20,22 @@ from services.gateway.openai_schema import UINT32_MAX, ApiModel, check_tool_sche
 class TextBlock(ApiModel):
     type: Literal["text"]
     text: str
+
+
+class Base64ImageSource(ApiModel):
+    type: Literal["base64"]
+    media_type: str  # image/png, image/jpeg, image/webp or image/gif: image_parts.py checks it
+    data: str
+
+
+class UrlImageSource(ApiModel):
+    type: Literal["url"]
+    url: str = Field(min_length=1)
+
+
+class ImageBlock(ApiModel):
+    type: Literal["image"]
+    source: Annotated[Base64ImageSource | UrlImageSource, Field(discriminator="type")]
 
 
 class ToolUseBlock(ApiModel):
@@ -50,7 +67,7 @@ class RedactedThinkingBlock(ApiModel):
 
 
 ContentBlock = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
     Field(discriminator="type"),
 ]
 
@@ -58,6 +75,14 @@ ContentBlock = Annotated[
 class Message(ApiModel):
     role: Literal["user", "assistant"]
     content: str | list[ContentBlock]
+
+    @model_validator(mode="after")
+    def _images_from_the_user(self) -> Message:
+        if self.role == "assistant" and isinstance(self.content, list):
+            for j, block in enumerate(self.content):
+                if isinstance(block, ImageBlock):  # as Anthropic: the model answers in text
+                    raise ValueError(f"content[{j}]: image blocks are accepted in user turns only")
+        return self
 
     def blocks(self) -> list[Any]:
         return [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content

@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from services.common.images import DEFAULT_MAX_IMAGE_BYTES
 from services.common.logging import get_logger
 from services.common.tls import TlsFiles
 from services.common.version import moe_mesh_version
@@ -25,6 +26,7 @@ from services.gateway import routes_anthropic, routes_openai, routes_service, ro
 from services.gateway.auth import ApiKeyMiddleware
 from services.gateway.core_client import CoreClient, CoreClientConfig
 from services.gateway.errors import install_error_handlers
+from services.gateway.image_parts import ImageLoader
 from services.gateway.memory_bound import DEFAULT_REQUEST_MEMORY_MB, MIB, RequestMemoryBudget
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.middleware import BodySizeLimitMiddleware, RequestIdMiddleware
@@ -44,8 +46,11 @@ def create_app(
     core_tls: TlsFiles | None = None,
     protect_metrics: bool = False,
     request_memory_mb: int = DEFAULT_REQUEST_MEMORY_MB,
+    allow_image_urls: bool = False,
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
 ) -> FastAPI:
-    """Build the app; the core channel opens at startup (inside uvicorn's loop) and closes at shutdown."""
+    """Build the app; the core channel opens at startup (inside uvicorn's loop) and closes at shutdown.
+    `allow_image_urls`: fetch http(s) image URLs in chats (else only inline images are taken)."""
     config = CoreClientConfig(
         core_target, generate_timeout_s=generate_timeout_s, unary_timeout_s=unary_timeout_s, tls=core_tls
     )
@@ -75,6 +80,9 @@ def create_app(
     app.state.throughput = ThroughputHistory()
     install_error_handlers(app)
     app.state.request_memory = RequestMemoryBudget(request_memory_mb * MIB)
+    app.state.images = ImageLoader(
+        allow_urls=allow_image_urls, max_bytes=max_image_bytes, budget=app.state.request_memory
+    )
     app.add_middleware(
         BodySizeLimitMiddleware, max_body_bytes=max_body_bytes, budget=app.state.request_memory
     )

@@ -9,7 +9,7 @@ from services.gateway.memory_bound import DEFAULT_MAX_CONNECTIONS, DEFAULT_REQUE
 
 
 def add_gateway_flags(p: argparse.ArgumentParser) -> None:
-    """`moe-mesh gateway`'s API-key and memory flags (`up` takes them too)."""
+    """`moe-mesh gateway`'s API-key, memory and image flags (`up` takes them too)."""
     p.add_argument(
         "--api-key",
         action="append",
@@ -34,12 +34,19 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_REQUEST_MEMORY_MB,
         help="request bodies held at once (then 429); with --max-connections it bounds the gateway's memory",
     )
+    p.add_argument(
+        "--allow-image-urls",
+        action="store_true",
+        help="fetch http(s) image URLs sent in chats (default: only inline images, data: URLs and base64); "
+        "the gateway then requests any address a client names, its own network's too",
+    )
 
 
 def gateway_pass_args(args: argparse.Namespace) -> list[str]:
-    """`up` passes its key and limit flags through to the gateway (MOE_MESH_API_KEY is inherited)."""
+    """`up` passes its key, limit and image flags through to the gateway (MOE_MESH_API_KEY is inherited)."""
     out = [flag for key in args.api_key or () for flag in ("--api-key", key)]
     out += ["--protect-metrics"] if args.protect_metrics else []
     out += ["--max-connections", str(args.max_connections)]
     out += ["--max-request-memory-mb", str(args.max_request_memory_mb)]
+    out += ["--allow-image-urls"] if args.allow_image_urls else []
     return out + (["--api-key-file", args.api_key_file] if args.api_key_file else [])

@@ -2,12 +2,15 @@
 
 Contract: unset options stay unset, so core applies the model's own defaults (generation_config)
 rather than ours; everything the schema accepted is carried over, nothing is silently dropped.
+A message with images goes to core as its parts in order (text, image, ...) with `content` empty,
+each image as `image_parts.py` loaded it; a message without images as its text alone.
 Pure functions, testable without sockets.
 """
 
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from services.gateway.completions_schema import CompletionRequest
 from services.gateway.openai_schema import (
@@ -17,8 +20,12 @@ from services.gateway.openai_schema import (
     JsonObjectResponseFormat,
     JsonSchemaResponseFormat,
     NamedToolChoice,
+    TextContentPart,
 )
 from services.proto.moemesh.v1 import core_pb2
+
+if TYPE_CHECKING:
+    from services.gateway.image_parts import Images
 
 UINT64_MASK = 2**64 - 1
 TOOL_CHOICE_MODES = {
@@ -82,11 +89,13 @@ def response_format(request: ChatCompletionRequest) -> core_pb2.ResponseFormat |
     return None  # text: nothing to constrain
 
 
-def build_chat_request(request: ChatCompletionRequest, request_id: str) -> core_pb2.GenerateRequest:
+def build_chat_request(
+    request: ChatCompletionRequest, request_id: str, images: Images | None = None
+) -> core_pb2.GenerateRequest:
     generate = core_pb2.GenerateRequest(
         request_id=request_id,
         model=request.model,
-        chat=chat_input(request),
+        chat=chat_input(request, images),
         sampling=sampling_params(request),
         stopping=stopping_criteria(request),
         logprobs=request.logprobs,
@@ -100,10 +109,11 @@ def build_chat_request(request: ChatCompletionRequest, request_id: str) -> core_
     return generate
 
 
-def chat_input(request: ChatCompletionRequest) -> core_pb2.ChatInput:
-    """The conversation part of a chat request: messages, tools, template arguments."""
+def chat_input(request: ChatCompletionRequest, images: Images | None = None) -> core_pb2.ChatInput:
+    """The conversation part of a chat request: messages, tools, template arguments. `images`:
+    the request's images, loaded (`image_parts.chat_image_sources`); needed where it has any."""
     chat = core_pb2.ChatInput(
-        messages=[chat_message(message) for message in request.messages],
+        messages=[chat_message(message, i, images) for i, message in enumerate(request.messages)],
         add_generation_prompt=True,
         continue_final_message=request.continue_final_message,
         tool_choice=tool_choice(request.tool_choice),
@@ -124,10 +134,10 @@ def chat_input(request: ChatCompletionRequest) -> core_pb2.ChatInput:
     return chat
 
 
-def chat_message(message: ChatMessage) -> core_pb2.ChatMessage:
-    return core_pb2.ChatMessage(
+def chat_message(message: ChatMessage, index: int = 0, images: Images | None = None) -> core_pb2.ChatMessage:
+    """`index`: the message's place in the request, which keys its images in `images`."""
+    out = core_pb2.ChatMessage(
         role=message.core_role(),
-        content=message.text(),
         name=message.name or "",
         tool_call_id=message.tool_call_id or "",
         tool_calls=[
@@ -135,6 +145,17 @@ def chat_message(message: ChatMessage) -> core_pb2.ChatMessage:
             for i, call in enumerate(message.tool_calls or [])
         ],
     )
+    if not isinstance(message.content, list) or not message.has_images():
+        out.content = message.text()
+        return out
+    for j, part in enumerate(message.content):
+        if isinstance(part, TextContentPart):
+            out.parts.add(text=part.text)
+        elif images is None or (index, j) not in images:
+            raise ValueError(f"messages[{index}].content[{j}]: the image was not loaded (image_parts.py)")
+        else:
+            out.parts.add(image=images[index, j])
+    return out
 
 
 def build_completion_request(request: CompletionRequest, request_id: str) -> core_pb2.GenerateRequest:

@@ -2,14 +2,15 @@
 
 Contract: a request that validates here can always be mapped to a `GenerateRequest`; anything the
 server cannot honour is rejected *here*, so the client gets a 400 naming the field instead of a
-silently different answer (`n` > 1, non-text content parts, a tool_choice naming an unknown tool).
+silently different answer (`n` > 1, an image in a non-user message, a tool_choice naming an unknown
+tool). Image parts are only parsed here; `image_parts.py` reads, fetches and checks their images.
 
 Unknown fields are ignored, as vLLM does: clients written for other servers send extras
 (`parallel_tool_calls`, `metadata`, `store`, ...) and should not fail because of them.
 
-Content parts are a discriminated union (add `ImageContentPart` to `ContentPart` later), and every
-model derives from `ApiModel`, so the completions and Anthropic models share the same
-validation-to-400 machinery in `errors.py`.
+Content parts are a discriminated union on `type` (text, image_url), and every model derives from
+`ApiModel`, so the completions and Anthropic models share the same validation-to-400 machinery in
+`errors.py`.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def _check_encodable(value: Any) -> None:
     UTF-8 encoder (protobuf's, the tokenizer's) accepts: refuse it here, a 400 naming the field,
     rather than a 500 later. Nested models check their own fields."""
     if isinstance(value, str):
+        if value.isascii():  # constant time in CPython; spares copying a large base64 image
+            return
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as error:
@@ -90,8 +93,17 @@ class TextContentPart(ApiModel):
     text: str
 
 
-# A discriminated union of one member today; image/audio parts join it later.
-ContentPart = Annotated[TextContentPart, Field(discriminator="type")]
+class ImageUrl(ApiModel):
+    url: str = Field(min_length=1)  # a data: URL (base64), or http(s) where the gateway fetches them
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model sees the image as it is
+
+
+class ImageContentPart(ApiModel):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextContentPart | ImageContentPart, Field(discriminator="type")]
 
 
 class FunctionCall(ApiModel):
@@ -121,6 +133,13 @@ class ChatMessage(ApiModel):
             raise ValueError(f"content is required in a {self.role} message")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("tool_call_id is required in a tool message")
+        if self.role != "user" and isinstance(self.content, list):
+            for j, part in enumerate(self.content):
+                if isinstance(part, ImageContentPart):  # as OpenAI: only the user shows images
+                    raise ValueError(
+                        f"content[{j}]: image_url parts are accepted in user messages only, "
+                        f"not in a {self.role} message"
+                    )
         return self
 
     def core_role(self) -> str:
@@ -128,12 +147,16 @@ class ChatMessage(ApiModel):
         return "system" if self.role == "developer" else self.role
 
     def text(self) -> str:
-        """The content as one string: text parts are joined without separators, as OpenAI does."""
+        """The content's text as one string: text parts are joined without separators, as OpenAI
+        does (a message with images goes to core as parts instead, see `has_images`)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextContentPart))
+
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(isinstance(p, ImageContentPart) for p in self.content)
 
 
 def check_tool_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:

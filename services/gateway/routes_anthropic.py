@@ -14,6 +14,7 @@ from services.gateway.core_client import CoreClient
 from services.gateway.errors import error_from_grpc
 from services.gateway.generation import serve_generation
 from services.gateway.generation_state import CompletionMeta
+from services.gateway.image_parts import ImageLoader, messages_image_sources
 from services.gateway.routes_openai import response_id
 
 router = APIRouter()
@@ -23,20 +24,26 @@ router = APIRouter()
 async def messages(body: MessagesRequest, request: Request) -> Response:
     request_id: str = request.state.request_id
     meta = CompletionMeta(id=response_id("msg_", request_id), created=0, model=body.model)
-    return await serve_generation(
-        request,
-        build_messages_request(body, request_id),
-        AnthropicFormatter(meta),
-        stream=body.stream,
-        model_label=body.model,
-    )
+    loader: ImageLoader = request.app.state.images
+    async with loader.load(messages_image_sources(body)) as images:
+        return await serve_generation(
+            request,
+            build_messages_request(body, request_id, images),
+            AnthropicFormatter(meta),
+            stream=body.stream,
+            model_label=body.model,
+        )
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: MessagesInput, request: Request) -> dict[str, int]:
     core: CoreClient = request.app.state.core
-    try:
-        count = await core.count_tokens(chat_input(body), request.state.request_id, model=body.model)
-    except grpc.aio.AioRpcError as error:
-        raise error_from_grpc(error) from None
+    loader: ImageLoader = request.app.state.images
+    async with loader.load(messages_image_sources(body)) as images:
+        try:
+            count = await core.count_tokens(
+                chat_input(body, images), request.state.request_id, model=body.model
+            )
+        except grpc.aio.AioRpcError as error:
+            raise error_from_grpc(error) from None
     return {"input_tokens": count}

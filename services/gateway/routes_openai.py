@@ -1,7 +1,8 @@
 """OpenAI routes: `POST /v1/chat/completions` and `POST /v1/completions`.
 
-Thin: validate (pydantic, 400 on failure), map to a `GenerateRequest`, hand to `serve_generation`
-with the API's formatter. The response id embeds the request id, so a client's id finds the logs.
+Thin: validate (pydantic, 400 on failure), load the chat's images (image_parts, 400 for a bad one),
+map to a `GenerateRequest`, hand to `serve_generation` with the API's formatter. The response id
+embeds the request id, so a client's id finds the logs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from services.gateway.completions_schema import CompletionRequest
 from services.gateway.generate_mapping import build_chat_request, build_completion_request
 from services.gateway.generation import serve_generation
 from services.gateway.generation_state import CompletionMeta
+from services.gateway.image_parts import ImageLoader, chat_image_sources
 from services.gateway.openai_schema import ChatCompletionRequest
 from services.gateway.served_model import served_model_name
 
@@ -33,9 +35,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     model = body.model or await served_model_name(request)
     meta = CompletionMeta(id=response_id("chatcmpl-", request_id), created=int(time.time()), model=model)
     formatter = ChatFormatter(meta, include_usage=body.include_usage_in_stream(), with_logprobs=body.logprobs)
-    return await serve_generation(
-        request, build_chat_request(body, request_id), formatter, stream=body.stream, model_label=model
-    )
+    loader: ImageLoader = request.app.state.images
+    async with loader.load(chat_image_sources(body)) as images:
+        return await serve_generation(
+            request,
+            build_chat_request(body, request_id, images),
+            formatter,
+            stream=body.stream,
+            model_label=model,
+        )
 
 
 @router.post("/v1/completions")

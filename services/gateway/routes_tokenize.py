@@ -12,6 +12,7 @@ from pydantic import Field
 from services.gateway.core_client import CoreClient
 from services.gateway.errors import error_from_grpc
 from services.gateway.generate_mapping import chat_input
+from services.gateway.image_parts import ImageLoader, chat_image_sources
 from services.gateway.openai_schema import UINT32_MAX, ApiModel, ChatCompletionRequest
 from services.proto.moemesh.v1 import core_pb2
 
@@ -32,15 +33,18 @@ class DetokenizeRequest(ApiModel):
 async def tokenize(body: TokenizePromptRequest | ChatCompletionRequest, request: Request) -> dict:
     core: CoreClient = request.app.state.core
     count = core_pb2.CountTokensRequest(model=body.model or "", return_ids=True)
-    if isinstance(body, TokenizePromptRequest):
-        count.prompt = body.prompt
-    else:
-        count.chat.CopyFrom(chat_input(body))
-    try:
-        ids = await core.tokenize(count, request.state.request_id)
-        models = await core.list_models(request.state.request_id)
-    except grpc.aio.AioRpcError as error:
-        raise error_from_grpc(error) from None
+    loader: ImageLoader = request.app.state.images
+    sources = [] if isinstance(body, TokenizePromptRequest) else chat_image_sources(body)
+    async with loader.load(sources) as images:
+        if isinstance(body, TokenizePromptRequest):
+            count.prompt = body.prompt
+        else:
+            count.chat.CopyFrom(chat_input(body, images))
+        try:
+            ids = await core.tokenize(count, request.state.request_id)
+            models = await core.list_models(request.state.request_id)
+        except grpc.aio.AioRpcError as error:
+            raise error_from_grpc(error) from None
     context = models[0].context_length if models else 0
     return {"count": len(ids), "max_model_len": context or None, "tokens": ids}
 

@@ -63,6 +63,7 @@ def _core(args) -> None:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_step_seconds=args.max_step_seconds,
             prefix_cache_bytes=int(args.prefix_cache_gb * (1 << 30)),
+            image_cache_bytes=int(args.image_cache_gb * (1 << 30)),
             max_model_len=args.max_model_len,
             micro_batches=args.micro_batches,
             burst_gather_s=args.burst_gather_ms / 1000,
@@ -88,6 +89,7 @@ def _gateway(args) -> None:
         protect_metrics=args.protect_metrics,
         max_connections=args.max_connections,
         request_memory_mb=args.max_request_memory_mb,
+        allow_image_urls=args.allow_image_urls,
     )
 
 
@@ -134,6 +136,7 @@ SERVING_FLAGS = (
     "micro_batches",
     "burst_gather_ms",
     "prefix_cache_gb",
+    "image_cache_gb",
     "mlx_cache_gb",
     "max_model_len",
     "served_model_name",
@@ -182,6 +185,12 @@ def _add_serving_flags(p: argparse.ArgumentParser) -> None:
         type=non_negative_float,
         default=1.0,
         help="byte budget of the prefix cache (0 = off)",
+    )
+    p.add_argument(
+        "--image-cache-gb",
+        type=non_negative_float,
+        default=1.0,
+        help="byte budget of the vision tower's outputs kept by image, for models that take images (0 = off)",
     )
     p.add_argument(
         "--mlx-cache-gb",

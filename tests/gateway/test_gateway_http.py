@@ -38,7 +38,7 @@ def assert_envelope(response: httpx.Response, status: int, param: str | None = N
         (
             {
                 **VALID_BODY,
-                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+                "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}],
             },
             "messages[0].content[0]",
         ),

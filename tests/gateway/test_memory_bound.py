@@ -119,6 +119,33 @@ def test_a_body_becomes_at_most_the_expansion_plan_counts(body):
     assert peak <= BODY_EXPANSION * len(raw)
 
 
+async def test_an_image_body_becomes_at_most_the_expansion_plan_counts():
+    """A data: URL image: the body, its parsed and validated text, the file decoded from base64, the
+    gRPC message. (The pixels of the check are counted apart, in image_work_bytes.)"""
+    import base64
+    import io
+    import os
+
+    from PIL import Image
+
+    from services.gateway.image_parts import ImageLoader, chat_image_sources
+
+    png = io.BytesIO()
+    Image.frombytes("RGB", (400, 400), os.urandom(400 * 400 * 3)).save(png, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    part = {"type": "image_url", "image_url": {"url": url}}
+    raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": [part]}]}).encode()
+    tracemalloc.start()
+    try:
+        request = ChatCompletionRequest.model_validate(json.loads(raw))
+        async with ImageLoader().load(chat_image_sources(request)) as images:
+            build_chat_request(request, "id", images).SerializeToString()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak <= BODY_EXPANSION * len(raw)
+
+
 def test_plan_states_the_gateways_bound(tiny_models):
     plan = memory_plan(tiny_models.split("qwen3_moe", None), 1.0, 1)
     assert plan["gateway_memory"]["bound_bytes"] == gateway_bound_bytes() > 64 * MIB
