@@ -1,0 +1,142 @@
+"""Images through `moe-mesh up --experts 3`: a tiny random Qwen3-VL-MoE checkpoint, asked about an
+image with the official `openai` and `anthropic` clients, answers what `mlx_vlm.generate` answers on
+the same checkpoint, image and prompt; a repeated image is served from the caches."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import anthropic
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from services.tools.tiny_vlm import build_tiny_vlm
+from tests.e2e.test_up import launch_up, wait_serving
+from tests.helpers import short_dir
+
+pytest.importorskip("mlx_vlm")
+pytestmark = pytest.mark.slow
+
+TOKENS = 12
+QUESTION = "Describe the image."
+
+
+def image_bytes(seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    out = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def mlx_vlm_answer(checkpoint, image: bytes) -> str:
+    from mlx_vlm import generate, load
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    model, processor = load(str(checkpoint))
+    prompt = apply_chat_template(processor, model.config, QUESTION, num_images=1)
+    picture = Image.open(io.BytesIO(image)).convert("RGB")
+    result = generate(model, processor, prompt, [picture], max_tokens=TOKENS, temperature=0.0, verbose=False)
+    return processor.tokenizer.decode(list(result.token_ids))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("images")
+    checkpoint = build_tiny_vlm(root / "tiny-qwen3-vl-moe")
+    workdir = short_dir("mm-img-")
+    proc, url = launch_up(root / "cache", workdir, "--model", str(checkpoint), "--experts", "3")
+    try:
+        want = mlx_vlm_answer(checkpoint, image_bytes(0))  # while the services start
+        wait_serving(proc)
+        yield url, want
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def ask_openai(url: str, image: bytes):
+    client = openai.OpenAI(base_url=url, api_key="unused")
+    data_url = "data:image/png;base64," + base64.b64encode(image).decode()
+    return client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": data_url}},
+                    {"type": "text", "text": QUESTION},
+                ],
+            }
+        ],
+        temperature=0,
+        max_tokens=TOKENS,
+    )
+
+
+def test_openai_client_answers_as_mlx_vlm(served):
+    url, want = served
+    reply = ask_openai(url, image_bytes(0))
+    assert reply.choices[0].message.content == want
+    assert reply.usage.prompt_tokens == 18  # the image's 4 positions included
+
+
+def test_repeated_image_is_served_from_the_caches_with_the_same_answer(served):
+    url, want = served
+    ask_openai(url, image_bytes(1))
+    again = ask_openai(url, image_bytes(1))
+    first = ask_openai(url, image_bytes(0))
+    assert first.choices[0].message.content == want
+    assert again.usage.prompt_tokens_details.cached_tokens >= 8  # past the image's positions
+    metrics = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=30).text
+    assert "moe_mesh_prefix_cache" in metrics
+
+
+def test_anthropic_client_answers_as_mlx_vlm(served):
+    url, want = served
+    client = anthropic.Anthropic(base_url=url.removesuffix("/v1"), api_key="unused")
+    reply = client.messages.create(
+        model=openai.OpenAI(base_url=url, api_key="unused").models.list().data[0].id,
+        max_tokens=TOKENS,
+        extra_body={"temperature": 0},  # this client's newest models take no temperature
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "image",
+                        "source": {
+                            "type": "base64",
+                            "media_type": "image/png",
+                            "data": base64.b64encode(image_bytes(0)).decode(),
+                        },
+                    },
+                    {"type": "text", "text": QUESTION},
+                ],
+            }
+        ],
+    )
+    assert "".join(block.text for block in reply.content if block.type == "text") == want
+
+
+def test_a_corrupt_image_is_a_400_naming_the_field(served):
+    url, _ = served
+    client = openai.OpenAI(base_url=url, api_key="unused")
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}},
+                        {"type": "text", "text": QUESTION},
+                    ],
+                }
+            ],
+            max_tokens=4,
+        )
+    assert "messages[0].content[0]" in str(raised.value)
