@@ -33,3 +33,9 @@ def kv_bytes_per_token(config: dict, element_bytes: float) -> tuple[float, str]:
         attention_layers = layers // int(text["full_attention_interval"])
         note += f"; {attention_layers} of {layers} layers attend (hybrid)"
     return attention_layers * per_layer * element_bytes, note
+
+
+def vision_model_type(config: dict) -> str | None:
+    """The model type of a checkpoint with a vision tower (its images go through mlx-vlm), or None
+    for a text-only one."""
+    return config.get("model_type") if config.get("vision_config") else None

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from services.common.manifest import Manifest, experts_per_token
-from services.common.model_shape import kv_bytes_per_token
+from services.common.model_shape import kv_bytes_per_token, vision_model_type
 from services.gateway.memory_bound import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_REQUEST_MEMORY_MB,
@@ -79,6 +79,7 @@ def memory_plan(
     kv_element_bytes: float = 2.0,
     prefix_cache_gb: float = 1.0,
     mlx_cache_gb: float = 1.0,
+    image_cache_gb: float = 1.0,
 ) -> dict:
     from services.common.model_source import resolve_model
     from services.tools.split_disk import split_bytes
@@ -122,6 +123,8 @@ def memory_plan(
     kv_budget = int(kv_per_token * context * seqs)
     # core's memory: what it loads, the KV, and its two cache budgets (GiB, as core reads its flags)
     prefix_bytes, mlx_cache_bytes = int(prefix_cache_gb * GIB), int(mlx_cache_gb * GIB)
+    # the vision tower's outputs kept by image: only a model that takes images has them
+    image_bytes = int(image_cache_gb * GIB) if vision_model_type(config) else 0
     return {
         "model": str(model),
         "source": facts["source"],
@@ -144,7 +147,8 @@ def memory_plan(
         "core_memory": {
             "prefix_cache_bytes": prefix_bytes,
             "mlx_cache_bytes": mlx_cache_bytes,
-            "bound_bytes": facts["core_bytes"] + kv_budget + prefix_bytes + mlx_cache_bytes,
+            "image_cache_bytes": image_bytes,
+            "bound_bytes": facts["core_bytes"] + kv_budget + prefix_bytes + mlx_cache_bytes + image_bytes,
         },
         # the gateway's: connections and request bodies in flight at their defaults (memory_bound.py)
         "gateway_memory": {
@@ -169,7 +173,12 @@ def format_plan(plan: dict) -> str:
         f"KV cache: {plan['kv']['bytes_per_token'] / 1e3:.1f} KB/token x {plan['kv']['context']} tokens x "
         f"{plan['kv']['seqs']} seqs = {gb(plan['kv']['budget_bytes'])} ({plan['kv']['estimate']})",
         f"core at most {gb(plan['core_memory']['bound_bytes'])}: weights + KV cache + prefix cache "
-        f"{gib(plan['core_memory']['prefix_cache_bytes'])} + MLX buffer cache {gib(plan['core_memory']['mlx_cache_bytes'])}",
+        f"{gib(plan['core_memory']['prefix_cache_bytes'])} + MLX buffer cache {gib(plan['core_memory']['mlx_cache_bytes'])}"
+        + (
+            f" + image cache {gib(plan['core_memory']['image_cache_bytes'])}"
+            if plan["core_memory"]["image_cache_bytes"]
+            else ""
+        ),
         f"per worker, budget {gb(plan['memory_budget_bytes_per_worker'])}, at most its resident experts + "
         f"MLX buffer cache {gib(plan['core_memory']['mlx_cache_bytes'])}:",
     ]

@@ -48,6 +48,12 @@ def add_storage_commands(sub) -> None:
         default=CoreConfig.mlx_cache_gb,
         help="MLX buffer-cache limit of core and of each worker",
     )
+    p.add_argument(
+        "--image-cache-gb",
+        type=non_negative_float,
+        default=1.0,
+        help="core's budget for vision-tower outputs kept by image (models that take images)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_plan)
 
@@ -76,6 +82,7 @@ def _plan(args) -> None:
         seqs=args.seqs,
         kv_element_bytes=args.kv_bytes,
         prefix_cache_gb=args.prefix_cache_gb,
+        image_cache_gb=args.image_cache_gb,
         mlx_cache_gb=args.mlx_cache_gb,
     )
     print(json.dumps(plan, indent=1) if args.json else format_plan(plan))

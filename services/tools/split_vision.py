@@ -14,7 +14,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from services.common.logging import get_logger
-from services.core.vision.tower import LANGUAGE, VISION_FILE, vision_model_type
+from services.common.model_shape import vision_model_type
+from services.core.vision.tower import LANGUAGE, VISION_FILE
 
 log = get_logger(__name__)
 

@@ -26,11 +26,6 @@ class VisionUnsupported(ValueError):
     """A vision-language checkpoint core cannot serve images for; the message names its family."""
 
 
-def vision_model_type(config: dict) -> str | None:
-    """The model type whose images mlx-vlm would handle, or None for a text-only config."""
-    return config.get("model_type") if config.get("vision_config") else None
-
-
 def mlx_vlm_families() -> tuple[str, ...]:
     """mlx-vlm's model families that have routed experts and a vision tower, read from mlx-vlm's
     own sources (a family it adds is listed without anyone naming it here); () without mlx-vlm."""
