@@ -20,7 +20,7 @@ from services.core.output_prep import OutputPreparer, template_tools
 from services.core.sampling import Sampler, SamplingError, make_processors, make_sampler
 from services.core.structured_output import GrammarError
 from services.core.text_output import OutputSpec
-from services.core.vision.prompt_images import ImagePreparer, PromptImages, image_parts, template_content
+from services.core.vision.prompt_images import ImagePreparer, PromptImages, template_content, with_images
 from services.proto.moemesh.v1 import core_pb2
 
 MAX_STOP_STRINGS = 16
@@ -83,6 +83,7 @@ class RequestPreparer:
         self.vocab_size = vocab_size
         self.output_preparer = OutputPreparer(tokenizer, vocab_size)
         self.images: ImagePreparer | None = None  # set where the model has a vision tower
+        self.images_refused = "takes text only"  # why, where `images` is None
         # No token is longer than the longest vocabulary piece (byte-level pieces have a character
         # per byte), so text longer than this cannot fit the context: it is refused before the
         # tokenizer spends seconds to minutes on it.
@@ -264,15 +265,8 @@ class RequestPreparer:
         self, chat: core_pb2.ChatInput, prompt: list[int]
     ) -> tuple[list[int], PromptImages | None]:
         """The prompt with its images' positions, and the images (None for a chat without any)."""
-        parts = image_parts(chat)
-        if not parts:
-            return prompt, None
-        if self.images is None:
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"{parts[0][0]}: model {self.model_id!r} takes text only"
-            )
         try:
-            return self.images.prepare(parts, prompt)
+            return with_images(self.images, f"model {self.model_id!r} {self.images_refused}", chat, prompt)
         except ImageError as error:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
 

@@ -33,7 +33,7 @@ from services.core.servicer import CoreServicer
 from services.core.speculative.mtp import check_mtp_servable, load_mtp
 from services.core.stats_line import log_stats_lines
 from services.core.structured_output import GrammarError
-from services.core.vision.tower import image_preparer, load_vision
+from services.core.vision.tower import VisionUnsupported, image_preparer, images_refused, load_vision
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 
 log = get_logger(__name__)
@@ -90,6 +90,7 @@ def build_engine(
         tokenizer, model_id, context_length, vocab_size_of(text_config), tuple(aliases)
     )
     preparer.images = image_preparer(split_dir, manifest)
+    preparer.images_refused = images_refused(manifest.config) or preparer.images_refused
 
     local_layers = set(local_experts.owned(manifest)) if local_experts else set()
     remote_layers = {layer.layer for layer in manifest.layers} - local_layers
@@ -137,14 +138,13 @@ def build_engine(
         model, on_kernel = load_core_model(split_dir, manifest, dispatcher, dense_kernel, local_modules)
         if drafts_with_mtp:
             model.mtp_draft = load_mtp(model, split_dir, manifest.config)  # core's own: never on workers
-        if (
-            preparer.images is not None
-        ):  # a plain attribute: the vision model's arrays are not core's parameters
-            object.__setattr__(
-                model,
-                "vision_prefill",
-                load_vision(split_dir, manifest, model, engine_config.image_cache_bytes),
-            )
+        if preparer.images is not None:
+            try:  # a plain attribute: the vision model's arrays are not core's parameters
+                vision = load_vision(split_dir, manifest, model, engine_config.image_cache_bytes)
+                object.__setattr__(model, "vision_prefill", vision)
+            except VisionUnsupported as error:  # text still serves
+                log.warning("images_off", reason=str(error))
+                preparer.images, preparer.images_refused = None, f"is served for text only: {error}"
         log.info(
             "core_model_loaded",
             seconds=round(time.monotonic() - started, 2),

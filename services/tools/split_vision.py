@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 
 from services.common.logging import get_logger
 from services.common.model_shape import vision_model_type
-from services.core.vision.tower import LANGUAGE, VISION_FILE
+from services.core.vision.tower import LANGUAGE, VISION_FILE, images_refused
 
 log = get_logger(__name__)
 
@@ -25,6 +25,10 @@ def write_vision_weights(model_path: Path, config: dict, core_dir: Path) -> int:
     tensors written (0 for a text-only checkpoint, or where mlx-vlm cannot read it)."""
     family = vision_model_type(config)
     if family is None:
+        return 0
+    refused = images_refused(config)
+    if refused is not None:
+        log.warning("split_text_only", family=family, reason=f"this checkpoint {refused}")
         return 0
     try:
         from mlx_vlm.utils import load_model

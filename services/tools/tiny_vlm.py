@@ -16,7 +16,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten
 
-from services.tools.synthetic_model import qwen3_tokenizer_dir
+from services.tools.synthetic_model import TINY_CONFIGS, qwen3_tokenizer_dir
 from services.tools.tiny_families_mi_z import QWEN_TOKEN_IDS
 
 # the Qwen3 tokenizer's vision tokens
@@ -65,6 +65,27 @@ CONFIG = {
     "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"],
     "tie_word_embeddings": False,
 }
+# Qwen3.5's natively multimodal MoE: Gated DeltaNet and full-attention layers, no DeepStack
+QWEN3_5_CONFIG = {
+    "model_type": "qwen3_5_moe",
+    "text_config": {
+        **{k: v for k, v in TINY_CONFIGS["qwen3_5_moe"]["text_config"].items() if k != "rope_theta"},
+        "rope_parameters": {
+            "type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [1, 1, 0],
+            "mrope_interleaved": True,
+        },
+        **QWEN_TOKEN_IDS,
+    },
+    "vision_config": {**VISION, "model_type": "qwen3_5_moe", "deepstack_visual_indexes": []},
+    **VISION_TOKEN_IDS,
+    "vocab_size": 151936,
+    "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"],
+    "tie_word_embeddings": False,
+}
+FAMILIES = {"qwen3_vl_moe": CONFIG, "qwen3_5_moe": QWEN3_5_CONFIG}
 # 64 x 64 pixels (4 merged image tokens) up to 256 x 256 (64)
 PREPROCESSOR = {
     "image_processor_type": "Qwen2VLImageProcessor",
@@ -118,13 +139,17 @@ BENCH_SIZES = {
 }
 
 
-def build_tiny_vlm(out_dir: Path, seed: int = 0, sizes: dict | None = None) -> Path:
-    """Write the checkpoint to `out_dir` (float32: MLX's CPU expert kernel takes float32);
-    `sizes`: {"text": ..., "vision": ..., "preprocessor": ...} overrides (BENCH_SIZES)."""
-    from mlx_vlm.models.qwen3_vl_moe import Model, ModelConfig
+def build_tiny_vlm(
+    out_dir: Path, seed: int = 0, sizes: dict | None = None, family: str = "qwen3_vl_moe"
+) -> Path:
+    """Write the checkpoint of `family` (FAMILIES) to `out_dir` (float32: MLX's CPU expert kernel
+    takes float32); `sizes`: {"text": ..., "vision": ..., "preprocessor": ...} overrides (BENCH_SIZES)."""
+    from mlx_vlm.utils import get_model_and_args
 
     sizes = sizes or {}
-    config = json.loads(json.dumps(CONFIG))
+    config = json.loads(json.dumps(FAMILIES[family]))
+    module, _ = get_model_and_args(config=dict(config))
+    Model, ModelConfig = module.Model, module.ModelConfig
     config["text_config"].update(sizes.get("text", {}))
     config["vision_config"].update(sizes.get("vision", {}))
     out_dir = Path(out_dir)

@@ -17,6 +17,7 @@ from services.core.request_prep import RequestError
 from services.core.server import build_engine
 from services.core.vision.prefill import prefix_key
 from services.core.vision.prompt_images import PromptImage, PromptImages
+from services.core.vision.tower import IMAGE_FAMILIES, images_refused, mlx_vlm_families
 from services.proto.moemesh.v1 import core_pb2
 from services.tools.split import split_checkpoint
 from services.tools.tiny_vlm import build_tiny_vlm
@@ -223,3 +224,28 @@ def test_prefix_key_names_image_positions_by_their_pixels():
     assert key[0] == 1 and key[3] == 2 and key[6:] == [3, 4]
     assert key[1] == key[2] < 0 and key[4] == key[5] < 0 and key[1] != key[4]
     assert prefix_key("fp16", [1, 9, 9, 2], images, -2)[1] == key[:4]
+
+
+def test_vision_families_come_from_mlx_vlm_and_the_unserved_are_named():
+    families = mlx_vlm_families()
+    assert {"qwen3_vl_moe", "qwen3_5_moe", "kimi_vl"} <= set(families)
+    for family in families:
+        refused = images_refused({"model_type": family, "vision_config": {"depth": 1}})
+        assert (refused is None) == (family in IMAGE_FAMILIES)
+        assert refused is None or family in refused
+
+
+def test_qwen3_5_moe_with_vision_weights_serves_text_and_refuses_images(tmp_path):
+    build_tiny_vlm(tmp_path / "ckpt", family="qwen3_5_moe")
+    split_checkpoint(tmp_path / "ckpt", tmp_path / "split", progress=False)
+    assert not (tmp_path / "split" / "core" / "vision.safetensors").exists()
+    server = Served(tmp_path / "split")
+    try:
+        ((ids, _),) = server.generate(chat(core_pb2.ChatMessage(role="user", content="Hello")))
+        assert len(ids) == TOKENS
+        with pytest.raises(RequestError) as raised:
+            server.preparer.prepare(chat(user(png(picture()), "Hi")), None)
+    finally:
+        server.stop()
+    assert raised.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "chat.messages[0].parts[0].image" in str(raised.value) and "qwen3_5_moe" in str(raised.value)

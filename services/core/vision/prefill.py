@@ -72,6 +72,7 @@ class VisionPrefill:
         dtype = self.model.vision_tower.patch_embed.proj.weight.dtype
         out = self.model.vision_tower(mx.array(image.pixel_values).astype(dtype), mx.array([image.grid_thw]))
         hidden, deep = out if isinstance(out, tuple) else (out, None)
+        deep = deep or None  # a tower without DeepStack outputs may give an empty list
         mx.eval(hidden, deep)
         nbytes = hidden.nbytes + sum(d.nbytes for d in deep or [])
         self.features.put(image.hash, (hidden, deep), nbytes)

@@ -16,14 +16,30 @@ import mlx.core as mx
 from mlx import nn
 
 from services.common.model_build import find_module, replace_modules
-from services.common.model_shape import text_config
+from services.common.model_shape import text_config, vision_model_type
 
 VISION_FILE = "vision.safetensors"
 LANGUAGE = "language_model"
+# Families whose images core serves: their language model runs on core's own (mlx-lm) caches with
+# 3-D positions passed in. Others' vision-language checkpoints are split and served for text only.
+IMAGE_FAMILIES = ("qwen3_vl_moe",)
 
 
 class VisionUnsupported(ValueError):
     """A vision-language checkpoint core cannot serve images for; the message names its family."""
+
+
+def images_refused(config: dict) -> str | None:
+    """Why a checkpoint's requests with images are refused (None: they are served)."""
+    family = vision_model_type(config)
+    if family is None:
+        return "takes text only"
+    if family not in IMAGE_FAMILIES:
+        return (
+            f"({family}) is served for text only: moe-mesh serves images for {', '.join(IMAGE_FAMILIES)}, "
+            f"and {family}'s language model in mlx-vlm needs its own cache types"
+        )
+    return None
 
 
 def mlx_vlm_families() -> tuple[str, ...]:
@@ -109,6 +125,14 @@ def share_language_modules(vision_model: nn.Module, text_model: nn.Module, exper
     }
     present = {path: module for path, module in leaves.items() if _has_module(vision_model, path)}
     replace_modules(vision_model, present)
+    # arrays a module holds beside its children (Gated DeltaNet's A_log and dt_bias)
+    for path, module in text_model.named_modules():
+        if path in present or path.startswith(under_experts) or not _has_module(vision_model, path):
+            continue
+        target = find_module(vision_model, path)
+        for key, value in module.items():
+            if isinstance(value, mx.array) and isinstance(target.get(key), mx.array):
+                target[key] = value
     shared = {id(v) for _, v in nn.utils.tree_flatten(text_model.parameters())}
     own = [
         k
