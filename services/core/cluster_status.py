@@ -38,6 +38,12 @@ def fill_core_stats(stats: core_pb2.CoreStats, engine: Engine) -> None:
     stats.prefix_cache.entries = prefix.entries
     stats.prefix_cache.bytes = prefix.nbytes
     stats.prefix_cache.budget_bytes = prefix.budget_bytes
+    vision = engine.prompt_start.vision
+    if vision is not None:
+        images = vision.features
+        stats.image_cache.hits, stats.image_cache.misses = images.hits, images.misses
+        stats.image_cache.entries, stats.image_cache.bytes = len(images), images.nbytes
+        stats.image_cache.budget_bytes = images.budget_bytes
     if engine.config.speculative is not None:
         speculative = counters.speculative
         stats.speculative.method = engine.config.speculative.method

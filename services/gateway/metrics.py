@@ -188,6 +188,21 @@ class GatewayMetrics:
         self.prefix_bytes = Gauge(
             "moe_mesh_prefix_cache_bytes", "Bytes the prefix cache holds.", labels, registry=r
         )
+        self.image_hits = Gauge(
+            "moe_mesh_image_cache_hits",
+            "Images whose vision-tower output core reused, since it started.",
+            labels,
+            registry=r,
+        )
+        self.image_misses = Gauge(
+            "moe_mesh_image_cache_misses",
+            "Images core's vision tower encoded, since it started.",
+            labels,
+            registry=r,
+        )
+        self.image_bytes = Gauge(
+            "moe_mesh_image_cache_bytes", "Bytes of vision-tower outputs core keeps.", labels, registry=r
+        )
 
     def set_core_gauges(self, model: str, stats: core_pb2.CoreStats) -> None:
         self.running.labels(model).set(stats.running_requests)
@@ -200,6 +215,10 @@ class GatewayMetrics:
         self.prefix_hits.labels(model).set(prefix.hits)
         self.prefix_hit_tokens.labels(model).set(prefix.hit_tokens)
         self.prefix_bytes.labels(model).set(prefix.bytes)
+        images = stats.image_cache
+        self.image_hits.labels(model).set(images.hits)
+        self.image_misses.labels(model).set(images.misses)
+        self.image_bytes.labels(model).set(images.bytes)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -94,6 +94,7 @@ class CoreConfig:
     micro_batches: int = 1
     burst_gather_ms: float = 2.0
     prefix_cache_gb: float = 1.0
+    image_cache_gb: float = 1.0
     mlx_cache_gb: float = 1.0
     kv_cache: str = "fp16"
     speculative: str | None = None  # "ngram" | "draft:PATH"; None: off
@@ -206,6 +207,7 @@ def parse_cluster(data: dict, path: Path) -> ClusterConfig:
             core_table, "burst_gather_ms", "core.burst_gather_ms", CoreConfig.burst_gather_ms
         ),
         prefix_cache_gb=reader.non_negative(core_table, "prefix_cache_gb", "core.prefix_cache_gb", 1.0),
+        image_cache_gb=reader.non_negative(core_table, "image_cache_gb", "core.image_cache_gb", 1.0),
         mlx_cache_gb=reader.non_negative(
             core_table, "mlx_cache_gb", "core.mlx_cache_gb", CoreConfig.mlx_cache_gb
         ),

@@ -117,6 +117,7 @@ def core_kwargs(args: argparse.Namespace) -> dict:
         _fill(args, "micro_batches", config.core.micro_batches)
         _fill(args, "burst_gather_ms", config.core.burst_gather_ms)
         _fill(args, "prefix_cache_gb", config.core.prefix_cache_gb)
+        _fill(args, "image_cache_gb", config.core.image_cache_gb)
         _fill(args, "mlx_cache_gb", config.core.mlx_cache_gb)
         _fill(args, "kv_cache", config.core.kv_cache)
         _fill(args, "speculative", config.core.speculative)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from services.core.cluster_status import fill_core_stats
 from services.core.engine_config import EngineConfig
 from services.core.expert_link.local_spec import LocalExpertsSpec
 from services.core.request_prep import RequestError
@@ -23,6 +24,7 @@ from services.tools.split import split_checkpoint
 from services.tools.tiny_vlm import build_tiny_vlm
 
 pytest.importorskip("mlx_vlm")  # installed by the README's test command (requirements-vision.txt)
+pytestmark = pytest.mark.slow  # serves a model and computes for seconds
 
 TOKENS = 12
 
@@ -150,6 +152,9 @@ def test_image_after_a_new_prefix_reuses_its_vision_features(served, checkpoint)
     system = core_pb2.ChatMessage(role="system", content="You answer briefly.")
     ((ids, _),) = served.generate(chat(system, user(image, "Name one colour.")))
     assert served.features.hits == hits + 1
+    stats = core_pb2.CoreStats()
+    fill_core_stats(stats, served.engine)
+    assert stats.image_cache.hits == served.features.hits and stats.image_cache.bytes > 0
     fresh = Served(checkpoint / "split", image_cache_bytes=0, prefix_cache_bytes=0)
     try:
         ((want, _),) = fresh.generate(chat(system, user(image, "Name one colour.")))

@@ -92,7 +92,7 @@ def test_repeated_image_is_served_from_the_caches_with_the_same_answer(served):
     assert first.choices[0].message.content == want
     assert again.usage.prompt_tokens_details.cached_tokens >= 8  # past the image's positions
     metrics = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=30).text
-    assert "moe_mesh_prefix_cache" in metrics
+    assert "moe_mesh_prefix_cache_hit_tokens" in metrics and "moe_mesh_image_cache_misses" in metrics
 
 
 def test_anthropic_client_answers_as_mlx_vlm(served):

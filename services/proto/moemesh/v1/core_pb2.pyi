@@ -383,7 +383,7 @@ class LayerCallStats(_message.Message):
     def __init__(self, calls: _Optional[int] = ..., total_p50_us: _Optional[float] = ..., total_p99_us: _Optional[float] = ..., worker_p50_us: _Optional[float] = ..., worker_p99_us: _Optional[float] = ..., compute_p50_us: _Optional[float] = ..., compute_p99_us: _Optional[float] = ..., transport_p50_us: _Optional[float] = ..., transport_p99_us: _Optional[float] = ..., part_p50_us: _Optional[_Mapping[str, float]] = ..., part_p99_us: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class CoreStats(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "prompt_tokens_total", "generation_tokens_total", "kv_cache_bytes", "layer_calls", "prefix_cache", "kv_cache_default", "problems", "kv_cache_capacity_bytes", "workers", "layer_latency", "speculative", "mlx_active_bytes", "mlx_cache_bytes")
+    __slots__ = ("running_requests", "waiting_requests", "prompt_tokens_total", "generation_tokens_total", "kv_cache_bytes", "layer_calls", "prefix_cache", "kv_cache_default", "problems", "kv_cache_capacity_bytes", "workers", "layer_latency", "speculative", "mlx_active_bytes", "mlx_cache_bytes", "image_cache")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -399,6 +399,7 @@ class CoreStats(_message.Message):
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     MLX_ACTIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MLX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_CACHE_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     prompt_tokens_total: int
@@ -414,7 +415,22 @@ class CoreStats(_message.Message):
     speculative: SpeculativeStats
     mlx_active_bytes: int
     mlx_cache_bytes: int
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., layer_calls: _Optional[_Union[LayerCallStats, _Mapping]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., kv_cache_default: _Optional[str] = ..., problems: _Optional[_Iterable[str]] = ..., kv_cache_capacity_bytes: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., layer_latency: _Optional[_Iterable[_Union[LayerLatency, _Mapping]]] = ..., speculative: _Optional[_Union[SpeculativeStats, _Mapping]] = ..., mlx_active_bytes: _Optional[int] = ..., mlx_cache_bytes: _Optional[int] = ...) -> None: ...
+    image_cache: ImageCacheStats
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., layer_calls: _Optional[_Union[LayerCallStats, _Mapping]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., kv_cache_default: _Optional[str] = ..., problems: _Optional[_Iterable[str]] = ..., kv_cache_capacity_bytes: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., layer_latency: _Optional[_Iterable[_Union[LayerLatency, _Mapping]]] = ..., speculative: _Optional[_Union[SpeculativeStats, _Mapping]] = ..., mlx_active_bytes: _Optional[int] = ..., mlx_cache_bytes: _Optional[int] = ..., image_cache: _Optional[_Union[ImageCacheStats, _Mapping]] = ...) -> None: ...
+
+class ImageCacheStats(_message.Message):
+    __slots__ = ("hits", "misses", "entries", "bytes", "budget_bytes")
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    hits: int
+    misses: int
+    entries: int
+    bytes: int
+    budget_bytes: int
+    def __init__(self, hits: _Optional[int] = ..., misses: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ...) -> None: ...
 
 class SpeculativeStats(_message.Message):
     __slots__ = ("method", "drafts", "draft_tokens", "accepted_tokens", "accepted_per_position")
