@@ -16,6 +16,7 @@ from services.core.engine_config import EngineConfig
 from services.core.expert_link.local_spec import LocalExpertsSpec
 from services.core.request_prep import RequestError
 from services.core.server import build_engine
+from services.core.speculative.config import SpeculativeConfig
 from services.core.vision.prefill import prefix_key
 from services.core.vision.prompt_images import PromptImage, PromptImages
 from services.core.vision.tower import IMAGE_FAMILIES, images_refused, mlx_vlm_families
@@ -254,3 +255,22 @@ def test_qwen3_5_moe_with_vision_weights_serves_text_and_refuses_images(tmp_path
         server.stop()
     assert raised.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "chat.messages[0].parts[0].image" in str(raised.value) and "qwen3_5_moe" in str(raised.value)
+
+
+def test_ngram_speculation_keeps_an_image_turns_greedy_tokens(served, checkpoint):
+    request = chat(user(png(picture(seed=7)), "Describe the image. Describe the image."))
+    ((want, _),) = served.generate(request)
+    speculating = Served(checkpoint / "split", speculative=SpeculativeConfig("ngram", 3))
+    try:
+        ((ids, _),) = speculating.generate(request)
+    finally:
+        speculating.stop()
+    assert ids == want
+
+
+def test_prompt_logprobs_are_refused_with_images(served):
+    request = chat(user(png(picture()), "Hi"))
+    request.prompt_logprobs = True
+    with pytest.raises(RequestError) as raised:
+        served.preparer.prepare(request, None)
+    assert raised.value.code == grpc.StatusCode.INVALID_ARGUMENT and "prompt_logprobs" in str(raised.value)
