@@ -29,9 +29,10 @@ from services.common.logging import get_logger
 from services.common.mlx_threads import releasing_mlx
 from services.core.batch_step import GeneratorStep
 from services.core.engine_config import EngineConfig, EngineCounters
-from services.core.engine_metrics import ENGINE_FORWARDS, ENGINE_STEPS
+from services.core.engine_metrics import record_step
 from services.core.expert_link.links import BATCH_REQUEST_IDS
 from services.core.expert_link.step_merge import run_side_by_side
+from services.core.image_prefills import ImagePrefill, ImagePrefills
 from services.core.inbox import EngineInbox
 from services.core.kind_batches import BatchKey, KindBatches
 from services.core.kv import KV_CACHE_KINDS
@@ -88,6 +89,7 @@ class Engine:
         self.step_started: float | None = None  # perf_counter() of the step in progress, if any
         self.batches = KindBatches(config, self.counters, self._speculates)
         self.prompt_start = PromptStart(self.prefix_cache, self.batches.new_cache)
+        self.image_prefills = ImagePrefills(lambda: self.prompt_start.vision)
         self._thread = threading.Thread(target=releasing_mlx(self._run), name="engine", daemon=True)
 
     # ---- called from other threads ---------------------------------------------------------
@@ -96,8 +98,7 @@ class Engine:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the step loop, then close what the loader opened (expert links): a gRPC channel
-        left open at interpreter exit can abort the process instead of exiting 0."""
+        """Stop the step loop, then close the expert links (one left open can abort the exit)."""
         self._stop.set()
         self._inbox.put(None)
         self._thread.join(timeout=10)
@@ -165,7 +166,7 @@ class Engine:
         self._probe()
         last_probe = time.monotonic()
         while not self._stop.is_set():
-            idle = not self._active
+            idle = not self._active and not self.image_prefills.pending
             # Probe often while a worker is missing, so service resumes soon after it returns.
             wait = 0.25 if self.problems else self.config.idle_probe_s
             items = self._inbox.take(wait if idle else 0.0, gather=idle)  # all that arrived: one step
@@ -173,7 +174,7 @@ class Engine:
                 break
             for item in items:
                 self._handle(item)
-            if not self._active:
+            if not self._active and not self.image_prefills.pending:
                 if time.monotonic() - last_probe >= wait:
                     self._probe()
                     last_probe = time.monotonic()
@@ -187,14 +188,12 @@ class Engine:
                 self._outbox.flush()
             if self.layer_call_timings is not None:
                 self.layer_call_timings.record_part("engine_step", (time.perf_counter() - started) * 1e6)
-            if not self._active:
+            if not self._active and not self.image_prefills.pending:
                 self._release_idle_memory()
 
     def _release_idle_memory(self) -> None:
-        """The last sequence left: what only running sequences needed goes back to the system, so
-        idle memory is weights + the prefix cache, not the peak of the last burst. The batches are
-        made anew by the next request; MLX's freed buffers (kept for reuse up to --mlx-cache-gb)
-        and the C heap's free pages are returned."""
+        """The last sequence left: batches, MLX's freed buffers and the heap's free pages go back, so
+        idle memory is weights + the prefix cache, not the last burst's peak."""
         self.batches.reset()
         mx.clear_cache()
         trim_heap()
@@ -205,6 +204,8 @@ class Engine:
             self._add(sequence)
         elif kind == "cancel" and sequence.key in self._active and not sequence.done:
             self._finish(sequence, remove=True)
+        elif kind == "cancel" and self.image_prefills.take(lambda p: p.sequence is sequence):
+            self._release(sequence)  # its prompt was still being prefilled: nothing else holds it
 
     def _add(self, sequence: Sequence) -> None:
         if self.problems:
@@ -217,7 +218,18 @@ class Engine:
         if request.prompt_logprobs:
             sequence.prompt_logprobs = [self.logprobs.entry(request.prompt[0])]  # no context: no logprob
         try:
-            cache, held, cached = self.prompt_start.cache_for(sequence)
+            cache, cached = self.prompt_start.cache_for(sequence)
+            if request.images is not None and cached < len(request.prompt) - 1:
+                self.image_prefills.add(ImagePrefill(sequence, cache, cached, cached))
+                return
+            self._insert(sequence, cache, cached, cached)
+        except Exception as error:  # noqa: BLE001 - a bad cache kind or settings: this request fails, no other
+            self._refuse(sequence, error)
+
+    def _insert(self, sequence: Sequence, cache: list, held: int, cached: int) -> None:
+        """Put the sequence in its batch, with `cache` holding its first `held` prompt positions."""
+        request = sequence.request
+        try:
             cuts = [held, *(at for at in request.snapshot_at if at > held), len(request.prompt)]
             sequence.batch = self.batches.place(sequence.kind)
             (sequence.uid,) = self.batches.generator(sequence.batch).insert_segments(
@@ -229,24 +241,24 @@ class Engine:
                 logits_processors=[request.processors],
                 stop_sequences=[request.stop_sequences],
             )
-        except (
-            Exception
-        ) as error:  # a bad cache kind, an image prefill's expert call: this request fails, no other
-            log.exception("insert_failed")
-            self._release(sequence)
-            code, message = step_failure(error)
-            if code == grpc.StatusCode.INTERNAL:
-                message = f"could not start the request: {error}"
-            sequence.send(EngineError(code, message))
+        except Exception as error:  # noqa: BLE001 - this request fails, no other
+            self._refuse(sequence, error)
             return
         sequence.cached_tokens = cached
         self._active[sequence.key] = sequence
         self.counters.prompt_tokens += len(request.prompt)
 
+    def _refuse(self, sequence: Sequence, error: Exception) -> None:
+        log.exception("insert_failed")
+        self._release(sequence)
+        sequence.send(EngineError(grpc.StatusCode.INTERNAL, f"could not start the request: {error}"))
+
     def _step(self) -> None:
         started = time.monotonic()
         # The expert calls of this step carry these ids to the workers' logs.
-        BATCH_REQUEST_IDS.set(tuple(s.request.request_id for s in self._active.values()))
+        BATCH_REQUEST_IDS.set(
+            tuple(s.request.request_id for s in self._active.values()) + self.image_prefills.request_ids()
+        )
         try:
             with mx.stream(generation_stream):
                 working = {batch for batch, _ in self._active}
@@ -266,6 +278,8 @@ class Engine:
                 # kind) shares one expert call per worker per layer; lanes pipeline theirs.
                 tasks = [task for step in steps.values() for task in step.tasks]
                 lanes = [batch[1] for batch, step in steps.items() for _ in step.tasks]
+                image_task = self.image_prefills.task(self.config.max_num_batched_tokens - decoding)
+                tasks, lanes = (tasks + [image_task], lanes + [0]) if image_task else (tasks, lanes)
                 results = run_side_by_side(tasks, lanes)
                 outcomes, start = {}, 0
                 for batch, step in steps.items():
@@ -274,30 +288,22 @@ class Engine:
         except Exception as error:  # noqa: BLE001 -- one bad step must not take the server down; step_failure logs it
             self._fail_all(*self.step_failure(error))
             return
-        if tasks:
-            ENGINE_STEPS.inc()
-            ENGINE_FORWARDS.inc(len(tasks))
-            seconds = time.monotonic() - started
-            # the prompt tokens this step really computed (a short prompt takes less than its chunk)
+        if tasks:  # the prompt tokens it really computed: a short prompt takes less than its chunk
             prefilled = sum(step.prompt_tokens for step in steps.values())
-            self.pacer.observe(seconds, prefilled, decoding)
-            if prefilled:
-                log.debug(
-                    "prefill_step",
-                    tokens=prefilled,
-                    decoding=decoding,
-                    seconds=round(seconds, 3),
-                )
+            record_step(self.pacer, len(tasks), prefilled, decoding, time.monotonic() - started)
         for batch, outcome in outcomes.items():
             self.output.deliver(
                 batch, self.batches.generators[batch], steps[batch], outcome, self._active, started
             )
+        for prefilled in self.image_prefills.ready():
+            self._insert(prefilled.sequence, prefilled.cache, prefilled.done, prefilled.cached)
         self._refresh_gauges()
         now = time.monotonic()
-        for sequence in list(self._active.values()):
-            if sequence.request.deadline is not None and now > sequence.request.deadline:
-                sequence.send(EngineError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"))
-                self._finish(sequence, remove=True)
+        late = lambda s: s.request.deadline is not None and now > s.request.deadline  # noqa: E731
+        prefilling = [p.sequence for p in self.image_prefills.take(lambda p: late(p.sequence))]
+        for sequence in prefilling + [s for s in self._active.values() if late(s)]:
+            sequence.send(EngineError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"))
+            self._finish(sequence, remove=sequence.key in self._active)
 
     def _scoring(self, batch: BatchKey) -> frozenset[int]:
         return frozenset(
@@ -329,7 +335,8 @@ class Engine:
     def _fail_all(self, code: grpc.StatusCode, message: str) -> None:
         """A step failed midway: every sequence in flight is lost; start clean batches."""
         log.error("step_failed", code=code.name, error=message, requests=len(self._active))
-        for sequence in list(self._active.values()):
+        lost = list(self._active.values()) + [p.sequence for p in self.image_prefills.take(lambda p: True)]
+        for sequence in lost:
             self._release(sequence)
             sequence.send(EngineError(code, message))
         self._active.clear()

@@ -2,8 +2,8 @@
 
 A text prompt starts from the prefix cache's longest match (or an empty cache). A prompt with images
 starts the same way under its image-keyed entry (vision/prefill.py `prefix_key`: an image's
-positions are named by its pixels), and the vision path then prefills the rest of it, bar the last
-token, through mlx-vlm's language model: the engine's batch sees it as a prefix-cache hit.
+positions are named by its pixels); the engine then prefills the rest of it, bar the last token,
+through mlx-vlm's language model (image_prefills.py), and its batch sees it as a prefix-cache hit.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ class PromptStart:
         self.new_cache = new_cache
         self.vision: VisionPrefill | None = None  # set once a model with a vision tower loads
 
-    def cache_for(self, sequence: Sequence) -> tuple[list, int, int]:
-        """(the sequence's starting cache, the prompt positions it holds, how many of those came from
-        the prefix cache). Runs on the engine thread."""
+    def cache_for(self, sequence: Sequence) -> tuple[list, int]:
+        """(the sequence's starting cache, the prompt positions it holds from the prefix cache). Runs
+        on the engine thread."""
         request = sequence.request
         if request.prompt_logprobs:  # every prompt position is computed, so none comes from the cache
-            return self.new_cache(sequence.kind), 0, 0
+            return self.new_cache(sequence.kind), 0
         images = request.images
         if images is not None:
             if self.vision is None:
@@ -36,5 +36,4 @@ class PromptStart:
         cache, cached = self.prefix_cache.lookup(*sequence.prefix_entry(request.prompt))
         if cache is None:
             cache, cached = self.new_cache(sequence.kind), 0
-        held = self.vision.prefill(cache, request.prompt, images, cached) if images is not None else cached
-        return cache, held, cached
+        return cache, cached

@@ -274,3 +274,44 @@ def test_prompt_logprobs_are_refused_with_images(served):
     with pytest.raises(RequestError) as raised:
         served.preparer.prepare(request, None)
     assert raised.value.code == grpc.StatusCode.INVALID_ARGUMENT and "prompt_logprobs" in str(raised.value)
+
+
+def test_an_image_prompt_prefills_in_step_sized_chunks_beside_decoding(checkpoint):
+    # 128 x 128 pixels: 64 image positions, prefilled 8 positions a step across the image's span
+    image, question = picture(128, 128, seed=8), "What is in the picture?"
+    text = chat(core_pb2.ChatMessage(role="user", content="Tell me a story."))
+    small_steps = Served(checkpoint / "split", max_num_batched_tokens=8)
+    try:
+        (alone_text,) = small_steps.generate(text)
+        together = small_steps.generate(text, chat(user(png(image), question)))
+    finally:
+        small_steps.stop()
+    assert together[0][0] == alone_text[0]
+    assert together[1][0] == mlx_vlm_greedy(checkpoint / "ckpt", question, [image])
+
+
+def test_a_request_cancelled_while_its_image_prefills_leaves_nothing_behind(checkpoint):
+    server = Served(checkpoint / "split", max_num_batched_tokens=2)
+    engine = server.engine
+    try:
+
+        async def cancel_early():
+            loop, out = asyncio.get_running_loop(), asyncio.Queue()
+            request = server.preparer.prepare(chat(user(png(picture(256, 256, seed=9)), "Hi")), None)
+            sequence = engine.submit(request, out, loop)
+            for _ in range(200):  # until its prefill has started
+                await asyncio.sleep(0.01)
+                if engine.image_prefills.pending:
+                    break
+            engine.cancel(sequence)
+            for _ in range(500):
+                await asyncio.sleep(0.01)
+                if not engine.image_prefills.pending and engine.running + engine.waiting == 0:
+                    return True
+            return False
+
+        assert asyncio.run(cancel_early())
+        ((ids, _),) = server.generate(chat(user(png(picture(seed=10)), "Still there?")))
+        assert len(ids) == TOKENS
+    finally:
+        server.stop()

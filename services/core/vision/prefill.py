@@ -88,10 +88,13 @@ class VisionPrefill:
         shift = int(deltas.reshape(-1)[0].item())
         return position_ids - shift, shift
 
-    def prefill(self, cache: list, prompt: list[int], images: PromptImages, start: int = 0) -> int:
-        """Run `prompt[start:-1]` into `cache` (which holds `prompt[:start]`); returns the positions
-        the cache then holds. Only the images with positions in that window are encoded."""
-        end = len(prompt) - 1
+    def prefill(
+        self, cache: list, prompt: list[int], images: PromptImages, start: int = 0, stop: int | None = None
+    ) -> int:
+        """Run `prompt[start:stop]` (default: up to its last token, which the engine's batch computes)
+        into `cache`, which holds `prompt[:start]`; returns the positions the cache then holds. Only
+        the images with positions in that window are encoded."""
+        end = len(prompt) - 1 if stop is None else min(stop, len(prompt) - 1)
         if start >= end:
             return end
         ids = mx.array([prompt[start:end]])
