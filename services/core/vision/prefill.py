@@ -57,12 +57,11 @@ class VisionFeatures:
 
 
 class VisionPrefill:
-    def __init__(self, model: nn.Module, video_token_id: int | None, cache_bytes: int):
+    def __init__(self, model: nn.Module, cache_bytes: int):
         """`model`: mlx-vlm's model sharing core's language modules (tower.share_language_modules)."""
         self.model = model
         self.language = model.language_model
         self.features = VisionFeatures(cache_bytes)
-        self._video_token_id = video_token_id
         install_turboquant_attention(model)  # attention over TurboQuant caches, as in core's model
 
     def _encode(self, image) -> tuple[mx.array, list[mx.array] | None]:

@@ -35,10 +35,7 @@ def images_refused(config: dict) -> str | None:
     if family is None:
         return "takes text only"
     if family not in IMAGE_FAMILIES:
-        return (
-            f"({family}) is served for text only: moe-mesh serves images for {', '.join(IMAGE_FAMILIES)}, "
-            f"and {family}'s language model in mlx-vlm needs its own cache types"
-        )
+        return f"({family}) is served for text only: moe-mesh serves images for {', '.join(IMAGE_FAMILIES)}"
     return None
 
 
@@ -193,5 +190,4 @@ def load_vision(split_dir: Path, manifest, text_model: nn.Module, cache_bytes: i
     load_vision_weights(model, config, Path(split_dir) / "core" / VISION_FILE)
     share_language_modules(model, text_model, [layer.module for layer in manifest.layers])
     model.eval()
-    video = config.get("video_token_id", config.get("video_token_index"))
-    return VisionPrefill(model, video if isinstance(video, int) else None, cache_bytes)
+    return VisionPrefill(model, cache_bytes)
