@@ -151,58 +151,34 @@ class GatewayMetrics:
             [*labels, "finished_reason"],
             registry=r,
         )
-        self.running = Gauge(
-            "vllm:num_requests_running", "Requests being generated in core.", labels, registry=r
-        )
-        self.waiting = Gauge(
-            "vllm:num_requests_waiting", "Requests waiting in core's queue.", labels, registry=r
-        )
 
-        self.kv_usage = Gauge(
+        def gauge(name: str, documentation: str) -> Gauge:  # one series per served model
+            return Gauge(name, documentation, labels, registry=r)
+
+        self.running = gauge("vllm:num_requests_running", "Requests being generated in core.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting in core's queue.")
+        self.kv_usage = gauge(
             "vllm:kv_cache_usage_perc",
             "KV cache bytes in use as a fraction of what the batch could fill (1 = full).",
-            labels,
-            registry=r,
         )
-        self.kv_bytes = Gauge(
-            "moe_mesh_kv_cache_bytes", "KV cache bytes of the requests in core.", labels, registry=r
+        self.kv_bytes = gauge("moe_mesh_kv_cache_bytes", "KV cache bytes of the requests in core.")
+        self.prefix_lookups = gauge(
+            "moe_mesh_prefix_cache_lookups", "Prompts looked up in core's prefix cache, since it started."
         )
-        self.prefix_lookups = Gauge(
-            "moe_mesh_prefix_cache_lookups",
-            "Prompts looked up in core's prefix cache, since it started.",
-            labels,
-            registry=r,
+        self.prefix_hits = gauge(
+            "moe_mesh_prefix_cache_hits", "Lookups that reused cached tokens, since core started."
         )
-        self.prefix_hits = Gauge(
-            "moe_mesh_prefix_cache_hits",
-            "Lookups that reused cached tokens, since core started.",
-            labels,
-            registry=r,
+        self.prefix_hit_tokens = gauge(
+            "moe_mesh_prefix_cache_hit_tokens", "Prompt tokens not recomputed, since core started."
         )
-        self.prefix_hit_tokens = Gauge(
-            "moe_mesh_prefix_cache_hit_tokens",
-            "Prompt tokens not recomputed, since core started.",
-            labels,
-            registry=r,
+        self.prefix_bytes = gauge("moe_mesh_prefix_cache_bytes", "Bytes the prefix cache holds.")
+        self.image_hits = gauge(
+            "moe_mesh_image_cache_hits", "Images whose vision-tower output core reused, since it started."
         )
-        self.prefix_bytes = Gauge(
-            "moe_mesh_prefix_cache_bytes", "Bytes the prefix cache holds.", labels, registry=r
+        self.image_misses = gauge(
+            "moe_mesh_image_cache_misses", "Images core's vision tower encoded, since it started."
         )
-        self.image_hits = Gauge(
-            "moe_mesh_image_cache_hits",
-            "Images whose vision-tower output core reused, since it started.",
-            labels,
-            registry=r,
-        )
-        self.image_misses = Gauge(
-            "moe_mesh_image_cache_misses",
-            "Images core's vision tower encoded, since it started.",
-            labels,
-            registry=r,
-        )
-        self.image_bytes = Gauge(
-            "moe_mesh_image_cache_bytes", "Bytes of vision-tower outputs core keeps.", labels, registry=r
-        )
+        self.image_bytes = gauge("moe_mesh_image_cache_bytes", "Bytes of vision-tower outputs core keeps.")
 
     def set_core_gauges(self, model: str, stats: core_pb2.CoreStats) -> None:
         self.running.labels(model).set(stats.running_requests)
