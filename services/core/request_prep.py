@@ -171,6 +171,8 @@ class RequestPreparer:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, "chat.messages: at least one message is required"
             )
+        if self.images is None:  # refused before a text-only chat template meets a list of parts
+            self._with_images(chat, [])
         messages = []
         for index, message in enumerate(chat.messages):
             if message.role not in ("system", "user", "assistant", "tool", "developer"):

@@ -315,3 +315,19 @@ def test_a_request_cancelled_while_its_image_prefills_leaves_nothing_behind(chec
         assert len(ids) == TOKENS
     finally:
         server.stop()
+
+
+def test_a_text_only_chat_template_never_sees_image_parts(tiny_models):
+    from services.common.manifest import Manifest
+    from services.core.model_loader import load_core_tokenizer
+    from services.core.request_prep import RequestPreparer
+
+    split = tiny_models.split("qwen3_moe", None)  # Qwen3's text template: string contents only
+    preparer = RequestPreparer(load_core_tokenizer(split, Manifest.load(split)), "text-model", 4096, 151936)
+    for method in (lambda r: preparer.prepare(r, None), preparer.prompt_tokens):
+        with pytest.raises(RequestError) as raised:
+            method(
+                chat(core_pb2.ChatMessage(role="system", content="Be brief."), user("Look:", png(picture())))
+            )
+        assert raised.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert str(raised.value) == "chat.messages[1].parts[1].image: model 'text-model' takes text only"
