@@ -218,9 +218,9 @@ class Engine:
         if request.prompt_logprobs:
             sequence.prompt_logprobs = [self.logprobs.entry(request.prompt[0])]  # no context: no logprob
         try:
-            cache, cached = self.prompt_start.cache_for(sequence)
+            cache, cached, positions = self.prompt_start.cache_for(sequence)
             if request.images is not None and cached < len(request.prompt) - 1:
-                self.image_prefills.add(ImagePrefill(sequence, cache, cached, cached))
+                self.image_prefills.add(ImagePrefill(sequence, cache, cached, cached, positions))
                 return
             self._insert(sequence, cache, cached, cached)
         except Exception as error:  # noqa: BLE001 - a bad cache kind or settings: this request fails, no other

@@ -12,15 +12,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import mlx.core as mx
+
 from services.core.sequence import Sequence
 
 
-@dataclass
+@dataclass(eq=False)  # one per sequence: compared by identity
 class ImagePrefill:
     sequence: Sequence
     cache: list
     done: int  # prompt positions the cache holds
     cached: int  # of those, how many came from the prefix cache
+    positions: mx.array | None  # the prompt's rotary positions (VisionPrefill.positions)
 
     @property
     def end(self) -> int:
@@ -46,20 +49,20 @@ class ImagePrefills:
         request = head.sequence.request
 
         def run() -> None:
-            head.done = self._vision().prefill(head.cache, request.prompt, request.images, head.done, stop)
+            head.done = self._vision().prefill(
+                head.cache, request.prompt, request.images, head.positions, head.done, stop
+            )
 
         return run
 
     def ready(self) -> list[ImagePrefill]:
         """Take out the prompts that are prefilled."""
-        finished = [p for p in self.pending if p.done >= p.end]
-        self.pending = [p for p in self.pending if p.done < p.end]
-        return finished
+        return self.take(lambda p: p.done >= p.end)
 
     def take(self, leaving: Callable[[ImagePrefill], bool]) -> list[ImagePrefill]:
-        """Take out the pending prompts for which `leaving` holds (cancelled, past their deadline)."""
+        """Take out the pending prompts for which `leaving` holds (prefilled, cancelled, late)."""
         gone = [p for p in self.pending if leaving(p)]
-        self.pending = [p for p in self.pending if not leaving(p)]
+        self.pending = [p for p in self.pending if all(p is not q for q in gone)]
         return gone
 
     def request_ids(self) -> tuple[str, ...]:

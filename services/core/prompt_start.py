@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import mlx.core as mx
+
 from services.core.prefix_cache import PrefixCache
 from services.core.sequence import Sequence
 from services.core.vision.prefill import VisionPrefill, prefix_key
@@ -21,19 +23,20 @@ class PromptStart:
         self.new_cache = new_cache
         self.vision: VisionPrefill | None = None  # set once a model with a vision tower loads
 
-    def cache_for(self, sequence: Sequence) -> tuple[list, int]:
-        """(the sequence's starting cache, the prompt positions it holds from the prefix cache). Runs
-        on the engine thread."""
+    def cache_for(self, sequence: Sequence) -> tuple[list, int, mx.array | None]:
+        """(the sequence's starting cache, the prompt positions it holds from the prefix cache, and
+        for a prompt with images its rotary positions, `VisionPrefill.positions`). Runs on the
+        engine thread."""
         request = sequence.request
         if request.prompt_logprobs:  # every prompt position is computed, so none comes from the cache
-            return self.new_cache(sequence.kind), 0
-        images = request.images
+            return self.new_cache(sequence.kind), 0, None
+        images, positions = request.images, None
         if images is not None:
             if self.vision is None:
                 raise ValueError("this model has no vision tower")
-            _, shift = self.vision.positions(request.prompt, images)
+            positions, shift = self.vision.positions(request.prompt, images)
             sequence.prefix_keyer = lambda tokens: prefix_key(sequence.kind, tokens, images, shift)
         cache, cached = self.prefix_cache.lookup(*sequence.prefix_entry(request.prompt))
         if cache is None:
             cache, cached = self.new_cache(sequence.kind), 0
-        return cache, cached
+        return cache, cached, positions

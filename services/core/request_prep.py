@@ -20,7 +20,7 @@ from services.core.output_prep import OutputPreparer, template_tools
 from services.core.sampling import Sampler, SamplingError, make_processors, make_sampler
 from services.core.structured_output import GrammarError
 from services.core.text_output import OutputSpec
-from services.core.vision.prompt_images import ImagePreparer, PromptImages, template_content, with_images
+from services.core.vision.prompt_images import ImagePreparer, PromptImages, image_parts, template_content
 from services.proto.moemesh.v1 import core_pb2
 
 MAX_STOP_STRINGS = 16
@@ -171,8 +171,11 @@ class RequestPreparer:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, "chat.messages: at least one message is required"
             )
-        if self.images is None:  # refused before a text-only chat template meets a list of parts
-            self._with_images(chat, [])
+        if self.images is None and (parts := image_parts(chat)):  # before a text-only template meets parts
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{parts[0][0]}: model {self.model_id!r} {self.images_refused}",
+            )
         messages = []
         for index, message in enumerate(chat.messages):
             if message.role not in ("system", "user", "assistant", "tool", "developer"):
@@ -266,9 +269,11 @@ class RequestPreparer:
     def _with_images(
         self, chat: core_pb2.ChatInput, prompt: list[int]
     ) -> tuple[list[int], PromptImages | None]:
-        """The prompt with its images' positions, and the images (None for a chat without any)."""
+        """The prompt with its images' positions, and the images (None: none; `_chat_inputs` refuses)."""
+        if not (parts := image_parts(chat)):
+            return prompt, None
         try:
-            return with_images(self.images, f"model {self.model_id!r} {self.images_refused}", chat, prompt)
+            return self.images.prepare(parts, prompt)
         except ImageError as error:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
 

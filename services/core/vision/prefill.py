@@ -21,8 +21,6 @@ from mlx import nn
 from services.core.kv.sdpa_hook import install_turboquant_attention
 from services.core.vision.prompt_images import PromptImages
 
-PREFILL_CHUNK = 2048  # prompt positions per forward: bounds the activations of a long prompt
-
 
 class VisionFeatures:
     """Vision-tower outputs per image hash, least recently used first out, under a byte budget."""
@@ -88,12 +86,18 @@ class VisionPrefill:
         return position_ids - shift, shift
 
     def prefill(
-        self, cache: list, prompt: list[int], images: PromptImages, start: int = 0, stop: int | None = None
+        self,
+        cache: list,
+        prompt: list[int],
+        images: PromptImages,
+        positions: mx.array | None,
+        start: int,
+        stop: int,
     ) -> int:
-        """Run `prompt[start:stop]` (default: up to its last token, which the engine's batch computes)
-        into `cache`, which holds `prompt[:start]`; returns the positions the cache then holds. Only
-        the images with positions in that window are encoded."""
-        end = len(prompt) - 1 if stop is None else min(stop, len(prompt) - 1)
+        """Run `prompt[start:stop]` (`stop` at most its last position, which the engine's batch
+        computes) into `cache`, which holds `prompt[:start]`, at `positions` (`self.positions`);
+        returns the positions the cache then holds. Only the images in that window are encoded."""
+        end = min(stop, len(prompt) - 1)
         if start >= end:
             return end
         ids = mx.array([prompt[start:end]])
@@ -110,22 +114,16 @@ class VisionPrefill:
                 deep_rows.append([level[a - first : b - first] for level in deep])
         if where:
             embeds[0, mx.array(where, dtype=mx.uint32)] = mx.concatenate(rows).astype(embeds.dtype)
-        deep = [mx.concatenate(level) for level in zip(*deep_rows, strict=True)] if deep_rows else None
-        positions, _ = self.positions(prompt, images)
-        is_image = ids == images.token_id
-        before = [0]  # image positions of the window before each of its positions
-        for token in prompt[start:end]:
-            before.append(before[-1] + (token == images.token_id))
-        for a in range(0, end - start, PREFILL_CHUNK):
-            b = min(a + PREFILL_CHUNK, end - start)
-            kwargs = {"inputs_embeds": embeds[:, a:b], "cache": cache}
-            if positions is not None:
-                kwargs["position_ids"] = positions[..., start + a : start + b]
-            if deep is not None:
-                kwargs["visual_pos_masks"] = is_image[:, a:b]
-                kwargs["deepstack_visual_embeds"] = [level[before[a] : before[b]] for level in deep]
-            self.language.model(ids[:, a:b], **kwargs)
-            mx.eval([c.state for c in cache])
+        kwargs = {"inputs_embeds": embeds, "cache": cache}
+        if positions is not None:
+            kwargs["position_ids"] = positions[..., start:end]
+        if deep_rows:  # the window's image positions, and their DeepStack rows in the same order
+            kwargs["visual_pos_masks"] = ids == images.token_id
+            kwargs["deepstack_visual_embeds"] = [
+                mx.concatenate(level) for level in zip(*deep_rows, strict=True)
+            ]
+        self.language.model(ids, **kwargs)
+        mx.eval([c.state for c in cache])
         return end
 
 

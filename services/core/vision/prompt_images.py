@@ -95,16 +95,3 @@ class ImagePreparer:
         grid = tuple(int(v) for v in np.asarray(out["image_grid_thw"]).reshape(-1)[:3])
         tokens = grid[0] * grid[1] * grid[2] // (self.merge * self.merge)
         return PromptImage(pixel_hash(picture), np.asarray(out["pixel_values"]), grid, tokens)
-
-
-def with_images(
-    preparer: ImagePreparer | None, refusal: str, chat: core_pb2.ChatInput, prompt: list[int]
-) -> tuple[list[int], PromptImages | None]:
-    """A chat's prompt with its images' positions, and the images (None for a chat without any).
-    Raises ImageError naming the first image where there is no `preparer` (`refusal` says why)."""
-    parts = image_parts(chat)
-    if not parts:
-        return prompt, None
-    if preparer is None:
-        raise ImageError(parts[0][0], refusal)
-    return preparer.prepare(parts, prompt)
