@@ -54,6 +54,14 @@ class Overloaded(Exception):
     pass
 
 
+def release_idle_memory(batches: KindBatches) -> None:
+    """The last sequence left: batches, MLX's freed buffers and the heap's free pages go back, so
+    idle memory is weights + the prefix cache, not the last burst's peak."""
+    batches.reset()
+    mx.clear_cache()
+    trim_heap()
+
+
 class Engine:
     def __init__(self, tokenizer, config: EngineConfig, loader: Callable[[], tuple]):
         """`loader()` runs first on the engine thread (expert links belong to that thread's
@@ -86,7 +94,9 @@ class Engine:
         self._health_listeners: list[Callable[[bool], None]] = []
         self.closers: list[Callable[[], None]] = []  # run by stop(), after the step loop ends
         self.step_failure = step_failure  # (error) -> (status, message) for the step's requests
-        self.step_started: float | None = None  # perf_counter() of the step in progress, if any
+        # perf_counter() since the engine thread has been working (arrivals, a step, releasing
+        # memory); None while it waits for work or probes idle workers
+        self.busy_since: float | None = None
         self.batches = KindBatches(config, self.counters, self._speculates)
         self.prompt_start = PromptStart(self.prefix_cache, self.batches.new_cache)
         self.image_prefills = ImagePrefills(lambda: self.prompt_start.vision)
@@ -172,31 +182,23 @@ class Engine:
             items = self._inbox.take(wait if idle else 0.0, gather=idle)  # all that arrived: one step
             if items is None:
                 break
-            for item in items:
-                self._handle(item)
-            if not self._active and not self.image_prefills.pending:
-                if time.monotonic() - last_probe >= wait:
-                    self._probe()
-                    last_probe = time.monotonic()
-                continue
-            started = self.step_started = time.perf_counter()
-            self._outbox.holding = True
+            self.busy_since = time.perf_counter()
             try:
-                self._step()
+                for item in items:
+                    self._handle(item)
+                if self._active or self.image_prefills.pending:
+                    self._outbox.holding = True
+                    try:
+                        self._step()
+                    finally:
+                        self._outbox.flush()
+                    if not self._active and not self.image_prefills.pending:
+                        release_idle_memory(self.batches)
             finally:
-                self.step_started = None
-                self._outbox.flush()
-            if self.layer_call_timings is not None:
-                self.layer_call_timings.record_part("engine_step", (time.perf_counter() - started) * 1e6)
-            if not self._active and not self.image_prefills.pending:
-                self._release_idle_memory()
-
-    def _release_idle_memory(self) -> None:
-        """The last sequence left: batches, MLX's freed buffers and the heap's free pages go back, so
-        idle memory is weights + the prefix cache, not the last burst's peak."""
-        self.batches.reset()
-        mx.clear_cache()
-        trim_heap()
+                self.busy_since = None
+            if not self._active and not self.image_prefills.pending and time.monotonic() - last_probe >= wait:
+                self._probe()
+                last_probe = time.monotonic()
 
     def _handle(self, item) -> None:
         kind, sequence = item
@@ -296,8 +298,11 @@ class Engine:
                 batch, self.batches.generators[batch], steps[batch], outcome, self._active, started
             )
         for prefilled in self.image_prefills.ready():
+            self.prompt_start.keep_prefilled(prefilled.sequence, prefilled.cache, prefilled.done)
             self._insert(prefilled.sequence, prefilled.cache, prefilled.done, prefilled.cached)
         self._refresh_gauges()
+        if self.layer_call_timings is not None:
+            self.layer_call_timings.record_part("engine_step", (time.monotonic() - started) * 1e6)
         now = time.monotonic()
         late = lambda s: s.request.deadline is not None and now > s.request.deadline  # noqa: E731
         prefilling = [p.sequence for p in self.image_prefills.take(lambda p: late(p.sequence))]

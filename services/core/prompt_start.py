@@ -4,13 +4,20 @@ A text prompt starts from the prefix cache's longest match (or an empty cache). 
 starts the same way under its image-keyed entry (vision/prefill.py `prefix_key`: an image's
 positions are named by its pixels); the engine then prefills the rest of it, bar the last token,
 through mlx-vlm's language model (image_prefills.py), and its batch sees it as a prefix-cache hit.
+
+A finished sequence's cache goes to the prefix cache, and a later prompt reuses it trimmed to the
+shared prefix. Recurrent layers (Gated DeltaNet) cannot be trimmed, so for such a model a prompt
+with images also keeps a copy of its prefilled cache (`keep_prefilled`): the same image turn again,
+or the conversation's next turn, starts from it.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import mlx.core as mx
+from mlx_lm.models.cache import can_trim_prompt_cache
 
 from services.core.prefix_cache import PrefixCache
 from services.core.sequence import Sequence
@@ -40,3 +47,10 @@ class PromptStart:
         if cache is None:
             cache, cached = self.new_cache(sequence.kind), 0
         return cache, cached, positions
+
+    def keep_prefilled(self, sequence: Sequence, cache: list, done: int) -> None:
+        """Keep a copy of `cache`, holding the prompt's first `done` positions, where the sequence's
+        own cache will not serve later prompts (it cannot be trimmed back to them)."""
+        if self.prefix_cache.enabled and not can_trim_prompt_cache(cache):
+            tokens = sequence.request.prompt[:done]
+            self.prefix_cache.store(*sequence.prefix_entry(tokens), copy.deepcopy(cache))

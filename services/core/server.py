@@ -130,7 +130,7 @@ def build_engine(
             engine.expert_links = dispatcher
             if distributed:
                 plane = DataPlane(dispatcher, distributed, stuck_s=expert_timeout_s)
-                plane.watch(lambda: engine.step_started)
+                plane.watch(lambda: engine.busy_since)
                 engine.closers.insert(0, plane.stop)
                 engine.step_failure = plane.step_failure(engine.step_failure)
                 local_modules.update({layer: DistributedExperts(layer, plane) for layer in remote_layers})

@@ -128,8 +128,9 @@ async def serves_on_over_grpc_unless_stuck(stack: PlaneStack, want: list[int]) -
         try:
             tokens = await stack.generate(PROMPT, 8)
         except grpc.aio.AioRpcError as error:
-            assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
-            assert time.monotonic() < deadline, error.details()
+            log_tail = stack.core_log.read_text()[-4000:]
+            assert error.code() == grpc.StatusCode.UNAVAILABLE, (error.details(), log_tail)
+            assert time.monotonic() < deadline, (error.details(), log_tail)
             await asyncio.sleep(0.5)
             continue
         assert tokens == want

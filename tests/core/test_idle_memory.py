@@ -1,5 +1,5 @@
 """When its last sequence leaves, core gives back what only running sequences needed: the
-batches, MLX's freed buffers and the heap's free pages (Engine._release_idle_memory)."""
+batches, MLX's freed buffers and the heap's free pages (engine.release_idle_memory)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Images through core: a tiny random Qwen3-VL-MoE checkpoint, split, served with its experts in
-core's process, against mlx-vlm's own `generate` on the original checkpoint."""
+"""Images through core: tiny random Qwen3-VL-MoE and Qwen3.5-MoE checkpoints, split, served with
+their experts in core's process, against mlx-vlm's own `generate` on the original checkpoint."""
 
 from __future__ import annotations
 
@@ -241,7 +241,44 @@ def test_vision_families_come_from_mlx_vlm_and_the_unserved_are_named():
         assert refused is None or family in refused
 
 
-def test_qwen3_5_moe_with_vision_weights_serves_text_and_refuses_images(tmp_path):
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """A Qwen3.5-MoE checkpoint with vision weights: Gated DeltaNet and attention layers."""
+    root = tmp_path_factory.mktemp("vlm35")
+    build_tiny_vlm(root / "ckpt", family="qwen3_5_moe")
+    split_checkpoint(root / "ckpt", root / "split", progress=False)
+    return root
+
+
+@pytest.mark.parametrize("kind", ["fp16", "turboquant"])
+def test_qwen3_5_moe_greedy_tokens_equal_mlx_vlm(hybrid, kind):
+    server = Served(hybrid / "split", kv_cache=kind)
+    try:
+        ((ids, _),) = server.generate(chat(user(png(picture()), "Describe the image.")))
+    finally:
+        server.stop()
+    assert ids == mlx_vlm_greedy(hybrid / "ckpt", "Describe the image.", [picture()])
+
+
+@pytest.mark.parametrize("kind", ["fp16", "turboquant"])
+def test_qwen3_5_moe_repeats_an_image_turn_from_its_kept_prefill(hybrid, kind):
+    """Recurrent state cannot be trimmed back to a prompt: the prefilled cache itself is kept,
+    so the same turn again reuses every position but the last, and batches with text."""
+    server = Served(hybrid / "split", kv_cache=kind)
+    try:
+        request = chat(user(png(picture(seed=3)), "What is in it?"))
+        ((first, _),) = server.generate(request)
+        text = chat(core_pb2.ChatMessage(role="user", content="Say something."))
+        (again, text_in_batch) = server.generate(request, text)
+        (text_alone,) = server.generate(text)
+    finally:
+        server.stop()
+    assert again[0] == first and again[1] > 4
+    assert text_in_batch[0] == text_alone[0]
+
+
+def test_a_family_core_cannot_serve_images_for_is_split_for_text_and_named(tmp_path, monkeypatch):
+    monkeypatch.setattr("services.core.vision.tower.IMAGE_FAMILIES", ("qwen3_vl_moe",))
     build_tiny_vlm(tmp_path / "ckpt", family="qwen3_5_moe")
     split_checkpoint(tmp_path / "ckpt", tmp_path / "split", progress=False)
     assert not (tmp_path / "split" / "core" / "vision.safetensors").exists()

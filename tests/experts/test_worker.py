@@ -152,20 +152,23 @@ async def test_health_and_describe_answer_while_a_long_call_computes(worker):
         stream = expert_pb2_grpc.ExpertWorkerStub(channel).Forward()
         await stream.write(big)
         reply = asyncio.ensure_future(stream.read())
-        slowest, statuses = 0.0, set()
+        quick, statuses = 0, set()
         while not reply.done():  # health and Describe, again and again, until the reply comes
             started = time.monotonic()
             statuses.add(await health_status(channel))  # 2 s timeout; -1 if it passes
             await expert_pb2_grpc.ExpertWorkerStub(channel).Describe(expert_pb2.DescribeRequest(), timeout=2)
-            slowest = max(slowest, time.monotonic() - started)
+            quick += time.monotonic() - started < 0.25
         result = reply.result()
         await stream.done_writing()
     assert not result.HasField("error") and result.stats.pairs == 300_000
     compute_s = result.stats.compute_us / 1e6
     if compute_s < 1.0:
         pytest.skip(f"the call computed in {compute_s:.2f} s: too fast here to show a stall")
+    # Every probe answered within its deadline, and many promptly: a loop blocked for the
+    # computation would answer one or two (this client's own handling of the big reply, on a
+    # loaded machine, may delay a few).
     assert statuses == {health_pb2.HealthCheckResponse.SERVING}
-    assert slowest < compute_s / 2, (slowest, compute_s)
+    assert quick >= 5, (quick, compute_s)
 
 
 @pytest.mark.slow

@@ -186,19 +186,17 @@ class DataPlane:
 
         return classify
 
-    def watch(self, step_started: Callable[[], float | None]) -> None:
-        """Watch the members over gRPC while the plane is on (see `_watch`); `step_started`
-        gives when the engine's step in progress began (None: no step)."""
-        threading.Thread(
-            target=self._watch, args=(step_started,), name="data-plane-watch", daemon=True
-        ).start()
+    def watch(self, busy_since: Callable[[], float | None]) -> None:
+        """Watch the members over gRPC while the plane is on (see `_watch`); `busy_since` gives
+        since when the engine's thread has been working (None: it waits)."""
+        threading.Thread(target=self._watch, args=(busy_since,), name="data-plane-watch", daemon=True).start()
 
-    def _watch(self, step_started: Callable[[], float | None]) -> None:
+    def _watch(self, busy_since: Callable[[], float | None]) -> None:
         """A member that stops answering turns the plane off before the next step meets it.
         When a member dies mid-step, MLX's ring may raise or may leave the collective blocked
-        for ever, and with it every step after; nothing can interrupt that, so a step that runs
-        past `stuck_s` once the plane is off makes core exit, for its supervisor to start it
-        again, rather than hang its requests."""
+        for ever, and with it any later evaluation that depends on it; nothing can interrupt that,
+        so engine work (a step, or taking in a request) that runs past `stuck_s` once the plane is
+        off makes core exit, for its supervisor to start it again, rather than hang its requests."""
         while self.lost is None:
             time.sleep(WATCH_INTERVAL_S)
             if self.group is None:
@@ -208,7 +206,7 @@ class DataPlane:
                 self._lose(f"members {gone} stopped answering")
         while True:
             time.sleep(WATCH_INTERVAL_S)
-            began = step_started()
+            began = busy_since()
             if began is not None and time.perf_counter() - began > self.stuck_s:
                 seconds = round(time.perf_counter() - began, 1)
                 log.critical("data_plane_stuck", seconds=seconds, exit_code=DATA_PLANE_STUCK)

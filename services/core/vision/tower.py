@@ -22,7 +22,10 @@ VISION_FILE = "vision.safetensors"
 LANGUAGE = "language_model"
 # Families whose images core serves: their language model runs on core's own (mlx-lm) caches with
 # 3-D positions passed in. Others' vision-language checkpoints are split and served for text only.
-IMAGE_FAMILIES = ("qwen3_vl_moe",)
+IMAGE_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe")
+# Sequence mixers that keep recurrent state and take no positions (Gated DeltaNet): core's own
+# module runs in their place, on the cache kind the engine made for it.
+RECURRENT_MIXERS = ("linear_attn",)
 
 
 class VisionUnsupported(ValueError):
@@ -106,10 +109,17 @@ def load_vision_weights(model: nn.Module, config: dict, path: Path) -> None:
 
 
 def share_language_modules(vision_model: nn.Module, text_model: nn.Module, expert_paths: list[str]) -> None:
-    """Put `text_model`'s modules into `vision_model` at the same paths: the expert modules
-    (`expert_paths`, whatever computes them: remote proxies or local experts) and every other
-    leaf module of the language model. Raises VisionUnsupported where a parameter of mlx-vlm's
-    language model is left without core's counterpart (the two models' layouts differ)."""
+    """Put `text_model`'s modules into `vision_model` at the same paths: whole, the expert modules
+    (`expert_paths`, whatever computes them: remote proxies or local experts) and the recurrent
+    mixers (RECURRENT_MIXERS); every other leaf module of the language model. Raises
+    VisionUnsupported where a parameter of mlx-vlm's language model is left without core's
+    counterpart (the two models' layouts differ)."""
+    mixers = [
+        path
+        for path, _ in text_model.named_modules()
+        if path.rsplit(".", 1)[-1] in RECURRENT_MIXERS and _has_module(vision_model, path)
+    ]
+    expert_paths = [*expert_paths, *mixers]
     replace_modules(vision_model, {path: find_module(text_model, path) for path in expert_paths})
     under_experts = tuple(f"{path}." for path in expert_paths)
     leaves = {
