@@ -94,8 +94,11 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
                 self.engine.cancel(sequence)
 
     async def ListModels(self, request, context):
-        names = self.preparer.model_names
-        return core_pb2.ListModelsResponse(models=[_named(self.model_info, name) for name in names])
+        names, preparer = self.preparer.model_names, self.preparer
+        models = [_named(self.model_info, name) for name in names]
+        for model in models:  # read now: loading the vision tower may have turned images off
+            model.images_refused = "" if preparer.images is not None else preparer.images_refused
+        return core_pb2.ListModelsResponse(models=models)
 
     async def CountTokens(self, request: core_pb2.CountTokensRequest, context):
         try:

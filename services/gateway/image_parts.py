@@ -105,9 +105,13 @@ class ImageLoader:
         self._decodes = asyncio.Semaphore(IMAGE_DECODES_AT_ONCE)
 
     @asynccontextmanager
-    async def load(self, sources: list[ImageSource]) -> AsyncIterator[Images]:
-        """The sources' images, each checked; a bad one raises a 400 naming its field. Fetched
+    async def load(self, sources: list[ImageSource], refusal: str = "") -> AsyncIterator[Images]:
+        """The sources' images, each checked; a bad one raises a 400 naming its field, and so does
+        the first where the model refuses images (`refusal`, served_model.image_refusal). Fetched
         files stay reserved in the budget until the block ends."""
+        if sources and refusal:
+            field = sources[0].field
+            raise OpenAIError(400, f"{field}: {refusal}", param=field, code="images_not_supported")
         images: dict[ImageKey, core_pb2.ImageInput] = {}
         held = 0
         try:

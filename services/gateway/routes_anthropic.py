@@ -16,6 +16,7 @@ from services.gateway.generation import serve_generation
 from services.gateway.generation_state import CompletionMeta
 from services.gateway.image_parts import ImageLoader, messages_image_sources
 from services.gateway.routes_openai import response_id
+from services.gateway.served_model import image_refusal
 
 router = APIRouter()
 
@@ -25,7 +26,8 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
     request_id: str = request.state.request_id
     meta = CompletionMeta(id=response_id("msg_", request_id), created=0, model=body.model)
     loader: ImageLoader = request.app.state.images
-    async with loader.load(messages_image_sources(body)) as images:
+    sources = messages_image_sources(body)
+    async with loader.load(sources, await image_refusal(request, sources)) as images:
         return await serve_generation(
             request,
             build_messages_request(body, request_id, images),
@@ -39,7 +41,8 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
 async def count_tokens(body: MessagesInput, request: Request) -> dict[str, int]:
     core: CoreClient = request.app.state.core
     loader: ImageLoader = request.app.state.images
-    async with loader.load(messages_image_sources(body)) as images:
+    sources = messages_image_sources(body)
+    async with loader.load(sources, await image_refusal(request, sources)) as images:
         try:
             count = await core.count_tokens(
                 chat_input(body, images), request.state.request_id, model=body.model

@@ -20,7 +20,7 @@ from services.gateway.generation import serve_generation
 from services.gateway.generation_state import CompletionMeta
 from services.gateway.image_parts import ImageLoader, chat_image_sources
 from services.gateway.openai_schema import ChatCompletionRequest
-from services.gateway.served_model import served_model_name
+from services.gateway.served_model import image_refusal, served_model_name
 
 router = APIRouter()
 
@@ -36,7 +36,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     meta = CompletionMeta(id=response_id("chatcmpl-", request_id), created=int(time.time()), model=model)
     formatter = ChatFormatter(meta, include_usage=body.include_usage_in_stream(), with_logprobs=body.logprobs)
     loader: ImageLoader = request.app.state.images
-    async with loader.load(chat_image_sources(body)) as images:
+    sources = chat_image_sources(body)
+    async with loader.load(sources, await image_refusal(request, sources)) as images:
         return await serve_generation(
             request,
             build_chat_request(body, request_id, images),

@@ -14,6 +14,7 @@ from services.gateway.errors import error_from_grpc
 from services.gateway.generate_mapping import chat_input
 from services.gateway.image_parts import ImageLoader, chat_image_sources
 from services.gateway.openai_schema import UINT32_MAX, ApiModel, ChatCompletionRequest
+from services.gateway.served_model import image_refusal
 from services.proto.moemesh.v1 import core_pb2
 
 router = APIRouter()
@@ -35,7 +36,7 @@ async def tokenize(body: TokenizePromptRequest | ChatCompletionRequest, request:
     count = core_pb2.CountTokensRequest(model=body.model or "", return_ids=True)
     loader: ImageLoader = request.app.state.images
     sources = [] if isinstance(body, TokenizePromptRequest) else chat_image_sources(body)
-    async with loader.load(sources) as images:
+    async with loader.load(sources, await image_refusal(request, sources)) as images:
         if isinstance(body, TokenizePromptRequest):
             count.prompt = body.prompt
         else:

@@ -24,6 +24,7 @@ async def test_core_serves_the_shorter_context(tiny_models):
             stub = core_pb2_grpc.CoreStub(channel)
             (model,) = (await stub.ListModels(core_pb2.ListModelsRequest())).models
             assert model.context_length == 64
+            assert model.images_refused == "takes text only"  # the gateway refuses images up front
             fits = core_pb2.GenerateRequest(
                 token_ids=core_pb2.TokenIds(ids=list(range(100, 150))),
                 stopping=core_pb2.StoppingCriteria(max_tokens=14, ignore_eos=True),

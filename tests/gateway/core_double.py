@@ -87,9 +87,11 @@ class CoreDouble(core_pb2_grpc.CoreServicer):
         self.cancelled = threading.Event()  # set when a Generate call is cancelled by the client
         self.generate_started = threading.Event()
         self.running = 0
+        self.images_refused = ""  # ModelInfo.images_refused: why the model refuses images, if it does
 
     def reset(self) -> None:
         self.script = Script()
+        self.images_refused = ""
         self.requests.clear()
         self.metadata.clear()
         self.cancelled.clear()
@@ -186,7 +188,11 @@ class CoreDouble(core_pb2_grpc.CoreServicer):
         return core_pb2.ListModelsResponse(
             models=[
                 core_pb2.ModelInfo(
-                    id=MODEL_ID, model_type="mixtral", context_length=2048, created=1_700_000_000
+                    id=MODEL_ID,
+                    model_type="mixtral",
+                    context_length=2048,
+                    created=1_700_000_000,
+                    images_refused=self.images_refused,
                 )
             ]
         )

@@ -490,3 +490,31 @@ def test_mapping_without_loaded_images_refuses() -> None:
     image = core_pb2.ImageInput(data=PNG, media_type="image/png")
     built = build_chat_request(request, "r", {(1, 1): image})
     assert [part.WhichOneof("part") for part in built.chat.messages[1].parts] == ["text", "image"]
+
+
+def test_images_to_a_text_only_model_are_refused_naming_the_clients_field(
+    core_server: CoreDoubleServer, core: CoreDouble
+) -> None:
+    """Core's model list says the model takes text only: the gateway refuses before fetching or
+    forwarding anything, naming the field the client sent (and text still serves)."""
+    core.images_refused = "takes text only"
+    gateway = GatewayThread(core_server.target, allow_image_urls=True).start()  # a fresh model list
+    try:
+        body = chat("What is this?", {"url": "http://192.0.2.1/never-fetched.png"})
+        response = httpx.post(gateway.url + CHAT, json=body, timeout=30)
+        message = refused(response, "messages[1].content[1].image_url", f"model '{MODEL_ID}' takes text only")
+        assert response.json()["error"]["code"] == "images_not_supported", message
+        anthropic_body = {
+            "model": MODEL_ID,
+            "max_tokens": 8,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, anthropic_image(PNG)]}],
+        }
+        for path in (MESSAGES, MESSAGES + "/count_tokens"):
+            response = httpx.post(gateway.url + path, json=anthropic_body, timeout=30)
+            assert response.status_code == 400 and "takes text only" in response.text, response.text
+            assert "messages[0].content[1]" in response.text
+        assert core.requests == []
+        text = httpx.post(gateway.url + CHAT, json=chat("Hello"), timeout=30)
+        assert text.status_code == 200, text.text
+    finally:
+        gateway.stop()

@@ -283,18 +283,20 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "model_type", "context_length", "fingerprint", "created")
+    __slots__ = ("id", "model_type", "context_length", "fingerprint", "created", "images_refused")
     ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_REFUSED_FIELD_NUMBER: _ClassVar[int]
     id: str
     model_type: str
     context_length: int
     fingerprint: str
     created: int
-    def __init__(self, id: _Optional[str] = ..., model_type: _Optional[str] = ..., context_length: _Optional[int] = ..., fingerprint: _Optional[str] = ..., created: _Optional[int] = ...) -> None: ...
+    images_refused: str
+    def __init__(self, id: _Optional[str] = ..., model_type: _Optional[str] = ..., context_length: _Optional[int] = ..., fingerprint: _Optional[str] = ..., created: _Optional[int] = ..., images_refused: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
