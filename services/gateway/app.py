@@ -47,10 +47,12 @@ def create_app(
     protect_metrics: bool = False,
     request_memory_mb: int = DEFAULT_REQUEST_MEMORY_MB,
     allow_image_urls: bool = False,
+    allow_private_image_urls: bool = False,
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
 ) -> FastAPI:
     """Build the app; the core channel opens at startup (inside uvicorn's loop) and closes at shutdown.
-    `allow_image_urls`: fetch http(s) image URLs in chats (else only inline images are taken)."""
+    `allow_image_urls`: fetch http(s) image URLs in chats (else only inline images are taken), from
+    public addresses only unless `allow_private_image_urls`."""
     config = CoreClientConfig(
         core_target, generate_timeout_s=generate_timeout_s, unary_timeout_s=unary_timeout_s, tls=core_tls
     )
@@ -81,7 +83,10 @@ def create_app(
     install_error_handlers(app)
     app.state.request_memory = RequestMemoryBudget(request_memory_mb * MIB)
     app.state.images = ImageLoader(
-        allow_urls=allow_image_urls, max_bytes=max_image_bytes, budget=app.state.request_memory
+        allow_urls=allow_image_urls,
+        allow_private_urls=allow_private_image_urls,
+        max_bytes=max_image_bytes,
+        budget=app.state.request_memory,
     )
     app.add_middleware(
         BodySizeLimitMiddleware, max_body_bytes=max_body_bytes, budget=app.state.request_memory

@@ -37,8 +37,14 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--allow-image-urls",
         action="store_true",
-        help="fetch http(s) image URLs sent in chats (default: only inline images, data: URLs and base64); "
-        "the gateway then requests any address a client names, its own network's too",
+        help="fetch http(s) image URLs sent in chats (default: only inline images, data: URLs and base64), "
+        "from public addresses only",
+    )
+    p.add_argument(
+        "--allow-private-image-urls",
+        action="store_true",
+        help="with --allow-image-urls, also fetch from loopback, private and link-local addresses "
+        "(the gateway's own network: only where every client is trusted)",
     )
 
 
@@ -49,4 +55,5 @@ def gateway_pass_args(args: argparse.Namespace) -> list[str]:
     out += ["--max-connections", str(args.max_connections)]
     out += ["--max-request-memory-mb", str(args.max_request_memory_mb)]
     out += ["--allow-image-urls"] if args.allow_image_urls else []
+    out += ["--allow-private-image-urls"] if args.allow_private_image_urls else []
     return out + (["--api-key-file", args.api_key_file] if args.api_key_file else [])

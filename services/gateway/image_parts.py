@@ -1,8 +1,8 @@
 """The images of a chat request, read, fetched and checked before the request goes to core.
 
 An image arrives inline (an OpenAI `data:` URL, an Anthropic base64 source) or as an http(s) URL.
-URLs are fetched only when the gateway runs with --allow-image-urls: a fetch goes wherever the
-client points it, the gateway's own network included. Every image is checked here with
+URLs are fetched only when the gateway runs with --allow-image-urls, and only from public addresses
+unless it also runs with --allow-private-image-urls (image_fetch.py). Every image is checked here with
 `decode_image`, the check core repeats, so a corrupt, oversized or unsupported image is a 400 naming
 the client's field (`messages[1].content[0].image_url`) rather than a failure inside core.
 
@@ -20,18 +20,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import http.client
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from services.common.images import DEFAULT_MAX_IMAGE_BYTES, MEDIA_TYPES, ImageError, decode_image
+from services.common.images import DEFAULT_MAX_IMAGE_BYTES, ImageError, decode_image
 from services.gateway.anthropic_schema import Base64ImageSource, ImageBlock, MessagesInput
 from services.gateway.errors import OpenAIError
+from services.gateway.image_fetch import URL_SCHEMES, download, scheme
 from services.gateway.memory_bound import IMAGE_DECODES_AT_ONCE, IMAGE_FETCHES_AT_ONCE, RequestMemoryBudget
 from services.gateway.openai_schema import ChatCompletionRequest, ImageContentPart
 from services.proto.moemesh.v1 import core_pb2
@@ -39,10 +35,6 @@ from services.proto.moemesh.v1 import core_pb2
 ImageKey = tuple[int, int]  # (message index, content part or block index) in the client's request
 Images = Mapping[ImageKey, core_pb2.ImageInput]
 
-FETCH_TIMEOUT_S = 10.0  # for each network operation, and for the whole download (checked between reads)
-MAX_REDIRECTS = 3
-URL_SCHEMES = ("http", "https")
-READ_CHUNK_BYTES = 64 * 1024
 DATA_URL_HINT = "as a data: URL, data:image/png;base64,..."
 BASE64_HINT = 'as a base64 source, {"type": "base64", "media_type": ..., "data": ...}'
 
@@ -95,10 +87,12 @@ class ImageLoader:
         self,
         *,
         allow_urls: bool = False,
+        allow_private_urls: bool = False,
         max_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
         budget: RequestMemoryBudget | None = None,
     ) -> None:
         self.allow_urls = allow_urls
+        self.allow_private_urls = allow_private_urls
         self.max_bytes = max_bytes
         self.budget = budget
         self._fetches = asyncio.Semaphore(IMAGE_FETCHES_AT_ONCE)
@@ -117,7 +111,7 @@ class ImageLoader:
         try:
             for source in sources:
                 try:
-                    if _scheme(source.url) in URL_SCHEMES:
+                    if scheme(source.url) in URL_SCHEMES:
                         data, media_type = await self._fetch(source)
                         if self.budget is not None and not self.budget.reserve(len(data)):
                             raise OpenAIError(
@@ -154,19 +148,17 @@ class ImageLoader:
                 code="image_urls_disabled",
             )
         async with self._fetches:
-            return await asyncio.to_thread(_download, source.url, source.field, self.max_bytes)
-
-
-def _scheme(url: str) -> str:
-    return url.split(":", 1)[0].lower() if ":" in url else ""
+            return await asyncio.to_thread(
+                download, source.url, source.field, self.max_bytes, self.allow_private_urls
+            )
 
 
 def _inline_image(source: ImageSource, max_bytes: int) -> tuple[bytes, str]:
     """A data: URL's or a base64 source's file, checked. Runs in a thread."""
     if source.url:
-        scheme = _scheme(source.url)
-        if scheme != "data":
-            shown = f"{scheme}: URLs" if scheme else "a URL without a scheme"
+        named = scheme(source.url)
+        if named != "data":
+            shown = f"{named}: URLs" if named else "a URL without a scheme"
             raise ImageError(source.field, f"images are sent as data: or http(s) URLs, not {shown}")
         data, media_type = _data_url(source.url, source.field)
     else:
@@ -191,64 +183,3 @@ def _base64(text: str, field: str) -> bytes:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):  # ValueError: characters beyond ASCII
         raise ImageError(field, "the image data is not valid base64") from None
-
-
-class _HttpRedirects(urllib.request.HTTPRedirectHandler):
-    """At most MAX_REDIRECTS redirects, each to http(s) only (urllib would also follow ftp)."""
-
-    max_redirections = MAX_REDIRECTS
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        if _scheme(newurl) not in URL_SCHEMES:
-            raise urllib.error.URLError(f"redirected to a {_scheme(newurl) or 'relative'} URL, not http(s)")
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
-
-
-def _opener() -> urllib.request.OpenerDirector:
-    """urllib with http(s) and nothing else: no file:, ftp: or data: handlers."""
-    opener = urllib.request.OpenerDirector()
-    for handler in (
-        urllib.request.ProxyHandler(),  # the environment's proxies, as other HTTP clients honour them
-        urllib.request.HTTPHandler(),
-        urllib.request.HTTPSHandler(),
-        _HttpRedirects(),
-        urllib.request.HTTPDefaultErrorHandler(),
-        urllib.request.HTTPErrorProcessor(),
-    ):
-        opener.add_handler(handler)
-    return opener
-
-
-def _download(url: str, field: str, max_bytes: int) -> tuple[bytes, str]:
-    """An http(s) URL's body, at most `max_bytes`, and its media type where it is an image's
-    ("" otherwise: core reads the type from the bytes). Runs in a thread."""
-    deadline = time.monotonic() + FETCH_TIMEOUT_S
-    request = urllib.request.Request(url, headers={"Accept": ", ".join(MEDIA_TYPES)})
-    try:
-        # the scheme is http(s): checked by the caller, and by _HttpRedirects on every redirect
-        with _opener().open(request, timeout=FETCH_TIMEOUT_S) as response:
-            length = response.headers.get("Content-Length", "")
-            if length.isdigit() and int(length) > max_bytes:
-                raise ImageError(field, f"the image is {length} bytes, more than the cap of {max_bytes}")
-            body = bytearray()
-            while chunk := response.read(READ_CHUNK_BYTES):
-                body += chunk
-                if len(body) > max_bytes:
-                    raise ImageError(field, f"the image is more than the cap of {max_bytes} bytes")
-                if time.monotonic() > deadline:
-                    raise ImageError(field, f"fetching the image took more than {FETCH_TIMEOUT_S:g} s")
-            media_type = response.headers.get_content_type()
-    except ImageError:
-        raise
-    except urllib.error.HTTPError as error:
-        reason = (
-            f"more than {MAX_REDIRECTS} redirects, or a redirect loop"
-            if 300 <= error.code < 400
-            else f"HTTP {error.code} {error.reason}"
-        )
-        raise ImageError(field, f"fetching the image failed: {reason}") from None
-    except urllib.error.URLError as error:
-        raise ImageError(field, f"fetching the image failed: {error.reason}") from None
-    except (OSError, http.client.HTTPException, ValueError) as error:  # timeouts, resets, bad answers
-        raise ImageError(field, f"fetching the image failed: {error or type(error).__name__}") from None
-    return bytes(body), media_type if media_type in MEDIA_TYPES else ""

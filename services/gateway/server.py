@@ -87,6 +87,7 @@ def run_gateway(
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     request_memory_mb: int = DEFAULT_REQUEST_MEMORY_MB,
     allow_image_urls: bool = False,
+    allow_private_image_urls: bool = False,
 ) -> None:
     """Serve the OpenAI-compatible HTTP API on host:port until SIGTERM/SIGINT."""
     configure_logging("gateway", log_level, log_format)
@@ -100,6 +101,7 @@ def run_gateway(
         protect_metrics=protect_metrics,
         request_memory_mb=request_memory_mb,
         allow_image_urls=allow_image_urls,
+        allow_private_image_urls=allow_private_image_urls,
     )
     raise_open_file_limit()
     config = uvicorn_config(

@@ -90,6 +90,7 @@ def _gateway(args) -> None:
         max_connections=args.max_connections,
         request_memory_mb=args.max_request_memory_mb,
         allow_image_urls=args.allow_image_urls,
+        allow_private_image_urls=args.allow_private_image_urls,
     )
 
 

@@ -18,7 +18,7 @@ import openai
 import pytest
 from PIL import Image
 
-from services.gateway import image_parts
+from services.gateway import image_fetch
 from services.proto.moemesh.v1 import core_pb2
 
 from .conftest import GatewayThread
@@ -265,9 +265,14 @@ def image_server() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def url_gateway(core_server: CoreDoubleServer) -> Iterator[GatewayThread]:
-    """A gateway started as with --allow-image-urls, taking images of at most SMALL_CAP bytes."""
+    """A gateway started as with --allow-image-urls --allow-private-image-urls (the image server is
+    on loopback), taking images of at most SMALL_CAP bytes."""
     thread = GatewayThread(
-        core_server.target, model_name_hint=MODEL_ID, allow_image_urls=True, max_image_bytes=SMALL_CAP
+        core_server.target,
+        model_name_hint=MODEL_ID,
+        allow_image_urls=True,
+        allow_private_image_urls=True,
+        max_image_bytes=SMALL_CAP,
     ).start()
     yield thread
     thread.stop()
@@ -328,7 +333,7 @@ def test_an_unreachable_or_slow_url_is_a_400(
     with socket_closed_port() as port:
         body = chat({"url": f"http://127.0.0.1:{port}/png"})
         refused(httpx.post(url_gateway.url + CHAT, json=body, timeout=30), "messages[1].content[0].image_url")
-    monkeypatch.setattr(image_parts, "FETCH_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(image_fetch, "FETCH_TIMEOUT_S", 0.3)
     started = time.monotonic()
     body = chat({"url": image_server + "/slow"})
     refused(
@@ -518,3 +523,78 @@ def test_images_to_a_text_only_model_are_refused_naming_the_clients_field(
         assert text.status_code == 200, text.text
     finally:
         gateway.stop()
+
+
+# ---- image URLs: public addresses only, unless private ones are allowed ------------------------
+
+
+@pytest.mark.parametrize(
+    ("address", "is_public"),
+    [
+        ("8.8.8.8", True),
+        ("2001:4860:4860::8888", True),
+        ("127.0.0.1", False),
+        ("10.1.2.3", False),
+        ("172.16.0.1", False),
+        ("192.168.1.1", False),
+        ("169.254.169.254", False),  # cloud metadata services
+        ("100.64.0.1", False),  # shared address space (CGNAT)
+        ("0.0.0.0", False),
+        ("224.0.0.1", False),
+        ("::1", False),
+        ("fd00::1", False),
+        ("fe80::1%eth0", False),
+        ("::ffff:127.0.0.1", False),  # IPv4-mapped loopback
+    ],
+)
+def test_public_addresses(address: str, is_public: bool) -> None:
+    assert image_fetch.public(address) is is_public
+
+
+@pytest.fixture(scope="module")
+def public_url_gateway(core_server: CoreDoubleServer) -> Iterator[GatewayThread]:
+    thread = GatewayThread(core_server.target, model_name_hint=MODEL_ID, allow_image_urls=True).start()
+    yield thread
+    thread.stop()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "[::1]", "169.254.169.254", "10.0.0.1"])
+def test_image_urls_to_private_addresses_are_refused_by_default(
+    public_url_gateway: GatewayThread, image_server: str, core: CoreDouble, host: str
+) -> None:
+    port = image_server.rsplit(":", 1)[1]
+    body = chat({"url": f"http://{host}:{port}/png"})
+    response = httpx.post(public_url_gateway.url + CHAT, json=body, timeout=30)
+    refused(
+        response, "messages[1].content[0].image_url", "not a public address", "--allow-private-image-urls"
+    )
+    assert core.requests == [] and _budget_released(public_url_gateway)
+
+
+def test_a_name_that_resolves_elsewhere_at_connect_time_is_refused(
+    image_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The URL's host passes the check as a public address, then resolves to loopback when the
+    socket connects (DNS rebinding): the connection is refused, the loopback server never asked."""
+    port = int(image_server.rsplit(":", 1)[1])
+    answers = iter(["93.184.216.34", "127.0.0.1"])
+    real = image_fetch.socket.getaddrinfo
+
+    def rebinding(host, *args, **kwargs):
+        if host != "images.example":
+            return real(host, *args, **kwargs)
+        return [(image_fetch.socket.AF_INET, image_fetch.socket.SOCK_STREAM, 6, "", (next(answers), port))]
+
+    monkeypatch.setattr(image_fetch.socket, "getaddrinfo", rebinding)
+    with pytest.raises(image_fetch.ImageError) as raised:
+        image_fetch.download(f"http://images.example:{port}/png", "f", SMALL_CAP)
+    assert "not a public address" in str(raised.value) and "127.0.0.1" in str(raised.value)
+
+
+def test_a_redirect_to_a_private_address_is_refused() -> None:
+    redirects = image_fetch._HttpRedirects(allow_private=False)
+    request = image_fetch.urllib.request.Request("http://93.184.216.34/cat.png")
+    with pytest.raises(image_fetch.PrivateAddress):
+        redirects.redirect_request(request, None, 302, "Found", {}, "http://127.0.0.1:9/cat.png")
+    allowed = image_fetch._HttpRedirects(allow_private=True)
+    assert allowed.redirect_request(request, None, 302, "Found", {}, "http://127.0.0.1:9/cat.png") is not None
