@@ -95,7 +95,7 @@ class Engine:
         self.closers: list[Callable[[], None]] = []  # run by stop(), after the step loop ends
         self.step_failure = step_failure  # (error) -> (status, message) for the step's requests
         # perf_counter() since the engine thread has been working (arrivals, a step, releasing
-        # memory); None while it waits for work or probes idle workers
+        # memory, probing the workers); None while it waits for work
         self.busy_since: float | None = None
         self.batches = KindBatches(config, self.counters, self._speculates)
         self.prompt_start = PromptStart(self.prefix_cache, self.batches.new_cache)
@@ -194,11 +194,11 @@ class Engine:
                         self._outbox.flush()
                     if not self._active and not self.image_prefills.pending:
                         release_idle_memory(self.batches)
+                elif time.monotonic() - last_probe >= wait:
+                    self._probe()
+                    last_probe = time.monotonic()
             finally:
                 self.busy_since = None
-            if not self._active and not self.image_prefills.pending and time.monotonic() - last_probe >= wait:
-                self._probe()
-                last_probe = time.monotonic()
 
     def _handle(self, item) -> None:
         kind, sequence = item
