@@ -99,7 +99,9 @@ class Engine:
         self.busy_since: float | None = None
         self.batches = KindBatches(config, self.counters, self._speculates)
         self.prompt_start = PromptStart(self.prefix_cache, self.batches.new_cache)
-        self.image_prefills = ImagePrefills(lambda: self.prompt_start.vision)
+        self.image_prefills = ImagePrefills(
+            lambda: self.prompt_start.vision, self.prompt_start.keep_prefilled
+        )
         self._thread = threading.Thread(target=releasing_mlx(self._run), name="engine", daemon=True)
 
     # ---- called from other threads ---------------------------------------------------------
@@ -298,7 +300,6 @@ class Engine:
                 batch, self.batches.generators[batch], steps[batch], outcome, self._active, started
             )
         for prefilled in self.image_prefills.ready():
-            self.prompt_start.keep_prefilled(prefilled.sequence, prefilled.cache, prefilled.done)
             self._insert(prefilled.sequence, prefilled.cache, prefilled.done, prefilled.cached)
         self._refresh_gauges()
         if self.layer_call_timings is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from services.core.sequence import Sequence
+from services.core.vision.prefill import image_spans
 
 
 @dataclass(eq=False)  # one per sequence: compared by identity
@@ -24,34 +25,49 @@ class ImagePrefill:
     done: int  # prompt positions the cache holds
     cached: int  # of those, how many came from the prefix cache
     positions: mx.array | None  # the prompt's rotary positions (VisionPrefill.positions)
+    keep_at: tuple[int, ...] = ()  # keep_points(), set when it is added
 
     @property
     def end(self) -> int:
         """Positions the cache holds once prefilled: every prompt position but the last."""
         return len(self.sequence.request.prompt) - 1
 
+    def keep_points(self) -> tuple[int, ...]:
+        """Where the prefilled cache is offered to the prefix cache (PromptStart.keep_prefilled):
+        just past the last image, for a new question about the same images, and at the end."""
+        request = self.sequence.request
+        spans = image_spans(request.prompt, request.images)
+        last = spans[-1][0] + spans[-1][1].tokens if spans else 0
+        return tuple(sorted({p for p in (last, self.end) if self.done < p <= self.end}))
+
 
 class ImagePrefills:
-    def __init__(self, vision: Callable[[], object]):
-        """`vision()`: the model's VisionPrefill (vision/prefill.py)."""
+    def __init__(self, vision: Callable[[], object], keep: Callable[[Sequence, list, int], None]):
+        """`vision()`: the model's VisionPrefill (vision/prefill.py); `keep(sequence, cache, done)`
+        offers a cache holding the prompt's first `done` positions to the prefix cache."""
         self._vision = vision
+        self._keep = keep
         self.pending: list[ImagePrefill] = []
 
     def add(self, prefill: ImagePrefill) -> None:
+        prefill.keep_at = prefill.keep_points()
         self.pending.append(prefill)
 
     def task(self, budget: int) -> Callable[[], None] | None:
-        """The forward advancing the oldest pending prompt by at most `budget` positions, or None."""
+        """The forward advancing the oldest pending prompt by at most `budget` positions (and not
+        past its next keep point), or None."""
         if not self.pending:
             return None
         head = self.pending[0]
-        stop = min(head.end, head.done + max(budget, 1))
+        stop = min(head.end, head.done + max(budget, 1), *(p for p in head.keep_at if p > head.done))
         request = head.sequence.request
 
         def run() -> None:
             head.done = self._vision().prefill(
                 head.cache, request.prompt, request.images, head.positions, head.done, stop
             )
+            if head.done in head.keep_at:
+                self._keep(head.sequence, head.cache, head.done)
 
         return run
 

@@ -7,8 +7,9 @@ through mlx-vlm's language model (image_prefills.py), and its batch sees it as a
 
 A finished sequence's cache goes to the prefix cache, and a later prompt reuses it trimmed to the
 shared prefix. Recurrent layers (Gated DeltaNet) cannot be trimmed, so for such a model a prompt
-with images also keeps a copy of its prefilled cache (`keep_prefilled`): the same image turn again,
-or the conversation's next turn, starts from it.
+with images also keeps copies of its prefilled cache (`keep_prefilled`), just past its last image
+and at its end: a new question about the same images, the same turn again, or the conversation's
+next turn starts from one.
 """
 
 from __future__ import annotations

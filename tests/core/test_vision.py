@@ -17,7 +17,7 @@ from services.core.expert_link.local_spec import LocalExpertsSpec
 from services.core.request_prep import RequestError
 from services.core.server import build_engine
 from services.core.speculative.config import SpeculativeConfig
-from services.core.vision.prefill import prefix_key
+from services.core.vision.prefill import image_spans, prefix_key
 from services.core.vision.prompt_images import PromptImage, PromptImages
 from services.core.vision.tower import IMAGE_FAMILIES, images_refused, mlx_vlm_families
 from services.proto.moemesh.v1 import core_pb2
@@ -45,6 +45,15 @@ def png(image: Image.Image) -> bytes:
 def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("vlm")
     build_tiny_vlm(root / "ckpt")
+    split_checkpoint(root / "ckpt", root / "split", progress=False)
+    return root
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """A Qwen3.5-MoE checkpoint with vision weights: Gated DeltaNet and attention layers."""
+    root = tmp_path_factory.mktemp("vlm35")
+    build_tiny_vlm(root / "ckpt", family="qwen3_5_moe")
     split_checkpoint(root / "ckpt", root / "split", progress=False)
     return root
 
@@ -121,13 +130,15 @@ def mlx_vlm_greedy(path, text: str, images: list[Image.Image]) -> list[int]:
 
 
 @pytest.mark.parametrize("kind", ["fp16", "turboquant"])
-def test_greedy_tokens_equal_mlx_vlm(checkpoint, kind):
-    server = Served(checkpoint / "split", kv_cache=kind)
+@pytest.mark.parametrize("family", ["checkpoint", "hybrid"], ids=["qwen3_vl_moe", "qwen3_5_moe"])
+def test_greedy_tokens_equal_mlx_vlm(request, family, kind):
+    root = request.getfixturevalue(family)
+    server = Served(root / "split", kv_cache=kind)
     try:
         ((ids, _),) = server.generate(chat(user(png(picture()), "Describe the image.")))
     finally:
         server.stop()
-    assert ids == mlx_vlm_greedy(checkpoint / "ckpt", "Describe the image.", [picture()])
+    assert ids == mlx_vlm_greedy(root / "ckpt", "Describe the image.", [picture()])
 
 
 def test_two_images_in_one_message_equal_mlx_vlm(served, checkpoint):
@@ -241,39 +252,31 @@ def test_vision_families_come_from_mlx_vlm_and_the_unserved_are_named():
         assert refused is None or family in refused
 
 
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-    """A Qwen3.5-MoE checkpoint with vision weights: Gated DeltaNet and attention layers."""
-    root = tmp_path_factory.mktemp("vlm35")
-    build_tiny_vlm(root / "ckpt", family="qwen3_5_moe")
-    split_checkpoint(root / "ckpt", root / "split", progress=False)
-    return root
-
-
-@pytest.mark.parametrize("kind", ["fp16", "turboquant"])
-def test_qwen3_5_moe_greedy_tokens_equal_mlx_vlm(hybrid, kind):
-    server = Served(hybrid / "split", kv_cache=kind)
-    try:
-        ((ids, _),) = server.generate(chat(user(png(picture()), "Describe the image.")))
-    finally:
-        server.stop()
-    assert ids == mlx_vlm_greedy(hybrid / "ckpt", "Describe the image.", [picture()])
-
-
 @pytest.mark.parametrize("kind", ["fp16", "turboquant"])
 def test_qwen3_5_moe_repeats_an_image_turn_from_its_kept_prefill(hybrid, kind):
-    """Recurrent state cannot be trimmed back to a prompt: the prefilled cache itself is kept,
-    so the same turn again reuses every position but the last, and batches with text."""
-    server = Served(hybrid / "split", kv_cache=kind)
+    """Recurrent state cannot be trimmed back to a prompt: the prefilled cache itself is kept, past
+    the image and at the prompt's end. The same turn again reuses every position but the last, a
+    new question about the image reuses the image's, and either batches with text."""
+    server = Served(hybrid / "split", kv_cache=kind, image_cache_bytes=0)
+    image = png(picture(seed=3))
+    request, other = chat(user(image, "What is in it?")), chat(user(image, "Which colour leads?"))
+    prepared = server.preparer.prepare(request, None)
+    first_image, shown = image_spans(prepared.prompt, prepared.images)[-1]
+    past_image = first_image + shown.tokens
     try:
-        request = chat(user(png(picture(seed=3)), "What is in it?"))
         ((first, _),) = server.generate(request)
         text = chat(core_pb2.ChatMessage(role="user", content="Say something."))
-        (again, text_in_batch) = server.generate(request, text)
+        (again, text_in_batch, new_question) = server.generate(request, text, other)
         (text_alone,) = server.generate(text)
     finally:
         server.stop()
-    assert again[0] == first and again[1] > 4
+    fresh = Served(hybrid / "split", kv_cache=kind, prefix_cache_bytes=0)
+    try:
+        ((want_other, _),) = fresh.generate(other)
+    finally:
+        fresh.stop()
+    assert again == (first, len(prepared.prompt) - 1)
+    assert new_question == (want_other, past_image)
     assert text_in_batch[0] == text_alone[0]
 
 
