@@ -54,13 +54,22 @@ class ImagePrefills:
         self.pending.append(prefill)
 
     def task(self, budget: int) -> Callable[[], None] | None:
-        """The forward advancing the oldest pending prompt by at most `budget` positions (and not
-        past its next keep point), or None."""
+        """The forward advancing the oldest pending prompt by at most `budget` positions, not past
+        its next keep point, and through at most one image the vision tower has yet to encode (an
+        encode holds the whole step, so several are spread over steps), or None."""
         if not self.pending:
             return None
         head = self.pending[0]
         stop = min(head.end, head.done + max(budget, 1), *(p for p in head.keep_at if p > head.done))
         request = head.sequence.request
+        features = self._vision().features
+        to_encode = [
+            first
+            for first, image in image_spans(request.prompt, request.images)
+            if first + image.tokens > head.done and first < stop and image.hash not in features
+        ]
+        if len(to_encode) > 1:
+            stop = max(to_encode[1], head.done + 1)
 
         def run() -> None:
             head.done = self._vision().prefill(

@@ -53,6 +53,10 @@ class VisionFeatures:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, key: str) -> bool:
+        """Whether `key` is kept (a look that counts neither a hit nor a miss)."""
+        return key in self._entries
+
 
 class VisionPrefill:
     def __init__(self, model: nn.Module, cache_bytes: int):
