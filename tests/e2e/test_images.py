@@ -1,5 +1,5 @@
-"""Images through `moe-mesh up --experts 3`: a tiny random Qwen3-VL-MoE checkpoint, asked about an
-image with the official `openai` and `anthropic` clients, answers what `mlx_vlm.generate` answers on
+"""Images through `moe-mesh up --experts 3`: tiny random Qwen3-VL-MoE and Qwen3.5-MoE checkpoints,
+asked about an image with the official `openai` and `anthropic` clients, answers what `mlx_vlm.generate` answers on
 the same checkpoint, image and prompt; a repeated image is served from the caches."""
 
 from __future__ import annotations
@@ -140,3 +140,22 @@ def test_a_corrupt_image_is_a_400_naming_the_field(served):
             max_tokens=4,
         )
     assert "messages[0].content[0]" in str(raised.value)
+
+
+def test_qwen3_5_moe_through_up_answers_as_mlx_vlm(tmp_path):
+    """A Qwen3.5-MoE checkpoint with vision weights (Gated DeltaNet and attention layers), its
+    experts on 3 workers: the openai client's answer about an image is mlx_vlm.generate's, and
+    asking again reuses the prompt's kept prefill."""
+    checkpoint = build_tiny_vlm(tmp_path / "tiny-qwen3-5-moe", family="qwen3_5_moe")
+    proc, url = launch_up(
+        tmp_path / "cache", short_dir("mm-img35-"), "--model", str(checkpoint), "--experts", "3"
+    )
+    try:
+        want = mlx_vlm_answer(checkpoint, image_bytes(2))
+        wait_serving(proc)
+        first, again = ask_openai(url, image_bytes(2)), ask_openai(url, image_bytes(2))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    assert first.choices[0].message.content == again.choices[0].message.content == want
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
