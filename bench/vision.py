@@ -1,10 +1,11 @@
 """Time to first token of chat turns with images: a first image, the same image again, text only.
 
-    python bench/vision.py [--workers 1] [--rounds 5] [--image 448x336]
+    python bench/vision.py [--workers 1] [--rounds 5] [--image 448x336] [--families qwen3_vl_moe,qwen3_5_moe]
 
-A random Qwen3-VL-MoE checkpoint at bench sizes (services/tools/tiny_vlm.py BENCH_SIZES: a 12-block
-vision tower, an 8-layer MoE language model) is split and served by a core and `--workers` expert
-workers as real processes (0: every expert in core's process). Single greedy requests over gRPC,
+Per family, a random checkpoint at bench sizes (services/tools/tiny_vlm.py FAMILY_BENCH_SIZES: a
+12-block vision tower, an 8-layer MoE language model; Qwen3.5-MoE's with Gated DeltaNet layers) is
+split and served by a core and `--workers` expert workers as real processes (0: every expert in
+core's process). Single greedy requests over gRPC,
 one after another, 8 tokens each; per case the time to first token, ms:
 
   text_only                a text question as long as the image turn's prompt, new text each round
@@ -16,7 +17,7 @@ one after another, 8 tokens each; per case the time to first token, ms:
   same_image_new_system    an image seen before behind a new system prompt: the prefix cache stops
                            before the image, the vision tower's output comes from the image cache
 
-Prints one JSON object.
+Prints one JSON object, the families under "models".
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from bench.workdir import bench_workdir
 from services.ops.up import cache_root
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 from services.tools.split import split_checkpoint
-from services.tools.tiny_vlm import BENCH_SIZES, build_tiny_vlm
+from services.tools.tiny_vlm import FAMILY_BENCH_SIZES, build_tiny_vlm
 
 TOKENS = 8
 
@@ -100,9 +101,10 @@ async def measure(address: str, rounds: int, size: tuple[int, int]) -> dict:
             )
         }
         image_tokens = (await ttft_ms(stub, chat("Count.", image(998, size))))[1]
+        filler = " a" * (image_tokens - 12)  # one token each: as long as the image turn
+        await ttft_ms(stub, chat(f"Warm up: {filler}", None))  # text prefill's first-use costs
         for r in range(rounds):
             picture = image(r, size)
-            filler = " a" * (image_tokens - 12)  # one token each: as long as the image turn
             cases["text_only"].append(await ttft_ms(stub, chat(f"Round {r}: {filler}", None)))
             cases["first_image"].append(await ttft_ms(stub, chat(f"Describe image {r}.", picture)))
             cases["repeated_image"].append(await ttft_ms(stub, chat(f"Describe image {r}.", picture)))
@@ -124,37 +126,47 @@ async def measure(address: str, rounds: int, size: tuple[int, int]) -> dict:
         return out
 
 
+def measure_family(family: str, workers: int, rounds: int, size: tuple[int, int]) -> dict:
+    root = cache_root() / "bench" / f"{family.replace('_', '-')}-bench"
+    if not (root / "split" / "manifest.json").exists():
+        log(f"building and splitting the bench {family} checkpoint in {root} (once)")
+        build_tiny_vlm(root / "checkpoint", sizes=FAMILY_BENCH_SIZES[family], family=family)
+        split_checkpoint(root / "checkpoint", root / "split", progress=False)
+    flags = ["--max-num-seqs", "8"]
+    with split_system(root / "split", bench_workdir(), workers, spin_as_up(workers), flags) as (address, _):
+        cases = asyncio.run(measure(address, rounds, size))
+    return {
+        "model": f"random {family} at bench sizes (services/tools/tiny_vlm.py FAMILY_BENCH_SIZES), float32",
+        "cases": cases,
+        "repeated_vs_first": round(
+            cases["repeated_image"]["ttft_p50_ms"] / cases["first_image"]["ttft_p50_ms"], 3
+        ),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--image", default="448x336", help="WIDTHxHEIGHT of the images sent")
+    parser.add_argument("--families", default=",".join(FAMILY_BENCH_SIZES), help="comma-separated")
     args = parser.parse_args()
     from services.common.logging import configure_logging
 
     configure_logging("bench", "warning")  # logs to stderr: stdout carries only the JSON
     size = tuple(int(v) for v in args.image.split("x"))
-    root = cache_root() / "bench" / "qwen3-vl-moe-bench"
-    if not (root / "split" / "manifest.json").exists():
-        log(f"building and splitting the bench vision-language model in {root} (once)")
-        build_tiny_vlm(root / "checkpoint", sizes=BENCH_SIZES)
-        split_checkpoint(root / "checkpoint", root / "split", progress=False)
-    flags = ["--max-num-seqs", "8"]
-    with split_system(root / "split", bench_workdir(), args.workers, spin_as_up(args.workers), flags) as (
-        address,
-        _,
-    ):
-        cases = asyncio.run(measure(address, args.rounds, size))
+    families = [f for f in args.families.split(",") if f]
+    unknown = sorted(set(families) - set(FAMILY_BENCH_SIZES))
+    if unknown:
+        parser.error(
+            f"--families: no bench checkpoint for {unknown}; choose from {sorted(FAMILY_BENCH_SIZES)}"
+        )
     report = {
         "bench": "vision",
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, mlx {mx.__version__} on {mx.default_device()}",
-        "model": "random Qwen3-VL-MoE at bench sizes (services/tools/tiny_vlm.py BENCH_SIZES), float32",
         "image": args.image,
         "workers": args.workers,
-        "cases": cases,
-        "repeated_vs_first": round(
-            cases["repeated_image"]["ttft_p50_ms"] / cases["first_image"]["ttft_p50_ms"], 3
-        ),
+        "models": {f: measure_family(f, args.workers, args.rounds, size) for f in families},
         "command": "python bench/vision.py " + " ".join(sys.argv[1:]),
     }
     print(json.dumps(report, indent=1))

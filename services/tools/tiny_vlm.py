@@ -137,6 +137,29 @@ BENCH_SIZES = {
     },
     "preprocessor": {"max_pixels": 448 * 448},
 }
+# Qwen3.5-MoE at bench sizes: Gated DeltaNet layers, full attention every fourth layer (as the
+# released models), a quarter of each attention head rotated; the same vision tower without DeepStack
+BENCH_SIZES_QWEN3_5 = {
+    "text": {
+        **{k: v for k, v in BENCH_SIZES["text"].items() if k != "rope_scaling"},
+        "shared_expert_intermediate_size": 512,
+        "linear_num_value_heads": 16,
+        "linear_num_key_heads": 8,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "full_attention_interval": 4,
+        "rope_parameters": {
+            "type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [3, 3, 2],
+            "mrope_interleaved": True,
+        },
+    },
+    "vision": {**BENCH_SIZES["vision"], "deepstack_visual_indexes": []},
+    "preprocessor": BENCH_SIZES["preprocessor"],
+}
+FAMILY_BENCH_SIZES = {"qwen3_vl_moe": BENCH_SIZES, "qwen3_5_moe": BENCH_SIZES_QWEN3_5}
 
 
 def build_tiny_vlm(
