@@ -11,8 +11,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 CITED_IN = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 JSON_NAME = re.compile(r"[\w.*-]+\.json")
-# machine: cpu = the 2-core x86 VM, h200 = the H200 GPU machine, h200host = that machine's 16-core CPU.
-RESULT_NAME = re.compile(r"^[a-z_]+-(cpu|h200|h200host)\.json$")
+# machine: cpu = the 2-core x86 VM, h200 / h100 = the GPU machines, h200host = the H200 machine's 16-core CPU.
+RESULT_NAME = re.compile(r"^[a-z_]+-(cpu|h100|h200|h200host)\.json$")
 
 
 def cited_names() -> set[str]:
@@ -37,7 +37,7 @@ def test_one_result_file_per_bench_and_machine():
     assert results, "bench/results holds no result files"
     misnamed = [name for name in results if not RESULT_NAME.match(name)]
     assert not misnamed, (
-        f"name result files <bench>-<machine>.json (machine: cpu, h200 or h200host), one per bench and "
+        f"name result files <bench>-<machine>.json (machine: cpu, h100, h200 or h200host), one per bench and "
         f"machine, with several runs under 'runs'; git keeps superseded ones: {misnamed}"
     )
 
