@@ -88,7 +88,6 @@ class Engine:
         self._admitted = 0  # submitted and not yet finished: bounded by max_num_seqs + max_queue
         self._admitted_lock = threading.Lock()
         self._active: dict[tuple[BatchKey, int], Sequence] = {}
-        self.output = SequenceOutput(self.logprobs, self.counters, self.prefix_cache, self._finish)
         self._outbox = Outbox()  # a step's chunks go to their event loops together, at its end
         self._stop = threading.Event()
         self._health_listeners: list[Callable[[bool], None]] = []
@@ -98,7 +97,10 @@ class Engine:
         # memory, probing the workers); None while it waits for work
         self.busy_since: float | None = None
         self.batches = KindBatches(config, self.counters, self._speculates)
-        self.prompt_start = PromptStart(self.prefix_cache, self.batches.new_cache)
+        self.output = SequenceOutput(
+            self.logprobs, self.counters, self.prefix_cache, self._finish, self.batches.kept_cache
+        )
+        self.prompt_start = PromptStart(self.prefix_cache, self.batches)
         self.image_prefills = ImagePrefills(
             lambda: self.prompt_start.vision, self.prompt_start.keep_prefilled
         )
@@ -245,6 +247,7 @@ class Engine:
                 logits_processors=[request.processors],
                 stop_sequences=[request.stop_sequences],
             )
+            self.batches.started(sequence.batch, sequence.uid, held, sequence.kept_draft_state)
         except Exception as error:  # noqa: BLE001 - this request fails, no other
             self._refuse(sequence, error)
             return
@@ -326,11 +329,10 @@ class Engine:
         a cancel, a deadline); with `keep_prefix` what it computed goes to the prefix cache."""
         self._release(sequence)
         self._active.pop(sequence.key, None)
-        self.batches.finished(sequence.batch, sequence.uid)
+        keep = keep_prefix and self.prefix_cache.enabled
+        for tokens, cache in self.batches.finished(sequence.batch, sequence.uid, remove, keep):
+            self.prefix_cache.store(*sequence.prefix_entry(tokens), cache)
         if remove:
-            keep = keep_prefix and self.prefix_cache.enabled
-            for tokens, cache in self.batches.remove(sequence.batch, sequence.uid, keep):
-                self.prefix_cache.store(*sequence.prefix_entry(tokens), cache)
             self._refresh_gauges()  # a cancel between steps: no step follows to do it
 
     def _refresh_gauges(self) -> None:

@@ -73,19 +73,45 @@ class KindBatches:
             )
         return self._decoders[batch]
 
-    def finished(self, batch: BatchKey, uid: int) -> None:
-        """A sequence left its batch: its drafting state goes too (an MTP cache, a draft model's)."""
+    def resumes_drafts(self) -> bool:
+        """Whether the drafter (MTP) keeps per-sequence state that the prefix cache carries."""
+        return getattr(self._drafter, "wants_hidden", False)
+
+    def started(self, batch: BatchKey, uid: int, cached: int, kept=None) -> None:
+        """A sequence joined `batch` with `cached` prompt positions from the prefix cache, and the
+        MTP state kept with them (speculative/mtp_prefix.py)."""
+        decoder = self.decoder(batch)
+        if decoder is not None:
+            decoder.start(uid, cached, kept)
+
+    def kept_cache(self, batch: BatchKey, uid: int, positions: int, cache: list) -> list:
+        """`cache`, a sequence's KV of its first `positions` tokens, as the prefix cache keeps it:
+        with the MTP layer's state over them at its end, where the sequence drafts with MTP."""
+        decoder = self._decoders.get(batch)
+        kept = None if decoder is None else decoder.kept(uid, positions)
+        return cache if kept is None else [*cache, kept]
+
+    def finished(
+        self, batch: BatchKey, uid: int, remove: bool = False, keep_prompt_cache: bool = False
+    ) -> list[tuple[list[int], list]]:
+        """A sequence left its batch: its drafting state goes too (an MTP cache, a draft model's).
+        With `remove` its KV cache is freed now, and with `keep_prompt_cache` returned as `_remove`
+        returns it."""
+        kept = self._remove(batch, uid, remove and keep_prompt_cache) if remove else []
         decoder = self._decoders.get(batch)
         if decoder is not None:
             decoder.forget(uid)
+        return kept
 
-    def remove(self, batch: BatchKey, uid: int, keep_prompt_cache: bool) -> list[tuple[list[int], list]]:
+    def _remove(self, batch: BatchKey, uid: int, keep_prompt_cache: bool) -> list[tuple[list[int], list]]:
         """Take a sequence out of its batch, freeing its KV cache; with `keep_prompt_cache`, its
         (tokens, cache) in token order (speculation may have moved its slots)."""
         caches = self.generators[batch].remove([uid], return_prompt_caches=keep_prompt_cache)
         decoder = self._decoders.get(batch)
         return [
-            (tokens[:], cache if decoder is None else decoder.in_token_order(uid, cache))
+            (tokens[:], self.kept_cache(batch, uid, len(tokens), decoder.in_token_order(uid, cache)))
+            if decoder is not None
+            else (tokens[:], cache)
             for uid, (cache, tokens) in caches.items()
         ]
 

@@ -10,25 +10,31 @@ shared prefix. Recurrent layers (Gated DeltaNet) cannot be trimmed, so for such 
 with images also keeps copies of its prefilled cache (`keep_prefilled`), just past its last image
 and at its end: a new question about the same images, the same turn again, or the conversation's
 next turn starts from one.
+
+With `--speculative mtp` an entry also carries the MTP layer's state over its positions
+(speculative/mtp_prefix.py); a sequence that speculates resumes drafting from it, others drop it.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache
 
+from services.core.kind_batches import KindBatches
 from services.core.prefix_cache import PrefixCache
 from services.core.sequence import Sequence
+from services.core.speculative.mtp_prefix import split_prefix_state
 from services.core.vision.prefill import VisionPrefill, prefix_key
 
 
 class PromptStart:
-    def __init__(self, prefix_cache: PrefixCache, new_cache: Callable[[str], list]):
+    def __init__(self, prefix_cache: PrefixCache, batches: KindBatches):
+        """`batches` make new caches and say whether sequences that speculate resume the MTP
+        layer's state kept in the prefix cache (speculative/mtp_prefix.py)."""
         self.prefix_cache = prefix_cache
-        self.new_cache = new_cache
+        self.batches = batches
         self.vision: VisionPrefill | None = None  # set once a model with a vision tower loads
 
     def cache_for(self, sequence: Sequence) -> tuple[list, int, mx.array | None]:
@@ -37,7 +43,7 @@ class PromptStart:
         engine thread."""
         request = sequence.request
         if request.prompt_logprobs:  # every prompt position is computed, so none comes from the cache
-            return self.new_cache(sequence.kind), 0, None
+            return self.batches.new_cache(sequence.kind), 0, None
         images, positions = request.images, None
         if images is not None:
             if self.vision is None:
@@ -45,8 +51,10 @@ class PromptStart:
             positions, shift = self.vision.positions(request.prompt, images)
             sequence.prefix_keyer = lambda tokens: prefix_key(sequence.kind, tokens, images, shift)
         cache, cached = self.prefix_cache.lookup(*sequence.prefix_entry(request.prompt))
+        resumes = images is None and request.speculative and self.batches.resumes_drafts()
+        cache, cached, sequence.kept_draft_state = split_prefix_state(cache, cached, resumes)
         if cache is None:
-            cache, cached = self.new_cache(sequence.kind), 0
+            cache, cached = self.batches.new_cache(sequence.kind), 0
         return cache, cached, positions
 
     def keep_prefilled(self, sequence: Sequence, cache: list, done: int) -> None:

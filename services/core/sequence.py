@@ -88,6 +88,8 @@ class Sequence:
     first_token_at: float | None = None
     # (tokens) -> (kind, tokens) the prefix cache keys this sequence's KV by; None: (kind, tokens)
     prefix_keyer: Callable[[list[int]], tuple[str, list[int]]] | None = None
+    # the MTP layer's state kept with the prefix-cache entry it starts from (speculative/mtp_prefix.py)
+    kept_draft_state: object = None
 
     @property
     def key(self) -> tuple[tuple[str, int], int | None]:

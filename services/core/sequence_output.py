@@ -29,7 +29,11 @@ class SequenceOutput:
         counters: EngineCounters,
         prefix_cache: PrefixCache,
         finish_sequence: Callable[..., None],
+        kept_cache: Callable[[tuple[str, int], int, int, list], list] = lambda batch, uid, n, cache: cache,
     ):
+        """`kept_cache(batch, uid, positions, cache)`: a sequence's cache as the prefix cache keeps
+        it (KindBatches.kept_cache)."""
+        self.kept_cache = kept_cache
         self.logprobs = logprobs
         self.counters = counters
         self.prefix_cache = prefix_cache
@@ -66,8 +70,8 @@ class SequenceOutput:
             if response.end_of_segment and not response.end_of_prompt:
                 finished.append(response.uid)
         if finished and self.prefix_cache.enabled:
-            for cache, tokens in generator.extract_cache(finished).values():
-                self.prefix_cache.store(batch[0], tokens[:], cache)
+            for uid, (cache, tokens) in generator.extract_cache(finished).items():
+                self.prefix_cache.store(batch[0], tokens[:], self.kept_cache(batch, uid, len(tokens), cache))
 
     def token(self, sequence: Sequence, response) -> None:
         """One generated token of `sequence` (mlx-lm's response), as its chunk."""
@@ -102,9 +106,9 @@ class SequenceOutput:
             fill_final(chunk, sequence)
             if not sequence.done:
                 if response.prompt_cache is not None:
-                    self.prefix_cache.store(
-                        *sequence.prefix_entry(response.all_tokens), response.prompt_cache
-                    )
+                    tokens, cache = response.all_tokens, response.prompt_cache
+                    kept = self.kept_cache(sequence.batch, response.uid, len(tokens), cache)
+                    self.prefix_cache.store(*sequence.prefix_entry(tokens), kept)
                 self._finish_sequence(sequence, remove=False)
         sequence.send(chunk)
 

@@ -5,6 +5,7 @@ decoding without it, in the engine and through a real core process."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 
 import grpc
@@ -12,14 +13,16 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 from services.core.speculative import SpeculativeConfig, SpeculativeCounters, SpeculativeDecoder
 from services.core.speculative.mtp import MtpDrafter, load_mtp
+from services.core.speculative.mtp_prefix import split_prefix_state
 from services.core.speculative.mtp_weights import MTP_FILE, unsupported_reason
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 from tests.core.test_batching import GREEDY, run, running
 from tests.core.test_speculative import PROMPTS, generate
+from tests.core.test_vision import Served
 
 ARCH = "deepseek_v3_mtp"
 
@@ -157,3 +160,91 @@ async def test_a_core_drafting_with_mtp_gives_the_tokens_of_one_without(split, t
     assert [tokens for tokens, _ in answers["mtp"]] == [tokens for tokens, _ in answers["off"]]
     assert all(len(tokens) == 24 for tokens, _ in answers["mtp"])
     assert answers["mtp_stats"].speculative.draft_tokens > 0
+
+
+@pytest.mark.parametrize("reuse", ["whole", "trimmed"])
+def test_a_prefix_kept_with_its_mtp_state_drafts_as_if_fed_from_the_start(mtp_model, reuse):
+    """The MTP state rides at the end of a prefix-cache entry and trims with it. A later prompt that
+    reuses the whole entry, or a trimmed part (which gives up one cached position to recompute the
+    hidden state the entry no longer holds), drafts what the layer computes over its whole context."""
+    model, layer = mtp_model
+    drafter = MtpDrafter(model, layer, None)
+    first = [5, 9, 17, 33, 2, 71, 8, 40]
+    sequence = drafter.index()
+    main = make_prompt_cache(model)
+    model(mx.array([first]), cache=main)
+    sequence.feed(drafter.last_hidden(), first)
+    entry = copy.deepcopy([*main, sequence.kept(len(first))])  # what the prefix cache holds
+    shared = len(first) if reuse == "whole" else 5
+    trim_prompt_cache(entry, len(first) - shared)  # what a lookup of a prompt sharing 5 tokens does
+
+    cache, cached, kept = split_prefix_state(entry, shared, resumes=True)
+    assert kept is not None and kept.slots == shared - 1
+    assert cached == (shared if reuse == "whole" else shared - 1)  # no dangling state: one more to compute
+    assert all(c.offset == cached for c in cache)
+    context = first[:shared] + [77, 78, 79]
+    resumed = drafter.resume(kept)
+    model(mx.array([context[:-1]]))  # the forward over the positions the prefix cache did not hold
+    resumed.feed(drafter.last_hidden()[:, cached:], context[cached:-1])
+    drafts = resumed.propose(context, 3)
+    mx.eval(drafts)
+    assert drafts.tolist() == reference_drafts(model, layer, context, 3)
+
+
+def test_mtp_state_is_kept_only_where_the_layer_saw_the_prefix_from_its_start(mtp_model):
+    model, layer = mtp_model
+    drafter = MtpDrafter(model, layer, None)
+    late = drafter.index(origin=4)  # began past a prefix-cache hit that kept no MTP state
+    model(mx.array([[5, 9, 17, 33, 2, 71]]))
+    late.feed(drafter.last_hidden()[:, 4:], [2, 71])
+    assert late.kept(6) is None
+    main = make_prompt_cache(model)
+    model(mx.array([[5, 9, 17]]), cache=main)
+    whole = drafter.index()
+    whole.feed(drafter.last_hidden(), [5, 9, 17])
+    entry = [*main, whole.kept(3)]
+    cache, cached, kept = split_prefix_state(entry, 3, resumes=False)  # a request that does not speculate
+    assert kept is None and cached == 3 and len(cache) == len(main)
+
+
+@pytest.mark.slow
+def test_an_engine_resumes_mtp_drafting_from_the_prefix_cache(split, monkeypatch):
+    """Through core's engine: a finished sequence's entry keeps its MTP state, the next prompts that
+    share it resume from it (the whole entry, then a trimmed part), and greedy tokens equal those of
+    an engine that does not speculate."""
+    resumed = []  # (slots, whether the hidden state of the entry's last position came too)
+    resume = MtpDrafter.resume
+
+    def spy(self, kept):
+        resumed.append((kept.slots, kept.dangling is not None))
+        return resume(self, kept)
+
+    monkeypatch.setattr(MtpDrafter, "resume", spy)
+    mtp = SpeculativeConfig(method="mtp", num_speculative_tokens=2)
+    engines = {"off": Served(split), "mtp": Served(split, speculative=mtp)}
+    prompt = [5, 9, 17, 33, 2, 71, 8, 40, 11, 12]
+    tokens, cached = {}, {}
+    try:
+        for name, served in engines.items():
+            ((first, _),) = served.generate(token_request(prompt, 12))
+            ((again, whole),) = served.generate(token_request(prompt + first + [7], 8))
+            ((other, part),) = served.generate(token_request(prompt[:6] + [3, 4], 8))
+            tokens[name], cached[name] = (first, again, other), (whole, part)
+    finally:
+        for served in engines.values():
+            served.stop()
+    assert tokens["mtp"] == tokens["off"]
+    entry = len(prompt) + len(tokens["off"][0])  # the first sequence's positions, the whole of it
+    assert cached["off"] == (entry, 6)
+    # Each resumed state holds a slot per cached position but the last, whose hidden state came
+    # with it; without that hidden state the cache gave up one position, computed again.
+    assert [slots + dangling for slots, dangling in resumed] == list(cached["mtp"])
+    assert cached["mtp"][0] >= entry - 1 and resumed[1] == (5, False)  # the shorter reuse was trimmed
+
+
+def token_request(ids: list[int], max_tokens: int) -> core_pb2.GenerateRequest:
+    return core_pb2.GenerateRequest(
+        token_ids=core_pb2.TokenIds(ids=ids),
+        sampling=GREEDY,
+        stopping=core_pb2.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True),
+    )

@@ -22,6 +22,7 @@ from services.core.speculative.acceptance import accept_greedy, accept_one, acce
 from services.core.speculative.config import SpeculativeConfig
 from services.core.speculative.metrics import SpeculativeCounters
 from services.core.speculative.mtp import MtpDrafter
+from services.core.speculative.mtp_prefix import MtpPrefixState
 from services.core.speculative.ngram import NgramDrafter, NgramIndex
 from services.core.speculative.policy import DraftPolicy
 from services.core.speculative.row_trim import RowOrder, can_trim_rows, trim_rows
@@ -105,6 +106,19 @@ class SpeculativeDecoder:
             if uid not in self._prefilling:
                 self._prefilling[uid] = self._drafter.index()
             self._prefilling[uid].feed(hidden[row : row + 1, : len(chunk)], chunk)
+
+    def start(self, uid: int, cached: int, kept: MtpPrefixState | None = None) -> None:
+        """A sequence joined the batch holding its prompt's first `cached` positions from the prefix
+        cache, and the MTP state kept with them, if any (mtp_prefix.py)."""
+        if self._wants_hidden:
+            self._prefilling[uid] = (
+                self._drafter.index(cached) if kept is None else self._drafter.resume(kept)
+            )
+
+    def kept(self, uid: int, positions: int) -> MtpPrefixState | None:
+        """The MTP state to keep beside a prefix-cache entry of the sequence's first `positions`."""
+        index = self._rows[uid][0] if uid in self._rows else self._prefilling.get(uid)
+        return index.kept(positions) if self._wants_hidden and index is not None else None
 
     def forget(self, uid: int) -> None:
         """A sequence left its batch (finished, cancelled, or moved to the prefix cache)."""

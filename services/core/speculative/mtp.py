@@ -21,6 +21,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
+from services.core.speculative.mtp_prefix import MtpPrefixState
 from services.core.speculative.mtp_weights import MTP_FILE, unsupported_reason
 
 
@@ -108,8 +109,18 @@ class MtpDrafter:
         self.layer = layer
         self.vocab_size = vocab_size
 
-    def index(self) -> MtpSequence:
-        return MtpSequence(self)
+    def index(self, origin: int = 0) -> MtpSequence:
+        """A new sequence's state; `origin`: the prompt positions it starts past (a prefix-cache
+        hit that kept no MTP state), whose hidden states the layer never sees."""
+        return MtpSequence(self, origin)
+
+    def resume(self, kept: MtpPrefixState) -> MtpSequence:
+        """A sequence starting from a prefix-cache entry that kept the layer's state (mtp_prefix.py)."""
+        sequence = MtpSequence(self, 0)
+        sequence.cache.state = (kept.keys, kept.values, kept.slots)
+        sequence.confirmed = kept.slots
+        sequence.dangling = kept.dangling
+        return sequence
 
     def last_hidden(self) -> mx.array:
         """[B, W, H]: the final hidden states of the forward that just returned."""
@@ -127,8 +138,9 @@ class MtpSequence:
     hidden state pairs with the token after it, so the last one waits (`dangling`) for the next
     feed or for `propose(context, k)`, whose context ends with the token that follows it."""
 
-    def __init__(self, drafter: MtpDrafter):
+    def __init__(self, drafter: MtpDrafter, origin: int = 0):
         self.drafter = drafter
+        self.origin = origin  # the sequence position of the cache's first slot
         self.cache = KVCache()
         self.confirmed = 0  # positions in `cache` that are the sequence's own (not drafts)
         self.dangling: mx.array | None = None  # [1, 1, H]: the last position, its next token unknown
@@ -168,6 +180,17 @@ class MtpSequence:
         out = self.drafter.layer(self.drafter.embed(mx.array([following])), hidden, self.cache)
         self.confirmed += len(following)
         self._base = out[:, -1:]
+
+    def kept(self, positions: int) -> MtpPrefixState | None:
+        """The state to keep beside a prefix-cache entry of the sequence's first `positions`
+        positions: their slots but the last, and the last one's hidden state while it dangles.
+        None where the layer has not seen them all from the first."""
+        slots = positions - 1
+        if self.origin != 0 or slots < 1 or self.confirmed < slots:
+            return None
+        dangling = self.dangling if self.confirmed == slots else None
+        keys, values = (mx.contiguous(a[..., :slots, :]) for a in (self.cache.keys, self.cache.values))
+        return MtpPrefixState(keys, values, dangling)
 
     def state(self) -> list[mx.array]:
         """What to evaluate with the step's drafts, so the cache never holds a growing graph."""
