@@ -97,7 +97,7 @@ class KindBatches:
         """A sequence left its batch: its drafting state goes too (an MTP cache, a draft model's).
         With `remove` its KV cache is freed now, and with `keep_prompt_cache` returned as `_remove`
         returns it."""
-        kept = self._remove(batch, uid, remove and keep_prompt_cache) if remove else []
+        kept = self._remove(batch, uid, keep_prompt_cache) if remove else []
         decoder = self._decoders.get(batch)
         if decoder is not None:
             decoder.forget(uid)
@@ -108,10 +108,9 @@ class KindBatches:
         (tokens, cache) in token order (speculation may have moved its slots)."""
         caches = self.generators[batch].remove([uid], return_prompt_caches=keep_prompt_cache)
         decoder = self._decoders.get(batch)
+        in_order = (lambda uid, cache: cache) if decoder is None else decoder.in_token_order
         return [
-            (tokens[:], self.kept_cache(batch, uid, len(tokens), decoder.in_token_order(uid, cache)))
-            if decoder is not None
-            else (tokens[:], cache)
+            (tokens[:], self.kept_cache(batch, uid, len(tokens), in_order(uid, cache)))
             for uid, (cache, tokens) in caches.items()
         ]
 

@@ -29,7 +29,7 @@ class SequenceOutput:
         counters: EngineCounters,
         prefix_cache: PrefixCache,
         finish_sequence: Callable[..., None],
-        kept_cache: Callable[[tuple[str, int], int, int, list], list] = lambda batch, uid, n, cache: cache,
+        kept_cache: Callable[[tuple[str, int], int, int, list], list],
     ):
         """`kept_cache(batch, uid, positions, cache)`: a sequence's cache as the prefix cache keeps
         it (KindBatches.kept_cache)."""
