@@ -22,16 +22,14 @@ from collections.abc import Callable
 
 import grpc
 import mlx.core as mx
-from mlx_lm.generate import generation_stream
 
 from services.common.heap import trim_heap
 from services.common.logging import get_logger
 from services.common.mlx_threads import releasing_mlx
-from services.core.batch_step import GeneratorStep
+from services.core.admission import Admission
 from services.core.engine_config import EngineConfig, EngineCounters
 from services.core.engine_metrics import record_step
 from services.core.expert_link.links import BATCH_REQUEST_IDS
-from services.core.expert_link.step_merge import run_side_by_side
 from services.core.image_prefills import ImagePrefill, ImagePrefills
 from services.core.inbox import EngineInbox
 from services.core.kind_batches import BatchKey, KindBatches
@@ -43,15 +41,11 @@ from services.core.prompt_start import PromptStart
 from services.core.request_prep import PreparedRequest
 from services.core.sequence import EngineError, Outbox, Sequence, step_failure
 from services.core.sequence_output import SequenceOutput
-from services.core.step_budget import share_step_budget
+from services.core.step_forwards import run_step_forwards
 from services.core.text_output import TextEmitter
 from services.core.token_bytes import TokenBytes
 
 log = get_logger(__name__)
-
-
-class Overloaded(Exception):
-    pass
 
 
 def release_idle_memory(batches: KindBatches) -> None:
@@ -85,8 +79,7 @@ class Engine:
         self.expert_links = None  # the ExpertDispatcher, when workers serve some layers (for stats)
         self._in_batch = 0  # sequences decoding or prefilling, refreshed every step
         self._inbox = EngineInbox(config.burst_gather_s, config.max_num_batched_tokens, config.max_num_seqs)
-        self._admitted = 0  # submitted and not yet finished: bounded by max_num_seqs + max_queue
-        self._admitted_lock = threading.Lock()
+        self._admission = Admission(config.max_num_seqs, config.max_queue)
         self._active: dict[tuple[BatchKey, int], Sequence] = {}
         self._outbox = Outbox()  # a step's chunks go to their event loops together, at its end
         self._stop = threading.Event()
@@ -96,6 +89,8 @@ class Engine:
         # perf_counter() since the engine thread has been working (arrivals, a step, releasing
         # memory, probing the workers); None while it waits for work
         self.busy_since: float | None = None
+        # called if the engine thread dies: the server exits rather than hold requests for ever
+        self.on_fatal: Callable[[BaseException], None] | None = None
         self.batches = KindBatches(config, self.counters, self._speculates)
         self.output = SequenceOutput(
             self.logprobs, self.counters, self.prefix_cache, self._finish, self.batches.kept_cache
@@ -130,22 +125,17 @@ class Engine:
     @property
     def running(self) -> int:
         """Sequences in a running batch (decoding or being prefilled), as of the last step."""
-        return min(self._in_batch, self._admitted)
+        return min(self._in_batch, self._admission.count)
 
     @property
     def waiting(self) -> int:
         """Admitted sequences not yet in a batch."""
-        return max(0, self._admitted - self.running)
+        return max(0, self._admission.count - self.running)
 
     def submit(
         self, request: PreparedRequest, out: asyncio.Queue, loop: asyncio.AbstractEventLoop
     ) -> Sequence:
-        with self._admitted_lock:
-            if self._admitted >= self.config.max_num_seqs + self.config.max_queue:
-                raise Overloaded(
-                    f"core is at capacity: {self.config.max_num_seqs} running and {self.config.max_queue} waiting"
-                )
-            self._admitted += 1
+        self._admission.admit()
         sequence = Sequence(
             request,
             out,
@@ -163,8 +153,7 @@ class Engine:
     # ---- the engine thread -----------------------------------------------------------------
 
     def _speculates(self, batch: BatchKey, uid: int) -> bool:
-        sequence = self._active.get((batch, uid))
-        return sequence is not None and sequence.request.speculative
+        return (sequence := self._active.get((batch, uid))) is not None and sequence.request.speculative
 
     def _run(self) -> None:
         try:
@@ -177,6 +166,14 @@ class Engine:
             return
         finally:
             self.loaded.set()
+        try:
+            self._serve()
+        except BaseException as error:  # the loop could not even fail its requests cleanly
+            log.critical("engine_thread_died", exc_info=error)
+            if self.on_fatal is not None:
+                self.on_fatal(error)
+
+    def _serve(self) -> None:
         self._probe()
         last_probe = time.monotonic()
         while not self._stop.is_set():
@@ -188,24 +185,36 @@ class Engine:
                 break
             self.busy_since = time.perf_counter()
             try:
-                for item in items:
-                    self._handle(item)
-                if self._active or self.image_prefills.pending:
-                    self._outbox.holding = True
-                    try:
-                        self._step()
-                    finally:
-                        self._outbox.flush()
-                    if not self._active and not self.image_prefills.pending:
-                        release_idle_memory(self.batches)
-                elif time.monotonic() - last_probe >= wait:
-                    self._probe()
-                    last_probe = time.monotonic()
+                if self._turn(items) or time.monotonic() - last_probe < wait:
+                    continue
+                self._probe()
+                last_probe = time.monotonic()
+            except Exception as error:  # noqa: BLE001 - a fault outside a step strands no request
+                self._fail_all(*self.step_failure(error))
             finally:
                 self.busy_since = None
 
-    def _handle(self, item) -> None:
-        kind, sequence = item
+    def _turn(self, items: list) -> bool:
+        """Take in what arrived and run a step if there is work. Whether there was work."""
+        for kind, sequence in items:
+            try:
+                self._handle(kind, sequence)
+            except Exception as error:
+                log.exception("engine_handle_failed", kind=kind)
+                self._active.pop(sequence.key, None)
+                self._refuse(sequence, error)
+        if not self._active and not self.image_prefills.pending:
+            return False
+        self._outbox.holding = True
+        try:
+            self._step()
+        finally:
+            self._outbox.flush()
+        if not self._active and not self.image_prefills.pending:
+            release_idle_memory(self.batches)
+        return True
+
+    def _handle(self, kind: str, sequence: Sequence) -> None:
         if kind == "add":
             self._add(sequence)
         elif kind == "cancel" and sequence.key in self._active and not sequence.done:
@@ -267,46 +276,27 @@ class Engine:
             tuple(s.request.request_id for s in self._active.values()) + self.image_prefills.request_ids()
         )
         try:
-            with mx.stream(generation_stream):
-                working = {batch for batch, _ in self._active}
-                busy = {batch: g for batch, g in self.batches.generators.items() if batch in working}
-                decoding, self._in_batch = share_step_budget(
-                    list(busy.values()),
-                    self.config.max_num_seqs,
-                    self.config.max_num_batched_tokens,
-                    self.pacer,
-                )
-                steps = {}
-                for batch, generator in busy.items():
-                    decoder = self.batches.decoder(batch)
-                    decode, sink = (None, None) if decoder is None else (decoder.decode, decoder.prefill_sink)
-                    steps[batch] = GeneratorStep(generator, self._scoring(batch), decode, sink)
-                # Every forward of a lane (decode, prompts joining, prefill chunks, of every KV
-                # kind) shares one expert call per worker per layer; lanes pipeline theirs.
-                tasks = [task for step in steps.values() for task in step.tasks]
-                lanes = [batch[1] for batch, step in steps.items() for _ in step.tasks]
-                image_task = self.image_prefills.task(self.config.max_num_batched_tokens - decoding)
-                tasks, lanes = (tasks + [image_task], lanes + [0]) if image_task else (tasks, lanes)
-                results = run_side_by_side(tasks, lanes)
-                outcomes, start = {}, 0
-                for batch, step in steps.items():
-                    outcomes[batch] = step.finish(results[start : start + len(step.tasks)])
-                    start += len(step.tasks)
+            working = {batch for batch, _ in self._active}
+            forwards = run_step_forwards(
+                self.batches, working, self._scoring, self.image_prefills, self.config, self.pacer
+            )
         except Exception as error:  # noqa: BLE001 -- one bad step must not take the server down; step_failure logs it
             self._fail_all(*self.step_failure(error))
             return
-        if tasks:  # the prompt tokens it really computed: a short prompt takes less than its chunk
-            prefilled = sum(step.prompt_tokens for step in steps.values())
-            record_step(self.pacer, len(tasks), prefilled, decoding, time.monotonic() - started)
-        for batch, outcome in outcomes.items():
-            self.output.deliver(
-                batch, self.batches.generators[batch], steps[batch], outcome, self._active, started
-            )
+        self._in_batch, seconds = forwards.in_batch, time.monotonic() - started
+        if forwards.tasks:
+            record_step(self.pacer, forwards.tasks, forwards.prompt_tokens, forwards.decoding, seconds)
+        for batch, outcome in forwards.outcomes.items():
+            step = forwards.steps[batch]
+            self.output.deliver(batch, step.generator, step, outcome, self._active, started)
         for prefilled in self.image_prefills.ready():
             self._insert(prefilled.sequence, prefilled.cache, prefilled.done, prefilled.cached)
         self._refresh_gauges()
         if self.layer_call_timings is not None:
             self.layer_call_timings.record_part("engine_step", (time.monotonic() - started) * 1e6)
+        self._expire_late()
+
+    def _expire_late(self) -> None:
         now = time.monotonic()
         late = lambda s: s.request.deadline is not None and now > s.request.deadline  # noqa: E731
         prefilling = [p.sequence for p in self.image_prefills.take(lambda p: late(p.sequence))]
@@ -320,9 +310,7 @@ class Engine:
         )
 
     def _release(self, sequence: Sequence) -> None:
-        sequence.done = True
-        with self._admitted_lock:
-            self._admitted -= 1
+        self._admission.release(sequence)
 
     def _finish(self, sequence: Sequence, remove: bool, keep_prefix: bool = False) -> None:
         """The sequence leaves its batch. With `remove` its KV cache is freed now (a stop string,

@@ -8,6 +8,7 @@ NOT_SERVING when a worker goes away and returns when it is back.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,6 +38,7 @@ from services.core.vision.tower import VisionUnsupported, image_preparer, images
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 
 log = get_logger(__name__)
+ENGINE_DIED = 71  # core's exit code when its engine thread died (a bug, logged as engine_thread_died)
 SERVICE_NAME = core_pb2.DESCRIPTOR.services_by_name["Core"].full_name
 
 
@@ -253,6 +255,12 @@ async def serve_core(
         asyncio.run_coroutine_threadsafe(running.set_serving(serving), loop)
 
     engine.on_health(on_health)
+
+    def on_engine_death(error: BaseException) -> None:  # called on the dying engine thread
+        log.critical("core_exiting", reason=f"the engine thread died: {error!r}", exit_code=ENGINE_DIED)
+        os._exit(ENGINE_DIED)  # for the supervisor to start core again; nothing would serve
+
+    engine.on_fatal = on_engine_death
     stats_lines = None if quiet else asyncio.create_task(log_stats_lines(lambda: cluster_stats(engine)))
     log.info("core_listening", address=running.address, workers=workers, model=info.id)
     engine.start()

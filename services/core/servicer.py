@@ -18,8 +18,9 @@ import structlog
 
 from services.common.grpc_util import not_serving_details
 from services.common.logging import REQUEST_ID_METADATA_KEY, get_logger
+from services.core.admission import Overloaded
 from services.core.cluster_status import cluster_metrics, cluster_stats
-from services.core.engine import Engine, EngineError, Overloaded
+from services.core.engine import Engine, EngineError
 from services.core.request_prep import MAX_REQUEST_ID_CHARS, RequestError, RequestPreparer
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 

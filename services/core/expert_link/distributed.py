@@ -201,9 +201,12 @@ class DataPlane:
             time.sleep(WATCH_INTERVAL_S)
             if self.group is None:
                 continue
-            gone = [link.address for link in self._members if not self._answers(link)]
-            if gone:
-                self._lose(f"members {gone} stopped answering")
+            try:
+                gone = [link.address for link in self._members if not self._answers(link)]
+                if gone:
+                    self._lose(f"members {gone} stopped answering")
+            except Exception:
+                log.exception("data_plane_watch_failed")
         while True:
             time.sleep(WATCH_INTERVAL_S)
             began = busy_since()
