@@ -344,7 +344,11 @@ class Engine:
     def _probe(self) -> None:
         if self.probe_workers is None:
             return
-        problems = self.probe_workers()
+        try:
+            problems = self.probe_workers()
+        except Exception as error:
+            log.exception("probe_failed")
+            problems = [f"core could not reach its expert workers: {error!r}"]
         if problems != self.problems:
             log.warning("workers_changed", problems=problems) if problems else log.info("workers_ready")
             self.problems = problems

@@ -186,11 +186,6 @@ async def test_a_member_lost_between_steps_fails_no_request(replicated, tiny_mod
     assert await replicated.layer_calls() > 0  # now over gRPC
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known bug: on a loaded 2-core CI host a request sent after the loss can hang for its "
-    "whole deadline while core neither serves nor exits (the --distributed ring path only)",
-)
 async def test_a_member_lost_mid_generation_never_hangs_a_request(replicated, tiny_models):
     """Worker 2 dies while core decodes. MLX's ring may raise (the step fails UNAVAILABLE, core
     serves on over gRPC) or block the step for ever (core exits 70 once the step outlives the call

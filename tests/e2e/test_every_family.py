@@ -1,10 +1,11 @@
-"""Every MoE family the installed mlx-lm provides serves under `moe-mesh up --experts 3`.
+"""Every MoE family the installed mlx-lm provides serves under `moe-mesh up --experts 2`.
 
 The families are listed from mlx-lm's own sources (`mlx_lm_moe_families`), so one mlx-lm adds is
 tested without anyone naming it; each gets a tiny random 4-bit checkpoint of its own architecture
 (`tiny_config`: dense first layers, interleaved dense/MoE layers, shared experts, hybrid attention
-as the family has them). Core's greedy tokens over gRPC must equal `mlx_lm.stream_generate`'s on the
-same checkpoint, and the HTTP API answers a completion.
+as the family has them). Each worker holds half of every layer's experts, so core sums partial
+layers as it does across any number of workers. Core's greedy tokens over gRPC must equal
+`mlx_lm.stream_generate`'s on the same checkpoint, and the HTTP API answers a completion.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def test_family_that_cannot_work_is_refused_at_split(family, tmp_path):
 def test_family_serves_under_up_like_mlx_lm(family, tmp_path):
     checkpoint = tiny_checkpoint(family, tmp_path)
     workdir = short_dir("mm-fam-")
-    proc, url = launch_up(tmp_path / "cache", workdir, "--model", str(checkpoint), "--experts", "3")
+    proc, url = launch_up(tmp_path / "cache", workdir, "--model", str(checkpoint), "--experts", "2")
     try:
         want = mlx_lm_greedy(checkpoint)  # while the services start
         wait_serving(proc)

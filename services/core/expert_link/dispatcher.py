@@ -149,7 +149,8 @@ class ExpertDispatcher(RoutingMixin, FramePathMixin, GrpcPathMixin):
         """Describe every worker, rebuild the routes; return problems (empty = every expert of
         every layer has a live worker). A down worker whose experts all have live replicas is
         not a problem (core serves on; the worker_up metric and the log show it)."""
-        return asyncio.run_coroutine_threadsafe(self._discover(timeout_s), self.loop).result()
+        answers = asyncio.run_coroutine_threadsafe(self._discover(timeout_s), self.loop)
+        return answers.result(timeout_s + 5.0)  # Describe has its deadline; this bounds the I/O loop too
 
     async def _discover(self, timeout_s: float) -> list[str]:
         if not self.links:
