@@ -92,6 +92,7 @@ def test_the_fuzzer_finds_a_decoder_that_raises_the_wrong_error():
     ids_shape=st.lists(st.integers(-1, 9), max_size=3),
     ids=st.lists(st.integers(-(2**31), 2**31 - 1), max_size=12),
 )
+@pytest.mark.slow  # thousands of inputs, seconds
 def test_structured_calls_are_answered_or_refused_in_band(
     targets, layer, dtype, shape, data, ids_dtype, ids_shape, ids
 ):

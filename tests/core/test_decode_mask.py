@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx_lm
+import pytest
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import BatchKVCache
 
@@ -21,6 +22,7 @@ def solo_tokens(model, prompt: list[int], count: int) -> list[int]:
     return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=count, sampler=greedy)]
 
 
+@pytest.mark.slow  # decodes for seconds
 def test_a_padded_batch_keeps_its_mask_and_an_aligned_one_drops_it(tiny_models):
     model, _ = mlx_lm.load(str(tiny_models.checkpoint("qwen3_moe", None)))
     short, long = list(range(3, 8)), list(range(20, 32))

@@ -19,6 +19,8 @@ from services.core.expert_link.step_merge import expert_call, run_side_by_side
 from tests.core.test_frames import _inputs, assert_fails_naming_worker
 from tests.helpers import linked_dispatcher
 
+pytestmark = pytest.mark.slow  # starts worker processes
+
 
 @pytest.fixture(scope="module")
 def split(tiny_models):

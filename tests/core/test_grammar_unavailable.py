@@ -10,6 +10,7 @@ from services.core.structured_output import GrammarError, GrammarTokenizer
 from services.tools.synthetic_model import qwen3_tokenizer_dir
 
 
+@pytest.mark.slow  # builds a vocabulary for seconds
 def test_unreadable_vocabulary_fails_each_request_with_the_reason_without_rebuilding(monkeypatch):
     tokenizer = load(qwen3_tokenizer_dir())
     builds = []

@@ -94,6 +94,7 @@ def test_mtp_drafts_equal_the_layer_run_from_scratch_across_rejections(mtp_model
         fed = len(context) - 1
 
 
+@pytest.mark.slow  # decodes for seconds
 def test_greedy_tokens_equal_decoding_without_mtp(mtp_model):
     kind = "fp16"  # MLA keeps a latent cache, which TurboQuant does not compress
     model, layer = mtp_model

@@ -236,6 +236,7 @@ def test_bf16_scales_under_float32_activations_match_mlx_lm(tiny_models):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(initial=0))
 
 
+@pytest.mark.slow  # starts worker processes
 @pytest.mark.parametrize(
     "flags, kernel", [((), "cpu"), (("--expert-kernel", "mlx"), "mlx")], ids=["auto", "mlx"]
 )

@@ -83,6 +83,7 @@ def test_page_files_are_self_contained():
         assert not urls, (path.name, urls)
 
 
+@pytest.mark.slow  # drives a browser process
 @needs_browser
 def test_page_renders_canned_status():
     replies: list = [one_worker_down()]
