@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import grpc
 import pytest
@@ -28,7 +29,10 @@ REQUEST = core_pb2.GenerateRequest(
 @pytest.fixture
 def served(tiny_models):
     engine, preparer, _ = build_engine(
-        tiny_models.split("qwen3_moe", None), [], EngineConfig(), local_experts=LocalExpertsSpec("all")
+        tiny_models.split("qwen3_moe", None),
+        [],
+        EngineConfig(idle_probe_s=0.2),
+        local_experts=LocalExpertsSpec("all"),
     )
     engine.start()
     engine.loaded.wait()
@@ -97,3 +101,30 @@ def test_an_engine_thread_that_dies_says_so_instead_of_leaving_requests_waiting(
 
     asyncio.run(submit())
     assert died.wait(30), "the engine thread neither recovered nor reported its death"
+
+
+def test_a_probe_that_raises_is_reported_as_a_problem_and_service_resumes(served):
+    """Looking at the workers fails (the I/O loop gone, say): core says it is not serving and why,
+    refuses requests UNAVAILABLE meanwhile, and serves again once a look succeeds."""
+    engine, preparer = served
+    want = generate(engine, preparer)
+    health: list[bool] = []
+    engine.on_health(health.append)
+    working = engine.probe_workers
+
+    def broken():
+        raise RuntimeError("no answer from the I/O loop")
+
+    engine.probe_workers = broken
+    deadline = time.monotonic() + 10
+    while health[-1:] != [False]:
+        assert time.monotonic() < deadline, "the failing probe was never reported"
+        time.sleep(0.05)
+    assert "no answer from the I/O loop" in " ".join(engine.problems)
+    refused = generate(engine, preparer)
+    assert isinstance(refused, EngineError) and refused.code == grpc.StatusCode.UNAVAILABLE, refused
+    engine.probe_workers = working
+    while health[-1:] != [True]:
+        assert time.monotonic() < deadline, "service never resumed"
+        time.sleep(0.05)
+    assert generate(engine, preparer) == want
