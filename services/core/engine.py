@@ -41,7 +41,7 @@ from services.core.prompt_start import PromptStart
 from services.core.request_prep import PreparedRequest
 from services.core.sequence import EngineError, Outbox, Sequence, step_failure
 from services.core.sequence_output import SequenceOutput
-from services.core.step_forwards import run_step_forwards
+from services.core.step_forwards import plan_step, run_step_forwards
 from services.core.text_output import TextEmitter
 from services.core.token_bytes import TokenBytes
 
@@ -277,17 +277,17 @@ class Engine:
         )
         try:
             working = {batch for batch, _ in self._active}
-            forwards = run_step_forwards(
-                self.batches, working, self._scoring, self.image_prefills, self.config, self.pacer
-            )
+            plan = plan_step(self.batches, working, self._scoring, self.config, self.pacer)
+            self._in_batch = plan.in_batch  # a prompt prefilling counts as running from its first step
+            forwards = run_step_forwards(plan, self.image_prefills, self.config)
         except Exception as error:  # noqa: BLE001 -- one bad step must not take the server down; step_failure logs it
             self._fail_all(*self.step_failure(error))
             return
-        self._in_batch, seconds = forwards.in_batch, time.monotonic() - started
         if forwards.tasks:
-            record_step(self.pacer, forwards.tasks, forwards.prompt_tokens, forwards.decoding, seconds)
+            seconds = time.monotonic() - started
+            record_step(self.pacer, forwards.tasks, forwards.prompt_tokens, plan.decoding, seconds)
         for batch, outcome in forwards.outcomes.items():
-            step = forwards.steps[batch]
+            step = plan.steps[batch]
             self.output.deliver(batch, step.generator, step, outcome, self._active, started)
         for prefilled in self.image_prefills.ready():
             self._insert(prefilled.sequence, prefilled.cache, prefilled.done, prefilled.cached)

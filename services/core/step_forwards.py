@@ -23,28 +23,32 @@ from services.core.step_budget import share_step_budget
 
 
 @dataclass
-class StepForwards:
+class StepPlan:
     steps: dict[BatchKey, GeneratorStep]
+    decoding: int  # sequences that decode a token in this step
+    in_batch: int  # sequences decoding or being prefilled, this step's admissions included
+
+
+@dataclass
+class StepForwards:
+    plan: StepPlan
     outcomes: dict[BatchKey, tuple]  # what each step's `finish` returned
     tasks: int  # forwards run, the image prefill's included
-    decoding: int  # sequences that decoded a token
-    in_batch: int  # sequences decoding or being prefilled
 
     @property
     def prompt_tokens(self) -> int:
         """The prompt tokens really computed: a short prompt takes less than its chunk."""
-        return sum(step.prompt_tokens for step in self.steps.values())
+        return sum(step.prompt_tokens for step in self.plan.steps.values())
 
 
-def run_step_forwards(
+def plan_step(
     batches: KindBatches,
     working: set[BatchKey],
     scoring: Callable[[BatchKey], frozenset[int]],
-    image_prefills: ImagePrefills,
     config: EngineConfig,
     pacer: PrefillPacer,
-) -> StepForwards:
-    """Run the forwards of the batches in `working` (and of a pending image prefill)."""
+) -> StepPlan:
+    """Share the step's budget among the batches in `working` and lay out each one's forwards."""
     with mx.stream(generation_stream):
         busy = {batch: g for batch, g in batches.generators.items() if batch in working}
         decoding, in_batch = share_step_budget(
@@ -55,13 +59,20 @@ def run_step_forwards(
             decoder = batches.decoder(batch)
             decode, sink = (None, None) if decoder is None else (decoder.decode, decoder.prefill_sink)
             steps[batch] = GeneratorStep(generator, scoring(batch), decode, sink)
+    return StepPlan(steps, decoding, in_batch)
+
+
+def run_step_forwards(plan: StepPlan, image_prefills: ImagePrefills, config: EngineConfig) -> StepForwards:
+    """Run the planned forwards, and a pending image prefill's, side by side."""
+    with mx.stream(generation_stream):
+        steps = plan.steps
         tasks = [task for step in steps.values() for task in step.tasks]
         lanes = [batch[1] for batch, step in steps.items() for _ in step.tasks]
-        image_task = image_prefills.task(config.max_num_batched_tokens - decoding)
+        image_task = image_prefills.task(config.max_num_batched_tokens - plan.decoding)
         tasks, lanes = (tasks + [image_task], lanes + [0]) if image_task else (tasks, lanes)
         results = run_side_by_side(tasks, lanes)
         outcomes, start = {}, 0
         for batch, step in steps.items():
             outcomes[batch] = step.finish(results[start : start + len(step.tasks)])
             start += len(step.tasks)
-    return StepForwards(steps, outcomes, len(tasks), decoding, in_batch)
+    return StepForwards(plan, outcomes, len(tasks))
