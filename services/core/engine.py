@@ -189,7 +189,7 @@ class Engine:
                     continue
                 self._probe()
                 last_probe = time.monotonic()
-            except Exception as error:  # noqa: BLE001 - a fault outside a step strands no request
+            except Exception as error:  # noqa: BLE001 - one bad step must not take the server down
                 self._fail_all(*self.step_failure(error))
             finally:
                 self.busy_since = None
@@ -199,8 +199,7 @@ class Engine:
         for kind, sequence in items:
             try:
                 self._handle(kind, sequence)
-            except Exception as error:
-                log.exception("engine_handle_failed", kind=kind)
+            except Exception as error:  # noqa: BLE001 - this request fails, no other
                 self._active.pop(sequence.key, None)
                 self._refuse(sequence, error)
         if not self._active and not self.image_prefills.pending:
@@ -275,17 +274,14 @@ class Engine:
         BATCH_REQUEST_IDS.set(
             tuple(s.request.request_id for s in self._active.values()) + self.image_prefills.request_ids()
         )
-        try:
-            working = {batch for batch, _ in self._active}
-            plan = plan_step(self.batches, working, self._scoring, self.config, self.pacer)
-            self._in_batch = plan.in_batch  # a prompt prefilling counts as running from its first step
-            forwards = run_step_forwards(plan, self.image_prefills, self.config)
-        except Exception as error:  # noqa: BLE001 -- one bad step must not take the server down; step_failure logs it
-            self._fail_all(*self.step_failure(error))
-            return
+        # A failure from here on fails the step's requests in `_serve`, with step_failure's status.
+        working = {batch for batch, _ in self._active}
+        plan = plan_step(self.batches, working, self._scoring, self.config, self.pacer)
+        self._in_batch = plan.in_batch  # a prompt prefilling counts as running from its first step
+        forwards = run_step_forwards(plan, self.image_prefills, self.config)
         if forwards.tasks:
             seconds = time.monotonic() - started
-            record_step(self.pacer, forwards.tasks, forwards.prompt_tokens, plan.decoding, seconds)
+            record_step(self.pacer, forwards.tasks, plan.prompt_tokens, plan.decoding, seconds)
         for batch, outcome in forwards.outcomes.items():
             step = plan.steps[batch]
             self.output.deliver(batch, step.generator, step, outcome, self._active, started)
@@ -329,14 +325,14 @@ class Engine:
         self._in_batch = self.batches.sequences()
 
     def _fail_all(self, code: grpc.StatusCode, message: str) -> None:
-        """A step failed midway: every sequence in flight is lost; start clean batches."""
+        """A step failed midway: every sequence in flight is lost; the engine is idle again."""
         log.error("step_failed", code=code.name, error=message, requests=len(self._active))
         lost = list(self._active.values()) + [p.sequence for p in self.image_prefills.take(lambda p: True)]
         for sequence in lost:
             self._release(sequence)
             sequence.send(EngineError(code, message))
         self._active.clear()
-        self.batches.reset()
+        release_idle_memory(self.batches)
         self.kv_cache_bytes = 0
         self._in_batch = 0
         self._probe()

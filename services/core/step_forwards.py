@@ -28,17 +28,16 @@ class StepPlan:
     decoding: int  # sequences that decode a token in this step
     in_batch: int  # sequences decoding or being prefilled, this step's admissions included
 
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt tokens really computed (once run): a short prompt takes less than its chunk."""
+        return sum(step.prompt_tokens for step in self.steps.values())
+
 
 @dataclass
 class StepForwards:
-    plan: StepPlan
     outcomes: dict[BatchKey, tuple]  # what each step's `finish` returned
     tasks: int  # forwards run, the image prefill's included
-
-    @property
-    def prompt_tokens(self) -> int:
-        """The prompt tokens really computed: a short prompt takes less than its chunk."""
-        return sum(step.prompt_tokens for step in self.plan.steps.values())
 
 
 def plan_step(
@@ -75,4 +74,4 @@ def run_step_forwards(plan: StepPlan, image_prefills: ImagePrefills, config: Eng
         for batch, step in steps.items():
             outcomes[batch] = step.finish(results[start : start + len(step.tasks)])
             start += len(step.tasks)
-    return StepForwards(plan, outcomes, len(tasks))
+    return StepForwards(outcomes, len(tasks))

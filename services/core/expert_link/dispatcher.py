@@ -150,7 +150,11 @@ class ExpertDispatcher(RoutingMixin, FramePathMixin, GrpcPathMixin):
         every layer has a live worker). A down worker whose experts all have live replicas is
         not a problem (core serves on; the worker_up metric and the log show it)."""
         answers = asyncio.run_coroutine_threadsafe(self._discover(timeout_s), self.loop)
-        return answers.result(timeout_s + 5.0)  # Describe has its deadline; this bounds the I/O loop too
+        try:  # Describe has its deadline; this bounds a stuck I/O loop too
+            return answers.result(timeout_s + 5.0)
+        except TimeoutError:
+            answers.cancel()
+            raise
 
     async def _discover(self, timeout_s: float) -> list[str]:
         if not self.links:
