@@ -5,7 +5,9 @@
 
 protoc emits `from moemesh.v1 import x_pb2`; the package lives at
 `services.proto.moemesh.v1`, so imports are rewritten and every file gets a
-do-not-edit header.
+do-not-edit header. The versions the files demand of grpcio and protobuf at import
+are stamped as pyproject.toml's floors, not as the generator's own release: code made
+by a newer grpcio-tools is the same, and users on the floor can still import it.
 """
 
 from __future__ import annotations
@@ -13,11 +15,39 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PROTO_ROOT = REPO / "protos"
 HEADER = "# Generated from protos/ by `python -m services.proto.regenerate`. DO NOT EDIT.\n"
+
+
+def dependency_floor(name: str) -> str:
+    """The `>=` version pyproject.toml gives `name`."""
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    for spec in dependencies:
+        found = re.fullmatch(rf"{re.escape(name)}\s*>=\s*([0-9.]+)\s*", spec.split(";")[0])
+        if found:
+            return found.group(1)
+    raise SystemExit(f"pyproject.toml gives {name} no >= floor")
+
+
+def stamp_floors(text: str) -> str:
+    """The grpcio and protobuf versions the generated code checks at import, set to the floors."""
+    text = re.sub(
+        r"^GRPC_GENERATED_VERSION = '[^']*'",
+        f"GRPC_GENERATED_VERSION = '{dependency_floor('grpcio')}'",
+        text,
+        flags=re.MULTILINE,
+    )
+    major, minor, patch = dependency_floor("protobuf").split(".")
+    return re.sub(
+        r"(ValidateProtobufRuntimeVersion\(\n\s*_runtime_version\.Domain\.PUBLIC,\n)"
+        r"\s*\d+,\n\s*\d+,\n\s*\d+,\n",
+        rf"\g<1>    {major},\n    {minor},\n    {patch},\n",
+        text,
+    )
 
 
 def regenerate(out: Path) -> list[Path]:
@@ -45,6 +75,7 @@ def regenerate(out: Path) -> list[Path]:
         text = re.sub(
             r"^from moemesh\.v1 import", "from services.proto.moemesh.v1 import", text, flags=re.MULTILINE
         )
+        text = stamp_floors(text)
         if not text.startswith(HEADER):
             text = HEADER + text
         path.write_text(text)
