@@ -89,11 +89,18 @@ class FrameServer:
                     continue
                 self._connections.add(connection)
                 enlarge_send_buffer(connection)
-                thread = threading.Thread(
-                    target=releasing_mlx(self._serve), args=(connection,), name="frames-conn", daemon=True
-                )
+                thread = threading.Thread(target=self._run, args=(connection,), name="frames-conn", daemon=True)
                 self._threads.add(thread)
             thread.start()
+
+    def _run(self, connection: socket.socket) -> None:
+        """A connection's thread: it leaves `_threads` only after it released MLX, so `close()`
+        either joins it or finds it already released."""
+        try:
+            releasing_mlx(self._serve)(connection)
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
 
     def _serve(self, connection: socket.socket) -> None:
         try:
@@ -108,7 +115,6 @@ class FrameServer:
         finally:
             with self._lock:
                 self._connections.discard(connection)
-                self._threads.discard(threading.current_thread())
             connection.close()
 
     def close(self) -> None:
