@@ -92,6 +92,12 @@ class ExpertCompute:
             experts = store.owned[layer.layer]
             local[experts] = np.arange(len(experts), dtype=np.int32)
             self._local_index[layer.layer] = local
+        # Layers held whole and in RAM: an expert id is its own row, and nothing is planned or
+        # read per call (the usual placement of a same-host worker; a one-token call's checks
+        # and lookups then cost a few numpy calls instead of a dozen).
+        resident = isinstance(store, ResidentExpertStore)
+        self._whole = {layer.layer: len(store.owned[layer.layer]) == layer.num_experts for layer in served}
+        self._direct_rows = {layer: whole and resident for layer, whole in self._whole.items()}
 
     @property
     def kernel_name(self) -> str:
@@ -128,8 +134,11 @@ class ExpertCompute:
             )
         if ids.shape[0] != tokens:
             raise CallRejected("expert_ids.shape", f"{ids.shape[0]} rows for {tokens} tokens in hidden")
-        asked = ids >= 0
-        everything_asked = bool(asked.all())
+        low, high = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
+        if high >= len(local_index) or low < -1:
+            raise CallRejected("expert_ids", f"expert ids must lie in [-1, {len(local_index)})")
+        everything_asked = low >= 0
+        asked = None if everything_asked else ids >= 0  # None: every pair
         pair_count = ids.size if everything_asked else int(asked.sum())
         reply_bytes = pair_count * hidden_size * hidden.itemsize
         if reply_bytes > self.max_call_bytes:  # one output row per pair: k times the input
@@ -137,20 +146,8 @@ class ExpertCompute:
                 "expert_ids",
                 f"the reply would take {reply_bytes} bytes, more than the cap of {self.max_call_bytes}",
             )
-        if ids.size and (int(ids.max()) >= len(local_index) or int(ids.min()) < -1):
-            raise CallRejected("expert_ids", f"expert ids must lie in [-1, {len(local_index)})")
-        # -1 (not asked) indexes local_index's last row; those entries are masked out.
-        local = local_index[ids]
-        if everything_asked:
-            unowned = ids.size > 0 and int(local.min()) < 0
-        else:
-            local = np.where(asked, local, -1)
-            unowned = bool(np.any(local[asked] < 0))
-        if unowned:
-            missing = sorted(set(ids[asked & (local < 0)].tolist()))
-            raise CallRejected(
-                "expert_ids", f"experts {missing[:8]} of layer {call.layer} are not served by this worker"
-            )
+        if not self._whole[call.layer]:
+            self._check_owned(call.layer, ids, asked)
         t1 = time.perf_counter()
         reply = self.compute_rows(call.layer, hidden, ids, asked, pair_count)
         t2 = time.perf_counter()
@@ -166,6 +163,17 @@ class ExpertCompute:
         stats.pairs = pair_count
         stats.started_ns, stats.finished_ns = started_ns, time.monotonic_ns()
         return result
+
+    def _check_owned(self, layer: int, ids: np.ndarray, asked: np.ndarray | None) -> None:
+        """Raise CallRejected naming the asked experts (ids in range) this worker does not hold."""
+        local = self._local_index[layer][ids]  # -1 (not asked) reads the last row: masked out below
+        owned = local >= 0
+        unowned = ~owned if asked is None else asked & ~owned
+        if unowned.any():
+            missing = sorted(set(ids[unowned].tolist()))
+            raise CallRejected(
+                "expert_ids", f"experts {missing[:8]} of layer {layer} are not served by this worker"
+            )
 
     def module(self, layer: int) -> nn.Module:
         """The layer's mlx-lm expert module: rows are this worker's experts in local order."""
@@ -199,20 +207,27 @@ class ExpertCompute:
         (-1 = not asked; `asked` marks the others, None = every pair)."""
         module = self._modules[layer]
         hidden_size = hidden.shape[1]
-        if asked is None:
-            asked = np.ones(ids.shape, dtype=bool)
-            pair_count = ids.size
-        everything_asked = pair_count == ids.size
+        if asked is None or pair_count == ids.size:
+            asked, pair_count = None, ids.size
+        everything_asked = asked is None
         tokens = hidden.shape[0]
-        # The store says where each expert's weights sit (reading the missing ones from disk);
-        # a call whose experts do not fit its memory together is computed group by group.
-        groups = self.store.plan(layer, np.unique(ids[asked]).tolist())
+        if self._direct_rows[layer]:  # every expert in RAM, in global order: ids are rows
+            groups, slot = [], ids
+        else:
+            # The store says where each expert's weights sit (reading the missing ones from
+            # disk); a call whose experts do not fit its memory together is computed group by group.
+            asked_ids = ids if asked is None else ids[asked]
+            groups = self.store.plan(layer, np.unique(asked_ids).tolist())
+            slot = None
         kernel = self._kernels.get(layer)
-        if kernel is not None:
-            return self._run_kernel(kernel, layer, hidden, ids, asked, pair_count, groups)
-        if len(groups) > 1:
+        if kernel is not None or len(groups) > 1:
+            if asked is None:
+                asked = np.ones(ids.shape, dtype=bool)
+            if kernel is not None:
+                return self._run_kernel(kernel, layer, hidden, ids, asked, pair_count, groups)
             return self._run_in_groups(layer, module, tensor_codec.to_mlx(hidden), ids, asked, groups)
-        slot = self.store.load(layer, groups[0] if groups else [])[ids]
+        if slot is None:
+            slot = self.store.load(layer, groups[0] if groups else [])[ids]
         per_token = None if everything_asked else asked.sum(axis=1)
         if everything_asked:
             hidden, slot_ids = tensor_codec.to_mlx_with_ids(hidden, slot)

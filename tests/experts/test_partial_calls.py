@@ -24,6 +24,7 @@ CASES = {
     # uneven: one row per pair
     "different counts per token": [[0, 1, 3, -1], [-1, -1, -1, 1], [7, -1, -1, -1]],
     "a token asks nothing": [[0, 1, -1, -1], [-1, -1, -1, -1], [2, 3, -1, -1]],
+    "every pair asked": [[0, 1, 3, 7], [6, 5, 4, 2]],
 }
 
 
@@ -78,3 +79,28 @@ def test_a_call_whose_reply_would_pass_the_cap_is_rejected_before_computing(setu
     with pytest.raises(CallRejected, match="reply"):
         capped.run(call)
     assert compute.run(call).stats.pairs == 32
+
+
+@pytest.mark.parametrize("ids", [[[0, 8]], [[-2, 1]]], ids=["past the last expert", "below -1"])
+def test_a_worker_holding_every_expert_still_refuses_ids_out_of_range(setup, ids):
+    from services.experts.compute import CallRejected
+
+    compute, _, hidden_size = setup
+    with pytest.raises(CallRejected, match=r"expert ids must lie in \[-1, 8\)"):
+        compute.run(layer_call(mx.zeros((1, hidden_size)), np.array(ids, dtype=np.int32)))
+
+
+def test_a_worker_holding_some_experts_names_the_asked_ones_it_lacks(tiny_models, setup):
+    from services.experts.compute import CallRejected
+
+    _, switch, hidden_size = setup
+    split = tiny_models.split("qwen3_moe", None)
+    manifest = Manifest.load(split)
+    compute = ExpertCompute(ResidentExpertStore(split, manifest, {LAYER: [0, 1, 2, 3]}))
+    hidden = mx.random.normal((2, hidden_size), key=mx.random.key(3))
+    with pytest.raises(CallRejected, match=r"experts \[5, 6\] of layer 1 are not served"):
+        compute.run(layer_call(hidden, np.array([[0, 5], [6, -1]], dtype=np.int32)))
+    ids = np.array([[0, -1], [3, 2]], dtype=np.int32)  # -1 is not asked: no expert to lack
+    got = np.array(tensor_codec.decode(compute.run(layer_call(hidden, ids)).output, "output", 1 << 30))
+    want = np.array(switch(hidden, mx.array(np.where(ids >= 0, ids, 0))))[ids >= 0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
