@@ -95,9 +95,8 @@ class ExpertCompute:
         # Layers held whole and in RAM: an expert id is its own row, and nothing is planned or
         # read per call (the usual placement of a same-host worker; a one-token call's checks
         # and lookups then cost a few numpy calls instead of a dozen).
-        resident = isinstance(store, ResidentExpertStore)
+        self._resident = isinstance(store, ResidentExpertStore)
         self._whole = {layer.layer: len(store.owned[layer.layer]) == layer.num_experts for layer in served}
-        self._direct_rows = {layer: whole and resident for layer, whole in self._whole.items()}
 
     @property
     def kernel_name(self) -> str:
@@ -182,17 +181,12 @@ class ExpertCompute:
     def in_graph_rows(self, layer: int) -> bool:
         """Whether the layer can be computed inside another graph, on local rows, with no
         synchronisation: its experts resident in RAM and computed by MLX, not the CPU kernel."""
-        return (
-            layer in self._modules
-            and layer not in self._kernels
-            and isinstance(self.store, ResidentExpertStore)
-        )
+        return layer in self._modules and layer not in self._kernels and self._resident
 
     def in_graph_module(self, layer: int) -> nn.Module | None:
         """The layer's module where it can stand in another model's graph as is: computed in
         the graph (`in_graph_rows`) with every expert of the layer, in global order."""
-        whole = len(self.store.owned.get(layer, ())) == self.manifest.layer(layer).num_experts
-        return self._modules[layer] if whole and self.in_graph_rows(layer) else None
+        return self._modules[layer] if self._whole.get(layer) and self.in_graph_rows(layer) else None
 
     def compute_rows(
         self,
@@ -211,23 +205,17 @@ class ExpertCompute:
             asked, pair_count = None, ids.size
         everything_asked = asked is None
         tokens = hidden.shape[0]
-        if self._direct_rows[layer]:  # every expert in RAM, in global order: ids are rows
-            groups, slot = [], ids
-        else:
-            # The store says where each expert's weights sit (reading the missing ones from
-            # disk); a call whose experts do not fit its memory together is computed group by group.
-            asked_ids = ids if asked is None else ids[asked]
-            groups = self.store.plan(layer, np.unique(asked_ids).tolist())
-            slot = None
+        # The store says where each expert's weights sit (reading the missing ones from disk); a
+        # call whose experts do not fit its memory together is computed group by group. Every
+        # expert in RAM in global order needs no plan: the ids are the rows.
+        direct = self._resident and self._whole[layer]
+        groups = [] if direct else self.store.plan(layer, np.unique(ids[ids >= 0]).tolist())
         kernel = self._kernels.get(layer)
-        if kernel is not None or len(groups) > 1:
-            if asked is None:
-                asked = np.ones(ids.shape, dtype=bool)
-            if kernel is not None:
-                return self._run_kernel(kernel, layer, hidden, ids, asked, pair_count, groups)
-            return self._run_in_groups(layer, module, tensor_codec.to_mlx(hidden), ids, asked, groups)
-        if slot is None:
-            slot = self.store.load(layer, groups[0] if groups else [])[ids]
+        if kernel is not None:
+            return self._run_kernel(kernel, layer, hidden, ids, asked, pair_count, groups)
+        if len(groups) > 1:
+            return self._run_in_groups(layer, module, tensor_codec.to_mlx(hidden), ids, groups)
+        slot = ids if direct else self.store.load(layer, groups[0] if groups else [])[ids]
         per_token = None if everything_asked else asked.sum(axis=1)
         if everything_asked:
             hidden, slot_ids = tensor_codec.to_mlx_with_ids(hidden, slot)
@@ -249,15 +237,17 @@ class ExpertCompute:
         return tensor_codec.numpy_view(out.astype(hidden.dtype))
 
     def _run_kernel(self, kernel, layer, hidden, ids, asked, pairs, groups) -> np.ndarray:
-        """The asked pairs' rows, in call order, from the CPU kernel, one planned group at a time."""
+        """The asked pairs' rows, in call order, from the CPU kernel, one planned group at a time
+        (`asked` None: every pair)."""
         threads = min(self.threads, max(1, pairs * 3 * kernel.hidden * kernel.inter // self.macs_per_thread))
         if len(groups) <= 1:
             slot = self.store.load(layer, groups[0] if groups else [])
-            if pairs == ids.size:  # every pair asked
+            if asked is None:
                 token = np.repeat(np.arange(ids.shape[0], dtype=np.int32), ids.shape[1])
                 return kernel(hidden, token, slot[ids].ravel(), threads)
             rows, cols = np.nonzero(asked)
             return kernel(hidden, rows, slot[ids[rows, cols]], threads)
+        asked = ids >= 0
         pair_index = (np.cumsum(asked.ravel()) - 1).reshape(asked.shape)
         reply = np.empty((pairs, hidden.shape[1]), dtype=hidden.dtype)
         for group in groups:
@@ -266,12 +256,13 @@ class ExpertCompute:
             reply[pair_index[rows, cols]] = kernel(hidden, rows, slot_of[ids[rows, cols]], threads)
         return reply
 
-    def _run_in_groups(self, layer, module, hidden, ids, asked, groups) -> np.ndarray:
-        """Rows of the asked pairs, computed one planned group of experts at a time.
+    def _run_in_groups(self, layer, module, hidden, ids, groups) -> np.ndarray:
+        """Rows of the asked pairs (ids >= 0), computed one planned group of experts at a time.
 
         Each group is evaluated before the next `load` may reuse its memory; every pair
         goes through the module on its own row, as in the one-group path for partial calls.
         """
+        asked = ids >= 0
         pair_index = (np.cumsum(asked.ravel()) - 1).reshape(asked.shape)
         reply = None
         for group in groups:

@@ -89,7 +89,9 @@ class FrameServer:
                     continue
                 self._connections.add(connection)
                 enlarge_send_buffer(connection)
-                thread = threading.Thread(target=self._run, args=(connection,), name="frames-conn", daemon=True)
+                thread = threading.Thread(
+                    target=self._run, args=(connection,), name="frames-conn", daemon=True
+                )
                 self._threads.add(thread)
             thread.start()
 
