@@ -101,7 +101,7 @@ def test_greedy_tokens_equal_decoding_without_mtp(mtp_model):
     reference, _, plain_steps, _ = generate(model, kind, None)
     counters = SpeculativeCounters()
     decoder = SpeculativeDecoder(
-        SpeculativeConfig(method="mtp", num_speculative_tokens=2),
+        SpeculativeConfig(method="mtp", num_speculative_tokens=2, draft_cost=0.0),
         counters,
         drafter=MtpDrafter(model, layer, None),
     )
@@ -144,7 +144,8 @@ def test_models_without_servable_mtp_layers_are_refused_by_name():
 async def test_a_core_drafting_with_mtp_gives_the_tokens_of_one_without(split, tiny_models):
     configs = {
         "off": ["--prefix-cache-gb", "0"],
-        "mtp": ["--prefix-cache-gb", "0", "--speculative", "mtp", "--num-speculative-tokens", "2"],
+        "mtp": ["--prefix-cache-gb", "0", "--speculative", "mtp", "--num-speculative-tokens", "2"]
+        + ["--speculative-config", '{"draft_cost": 0}'],
     }
     stopping = core_pb2.StoppingCriteria(max_tokens=24, ignore_eos=True)
     requests = [
@@ -221,7 +222,7 @@ def test_an_engine_resumes_mtp_drafting_from_the_prefix_cache(split, monkeypatch
         return resume(self, kept)
 
     monkeypatch.setattr(MtpDrafter, "resume", spy)
-    mtp = SpeculativeConfig(method="mtp", num_speculative_tokens=2)
+    mtp = SpeculativeConfig(method="mtp", num_speculative_tokens=2, draft_cost=0.0)
     engines = {"off": Served(split), "mtp": Served(split, speculative=mtp)}
     prompt = [5, 9, 17, 33, 2, 71, 8, 40, 11, 12]
     tokens, cached = {}, {}

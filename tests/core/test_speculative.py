@@ -25,7 +25,6 @@ from services.core.speculative import (
 from services.core.speculative.acceptance import accept_sampled
 from services.core.speculative.draft_model import load_draft_model
 from services.core.speculative.ngram import NgramDrafter
-from services.core.speculative.policy import DraftPolicy
 
 pytestmark = pytest.mark.slow  # starts processes or computes for seconds
 
@@ -107,7 +106,9 @@ def test_greedy_tokens_equal_decoding_without_drafts(model, kind, wrong):
     full = [p + r for p, r in zip(PROMPTS, reference, strict=True)]
     counters = SpeculativeCounters()
     decoder = SpeculativeDecoder(
-        SpeculativeConfig(num_speculative_tokens=4), counters, drafter=OracleDrafter(full, wrong)
+        SpeculativeConfig(num_speculative_tokens=4, draft_cost=0.0),
+        counters,
+        drafter=OracleDrafter(full, wrong),
     )
     tokens, finished, steps, moved = generate(model, kind, decoder)
     assert tokens == reference
@@ -131,7 +132,7 @@ def test_rows_with_logits_processors_draft_and_keep_their_tokens(model):
     reference, _, plain_steps, _ = generate(model, "fp16", None, processors=processors)
     full = [p + r for p, r in zip(PROMPTS, reference, strict=True)]
     counters = SpeculativeCounters()
-    decoder = SpeculativeDecoder(SpeculativeConfig(), counters, drafter=OracleDrafter(full, 3))
+    decoder = SpeculativeDecoder(SpeculativeConfig(draft_cost=0.0), counters, drafter=OracleDrafter(full, 3))
     tokens, _, steps, _ = generate(model, "fp16", decoder, processors=processors, shapes=(shapes := set()))
     assert tokens == reference
     assert 9 not in tokens[1] and steps < plain_steps and counters.accepted_tokens > 0
@@ -141,7 +142,9 @@ def test_rows_with_logits_processors_draft_and_keep_their_tokens(model):
 def test_finished_caches_hold_their_tokens_in_order(model):
     reference, _, _, _ = generate(model, "fp16", None)
     full = [p + r for p, r in zip(PROMPTS, reference, strict=True)]
-    decoder = SpeculativeDecoder(SpeculativeConfig(), SpeculativeCounters(), drafter=OracleDrafter(full, 3))
+    decoder = SpeculativeDecoder(
+        SpeculativeConfig(draft_cost=0.0), SpeculativeCounters(), drafter=OracleDrafter(full, 3)
+    )
     _, finished, _, moved = generate(model, "fp16", decoder)
     assert moved > 0
     for cache, tokens, _ in finished:
@@ -168,7 +171,7 @@ def test_a_stop_token_inside_an_accepted_draft_ends_the_sequence_there(model):
         stop_sequences=[StopSequences([[stop]])],
     )
     decoder = SpeculativeDecoder(
-        SpeculativeConfig(), SpeculativeCounters(), drafter=OracleDrafter(full, 1000)
+        SpeculativeConfig(draft_cost=0.0), SpeculativeCounters(), drafter=OracleDrafter(full, 1000)
     )
     tokens, reason = [], None
     while reason is None:
@@ -192,22 +195,6 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert index.propose(context, 3) == [1, 2, 3]
     assert index.propose(context, 0) == []
     assert NgramDrafter().index().propose([7, 8, 9], 3) == []  # nothing recurs
-
-
-def test_drafting_shortens_then_pauses_when_drafts_fail():
-    policy = DraftPolicy(most=4)
-    assert policy.budget() == 4
-    policy.observe(4, 1)
-    assert policy.budget() == 2
-    for _ in range(3):
-        policy.observe(2, 0)
-    assert policy.paused and policy.budget() == 0
-    while policy.paused:
-        policy.budget()
-    assert policy.budget() == 1
-    policy.observe(1, 1)
-    policy.observe(2, 2)
-    assert policy.budget() == 3
 
 
 def _sampler(seed: int) -> FilteredSampler:
@@ -255,7 +242,7 @@ def test_seeded_sampling_with_drafts_repeats(model):
 
     def run():
         decoder = SpeculativeDecoder(
-            SpeculativeConfig(), SpeculativeCounters(), drafter=OracleDrafter(full, 3)
+            SpeculativeConfig(draft_cost=0.0), SpeculativeCounters(), drafter=OracleDrafter(full, 3)
         )
         samplers = [_sampler(seed) for seed in (1, 2, 3)]
         return generate(model, "fp16", decoder, samplers=samplers)[0]
@@ -307,7 +294,9 @@ def test_a_draft_model_drafts_and_greedy_tokens_stay_exact(model, tiny_models, d
         str(tiny_models.checkpoint(draft_arch, None)), tokenizer, model.args.vocab_size
     )
     counters = SpeculativeCounters()
-    decoder = SpeculativeDecoder(SpeculativeConfig("draft:x", 4), counters, drafter=drafter)
+    # priced as a hop-bound step: on this CPU the drafts (a model as large as the served one)
+    # cost more than the steps they save, and the measured price would stop most of them
+    decoder = SpeculativeDecoder(SpeculativeConfig("draft:x", 4, draft_cost=0.0), counters, drafter=drafter)
     tokens, _, steps, _ = generate(model, "fp16", decoder)
     assert tokens == reference
     assert counters.drafts > 0
@@ -340,7 +329,7 @@ def test_a_model_with_recurrent_state_is_refused_by_name(tiny_models):
 
     hybrid, tokenizer = mlx_lm.load(str(tiny_models.checkpoint("qwen3_5_moe", None)))
     with pytest.raises(ValueError, match="qwen3_5_moe keeps ArraysCache"):
-        make_drafter(SpeculativeConfig(), tokenizer, hybrid)
+        make_drafter(SpeculativeConfig(draft_cost=0.0), tokenizer, hybrid)
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "mixtral", "olmoe", "phimoe", "granitemoe", "phixtral"])
@@ -348,7 +337,9 @@ def test_every_family_with_trimmable_caches_keeps_greedy_tokens(tiny_models, arc
     family, _ = mlx_lm.load(str(tiny_models.checkpoint(arch, None)))
     reference, _, plain_steps, _ = generate(family, "fp16", None)
     full = [p + r for p, r in zip(PROMPTS, reference, strict=True)]
-    decoder = SpeculativeDecoder(SpeculativeConfig(), SpeculativeCounters(), drafter=OracleDrafter(full, 3))
+    decoder = SpeculativeDecoder(
+        SpeculativeConfig(draft_cost=0.0), SpeculativeCounters(), drafter=OracleDrafter(full, 3)
+    )
     tokens, _, steps, moved = generate(family, "fp16", decoder)
     assert tokens == reference
     assert steps < plain_steps and moved > 0
@@ -374,3 +365,29 @@ def test_up_passes_speculation_to_core_and_refuses_a_bad_method_before_starting(
         timeout=120,
     )
     assert refused.returncode == 1 and "speculative method must be one of" in refused.stderr
+
+
+@pytest.mark.parametrize("per_draft_s, drafts_pay", [(0.004, True), (0.2, False)])
+def test_drafting_follows_what_a_drafted_token_costs(model, monkeypatch, per_draft_s, drafts_pay):
+    """With the cost measured (no draft_cost given): a clock where each drafted token adds
+    `per_draft_s` to a 0.1 s step. Cheap drafts keep drafting; drafts that cost two steps each stop
+    after the first priced steps. Either way the tokens are those of decoding without drafts."""
+    reference, _, plain_steps, _ = generate(model, "fp16", None)
+    full = [p + r for p, r in zip(PROMPTS, reference, strict=True)]
+    counters = SpeculativeCounters()
+    decoder = SpeculativeDecoder(SpeculativeConfig(), counters, drafter=OracleDrafter(full, 1000))
+    clock = {"now": 0.0}
+
+    def perf_counter() -> float:
+        step = decoder.costs._step  # the step this mark ends
+        clock["now"] += 0.1 + (per_draft_s * step[1] if step else 0.0)
+        return clock["now"]
+
+    monkeypatch.setattr("services.core.speculative.decode.time.perf_counter", perf_counter)
+    tokens, _, steps, _ = generate(model, "fp16", decoder)
+    assert tokens == reference
+    if drafts_pay:
+        assert decoder.costs.per_draft < 0.1 and steps < plain_steps / 2
+    else:
+        assert decoder.costs.per_draft >= 1.0
+        assert counters.drafts <= 3 * len(PROMPTS) and steps > 0.8 * plain_steps

@@ -35,9 +35,14 @@ def cores():
         # micro-batches, so requests sent together draft and verify in lanes of their own
         "ngram": [
             *["--prefix-cache-gb", "1", "--speculative", "ngram", "--num-speculative-tokens", "4"],
+            *["--speculative-config", json.dumps({"draft_cost": 0})],  # draft whatever a step costs here
             *["--micro-batches", "2"],
         ],
-        "draft": [*off, "--speculative-config", json.dumps({"method": draft, "num_speculative_tokens": 3})],
+        "draft": [
+            *off,
+            "--speculative-config",
+            json.dumps({"method": draft, "num_speculative_tokens": 3, "draft_cost": 0}),
+        ],
     }
     with running(resolve_split(None), configs) as started:
         yield started["off"], started["ngram"], started["draft"]

@@ -15,6 +15,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    # what a drafted token costs, in plain decode steps (drafting it and verifying its position);
+    # None: measured from the steps (policy.StepCosts). A moe-mesh key of --speculative-config.
+    draft_cost: float | None = None
 
     @property
     def draft_model(self) -> str | None:
@@ -30,9 +33,18 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be at least 1 and at most prompt_lookup_max")
+        if self.draft_cost is not None and not 0 <= self.draft_cost <= 100:
+            raise ValueError("draft_cost must be a number of plain steps in [0, 100]")
 
 
-_JSON_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+_JSON_KEYS = {
+    "method",
+    "model",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "draft_cost",
+}
 
 
 def speculative_config(
@@ -56,7 +68,10 @@ def speculative_config(
         for key, value in given.items():
             if key in ("method", "model") and not isinstance(value, str):
                 raise ValueError(f"--speculative-config: {key} must be a string")
-            if key not in ("method", "model") and (not isinstance(value, int) or isinstance(value, bool)):
+            if key == "draft_cost":
+                if not isinstance(value, int | float) or isinstance(value, bool):
+                    raise ValueError("--speculative-config: draft_cost must be a number")
+            elif key not in ("method", "model") and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"--speculative-config: {key} must be an integer")
         model = given.pop("model", None)
         if model is not None:  # vLLM names a draft model by `model` (method "draft_model" or none)

@@ -9,6 +9,7 @@ step without drafts is mlx-lm's own `next()`, and the two kinds of step mix free
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -24,7 +25,7 @@ from services.core.speculative.metrics import SpeculativeCounters
 from services.core.speculative.mtp import MtpDrafter
 from services.core.speculative.mtp_prefix import MtpPrefixState
 from services.core.speculative.ngram import NgramDrafter, NgramIndex
-from services.core.speculative.policy import DraftPolicy
+from services.core.speculative.policy import DraftPolicy, StepCosts
 from services.core.speculative.row_trim import RowOrder, can_trim_rows, trim_rows
 
 Response = GenerationBatch.Response
@@ -62,7 +63,8 @@ class SpeculativeDecoder:
         drafter=None,
     ):
         """`wants(uid)`: whether that sequence's request allows speculation; `drafter.index()`
-        makes each sequence's `propose(context, k)` (default: prompt lookup)."""
+        makes each sequence's `propose(context, k)` (default: prompt lookup). What a drafted token costs
+        is `config.draft_cost`, or measured from the steps (policy.StepCosts)."""
         self.config = config
         self.counters = counters
         self.wants = wants
@@ -73,6 +75,7 @@ class SpeculativeDecoder:
         self._wants_hidden = getattr(self._drafter, "wants_hidden", False)
         self.prefill_sink = self.prefilled if self._wants_hidden else None  # for GeneratorStep
         self._prefilling: dict[int, object] = {}  # uid -> its MTP state, before it decodes
+        self.costs = StepCosts(config.draft_cost)
 
     def decode(self, batch: GenerationBatch) -> list[Response]:
         """One decode step of `batch`: GenerationBatch.next()'s responses, several per row when
@@ -82,8 +85,10 @@ class SpeculativeDecoder:
         self._forget(batch.uids)
         if not can_trim_rows(batch.prompt_cache):
             return [self._in_token_order(r) for r in batch.next()]
-        pending = DecodeState(batch).next_tokens.tolist()
+        pending = DecodeState(batch).next_tokens.tolist()  # the step before has finished now
+        self.costs.began(time.perf_counter())
         drafts = self._drafts(batch, pending)
+        self.costs.chose(max(len(d) for d in drafts))
         if not any(drafts):
             uids = list(batch.uids)
             responses = [self._in_token_order(r) for r in batch.next()]
@@ -91,8 +96,11 @@ class SpeculativeDecoder:
                 hidden = self._drafter.last_hidden()
                 for i, uid in enumerate(uids):
                     self._rows[uid][0].feed(hidden[i : i + 1, :1], pending[i : i + 1])
-            return responses
-        return self._verify(batch, pending, drafts)
+        else:
+            responses = self._verify(batch, pending, drafts)
+        if not batch.uids:  # every row finished: the next step is not this one's sequel
+            self.costs.idle()
+        return responses
 
     def in_token_order(self, uid: int, cache: list) -> list:
         """A cache taken out of the batch (a finished or removed row) with its tokens in order."""
@@ -133,6 +141,7 @@ class SpeculativeDecoder:
 
     def _drafts(self, batch: GenerationBatch, pending: list[int]) -> list[list[int]]:
         drafts, emitted = [], DecodeState(batch).emitted
+        plain = self.costs.wants_plain()  # a step to price drafting against
         for i, uid in enumerate(batch.uids):
             if uid not in self._rows:  # a draft model's index holds a KV cache: made once per sequence
                 index = self._prefilling.pop(uid, None) or self._drafter.index()
@@ -141,11 +150,12 @@ class SpeculativeDecoder:
             left = batch.max_tokens[i] - emitted[i] - 1  # the pending token is one
             sampler = batch.samplers[i]
             drafting = (
-                left > 0
+                not plain
+                and left > 0
                 and (sampler is greedy_sampler or isinstance(sampler, FilteredSampler))
                 and self.wants(uid)
             )
-            k = min(policy.budget(), left) if drafting else 0
+            k = min(policy.budget(self.costs.per_draft), left) if drafting else 0
             drafts.append(index.propose(batch.tokens[i] + [pending[i]], k) if k else [])
         on_device = [d for d in drafts if isinstance(d, mx.array)]  # a draft model's: one sync for all
         if self._wants_hidden:  # the MTP caches fed since the last step
