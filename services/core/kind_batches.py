@@ -18,6 +18,7 @@ from services.common.mlx_lm_adapter import GeneratorState
 from services.core.engine_config import EngineConfig
 from services.core.kv import make_kv_cache
 from services.core.speculative import SpeculativeDecoder, make_drafter
+from services.core.speculative.policy import StepCosts
 
 BatchKey = tuple[str, int]  # (KV cache kind, micro-batch lane)
 
@@ -32,6 +33,7 @@ class KindBatches:
         self._drafter = None  # what drafts tokens, made once the model is loaded
         self.generators: dict[BatchKey, BatchGenerator] = {}
         self._decoders: dict[BatchKey, SpeculativeDecoder] = {}
+        self._step_costs: dict[BatchKey, StepCosts] = {}  # outlive the batches: learned once
 
     def use_model(self, model, tokenizer) -> None:
         self.model = model
@@ -65,11 +67,14 @@ class KindBatches:
         if self.config.speculative is None:
             return None
         if batch not in self._decoders:
+            costs = self._step_costs.setdefault(batch, StepCosts(self.config.speculative.draft_cost))
+            costs.idle()  # a new batch: the last mark of the one before ends nothing
             self._decoders[batch] = SpeculativeDecoder(
                 self.config.speculative,
                 self._counters.speculative,
                 lambda uid: self._speculates(batch, uid),
                 self._drafter,
+                costs,
             )
         return self._decoders[batch]
 

@@ -135,3 +135,23 @@ def test_a_given_draft_cost_is_never_measured():
     steps.run(4, 5.0, count=10)
     steps.mark()
     assert costs.per_draft == 0.0 and not costs.wants_plain()
+
+
+def test_what_a_drafted_token_costs_outlives_the_batches():
+    """The engine closes its batches whenever it idles; the price learned stays with the lane."""
+    from services.core.engine_config import EngineConfig
+    from services.core.kind_batches import KindBatches
+    from services.core.speculative import SpeculativeConfig, SpeculativeCounters
+
+    class Counters:
+        speculative = SpeculativeCounters()
+
+    batches = KindBatches(
+        EngineConfig(speculative=SpeculativeConfig(), micro_batches=2), Counters(), lambda batch, uid: True
+    )
+    lane = ("fp16", 0)
+    costs = batches.decoder(lane).costs
+    costs.per_draft = 0.3
+    batches.reset()
+    assert batches.decoder(lane).costs is costs and costs.per_draft == 0.3
+    assert batches.decoder(("fp16", 1)).costs is not costs  # each lane times its own steps

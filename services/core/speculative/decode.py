@@ -61,10 +61,12 @@ class SpeculativeDecoder:
         counters: SpeculativeCounters,
         wants: Callable[[int], bool] = lambda uid: True,
         drafter=None,
+        costs: StepCosts | None = None,
     ):
         """`wants(uid)`: whether that sequence's request allows speculation; `drafter.index()`
-        makes each sequence's `propose(context, k)` (default: prompt lookup). What a drafted token costs
-        is `config.draft_cost`, or measured from the steps (policy.StepCosts)."""
+        makes each sequence's `propose(context, k)` (default: prompt lookup). `costs`: what a drafted
+        token costs, measured from the steps (policy.StepCosts); the engine keeps it across batches,
+        which end whenever it idles."""
         self.config = config
         self.counters = counters
         self.wants = wants
@@ -75,7 +77,7 @@ class SpeculativeDecoder:
         self._wants_hidden = getattr(self._drafter, "wants_hidden", False)
         self.prefill_sink = self.prefilled if self._wants_hidden else None  # for GeneratorStep
         self._prefilling: dict[int, object] = {}  # uid -> its MTP state, before it decodes
-        self.costs = StepCosts(config.draft_cost)
+        self.costs = costs or StepCosts(config.draft_cost)
 
     def decode(self, batch: GenerationBatch) -> list[Response]:
         """One decode step of `batch`: GenerationBatch.next()'s responses, several per row when
