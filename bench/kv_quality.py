@@ -283,7 +283,7 @@ def main() -> None:
     if args.dense_kernel:
         from metal.linear_cpu import use_cpu_kernels
 
-        if not use_cpu_kernels(model, heads_at_one_position_only=False):
+        if not use_cpu_kernels(model, heads_at_few_positions_only=False):
             raise SystemExit(
                 "--dense-kernel: no projection moved (quantized weights and the C extension needed)"
             )

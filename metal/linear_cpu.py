@@ -11,7 +11,9 @@ weight memory: the parameters and their paths stay as loaded. A product is eager
 x's values), so it first runs the `settle` hook `use_cpu_kernels` was given (core's: finish a
 layer call in flight, services/core/expert_link/in_flight.py), then evaluates x. That is free where the output
 is always used (projections feed the KV cache and the next layer); an output head is not: mlx-lm evaluates only the last position's logits of a prompt
-and MLX prunes the rest, so heads take the kernel only for one position per sequence (decode steps)
+and MLX prunes the rest, so heads take the kernel only for up to HEAD_POSITIONS positions per
+sequence (a decode step, or one that verifies a few drafted tokens, whose logits are all used; at
+that size computing every position in C costs less than MLX's product for the one a prompt needs)
 and leave longer inputs to MLX. Anything the kernel does not take (3/5/6-bit, mxfp4, no biases,
 an input inside mx.compile or vmap) stays on MLX's own op.
 """
@@ -28,6 +30,7 @@ import numpy as np
 
 from metal.experts_cpu import _BITS, _MLX_CODES, _host_view, _library
 
+HEAD_POSITIONS = 8  # the most positions per sequence an output head computes in C
 PARALLEL_MACS = 1 << 21  # a product smaller than this runs on the calling thread (threads cost ~20 µs)
 _NUMPY_OF = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16}
 
@@ -44,7 +47,7 @@ class _Rows:
     bits: int
     group_size: int
     dtype: mx.Dtype  # of the scales: MLX computes in the promotion of x's and this type
-    heads_only_at_one_position: bool
+    heads_at_few_positions_only: bool
     settle: Callable[[], None]  # run before x is evaluated
 
 
@@ -88,7 +91,7 @@ def product(rows: _Rows, x: mx.array) -> mx.array | None:
     """x @ W.T for x [..., in], as mx.quantized_matmul(transpose=True) gives it; None where MLX must."""
     if x.shape[-1] != rows.in_dim or x.dtype not in _NUMPY_OF:
         return None
-    if rows.heads_only_at_one_position and (x.ndim < 2 or x.shape[-2] != 1):
+    if rows.heads_at_few_positions_only and (x.ndim < 2 or x.shape[-2] > HEAD_POSITIONS):
         return None
     rows.settle()  # in core, x may hang on a layer call in flight
     dtype = x.dtype if x.dtype == rows.dtype else mx.float32  # MLX's promotion among these three
@@ -137,11 +140,13 @@ def available() -> bool:
 
 
 def use_cpu_kernels(
-    model: nn.Module, settle: Callable[[], None] = _nothing_to_settle, heads_at_one_position_only: bool = True
+    model: nn.Module,
+    settle: Callable[[], None] = _nothing_to_settle,
+    heads_at_few_positions_only: bool = True,
 ) -> int:
     """Move the model's eligible quantized projections onto the C kernel; returns how many moved.
     Call after the weights are loaded (the kernel reads their memory in place). `settle()` runs
-    before each product evaluates its input. `heads_at_one_position_only=False`: output heads take
+    before each product evaluates its input. `heads_at_few_positions_only=False`: output heads take
     the kernel for every position too (a caller that uses every position's logits: perplexity)."""
     if not available():
         return 0
@@ -154,7 +159,7 @@ def use_cpu_kernels(
             target, head = KernelQuantizedEmbedding, True  # its products are the tied head's
         else:
             continue
-        rows = _rows(module, head and heads_at_one_position_only, settle)
+        rows = _rows(module, head and heads_at_few_positions_only, settle)
         if rows is None:
             continue
         module.__class__ = target

@@ -94,7 +94,7 @@ def test_use_cpu_kernels_keeps_the_parameters_and_the_outputs():
     nn.quantize(model, group_size=64, bits=4)
     mx.eval(model.parameters())
     before = {k: v for k, v in tree_flatten(model.parameters())}
-    ids = mx.array([[1, 5, 7, 9]])
+    ids = mx.array([list(range(1, 3 + linear_cpu.HEAD_POSITIONS))])  # more than a head takes
     want_all, want_last = model(ids), model(ids[:, -1:])
     settled = []
     assert (
@@ -107,16 +107,21 @@ def test_use_cpu_kernels_keeps_the_parameters_and_the_outputs():
     )
     for got, want in ((model(ids), want_all), (model(ids[:, -1:]), want_last)):
         assert mx.abs(got - want).max().item() <= 1e-5 * mx.abs(want).max().item()
-    assert len(settled) == 1 + 2  # proj at 4 positions (the head: MLX), then proj and head at one
+    assert len(settled) == 1 + 2  # proj at every position (the head: MLX), then proj and head at one
 
 
-def test_an_output_head_takes_the_kernel_for_one_position_only():
+def test_an_output_head_takes_the_kernel_for_a_few_positions_only():
     """mlx-lm evaluates only a prompt's last logits and MLX prunes the rest: an eager head would
-    compute them all, so a head leaves inputs of several positions to MLX's lazy op."""
+    compute them all, so a head leaves inputs of many positions to MLX's lazy op, and takes those
+    of a decode step or of one that verifies a few drafted tokens."""
     module = quantized(128, 300, 4, 64)
     head = linear_cpu._rows(module, head=True)
-    assert linear_cpu.product(head, mx.random.normal((1, 6, 128))) is None
+    assert linear_cpu.product(head, mx.random.normal((1, linear_cpu.HEAD_POSITIONS + 1, 128))) is None
     assert linear_cpu.product(head, mx.random.normal((4, 1, 128))).shape == (4, 1, 300)  # a decode step of 4
+    x = mx.random.normal((2, 5, 128))  # two rows verifying four drafted tokens each
+    want = mx.quantized_matmul(x, module.weight, module.scales, module.biases, group_size=64, bits=4)
+    got = linear_cpu.product(head, x)
+    assert mx.abs(got - want).max().item() <= 1e-5 * mx.abs(want).max().item()
     assert linear_cpu.product(linear_cpu._rows(module, head=False), mx.random.normal((1, 6, 128))) is not None
 
 
@@ -126,8 +131,8 @@ def test_a_caller_that_uses_every_positions_logits_can_put_the_head_on_the_kerne
     mx.eval(model.parameters())
     ids = mx.array([[1, 5, 7, 9]])
     want = model(ids)
-    linear_cpu.use_cpu_kernels(model, heads_at_one_position_only=False)
-    assert not model.lm_head._cpu_rows.heads_only_at_one_position
+    linear_cpu.use_cpu_kernels(model, heads_at_few_positions_only=False)
+    assert not model.lm_head._cpu_rows.heads_at_few_positions_only
     assert linear_cpu.product(model.lm_head._cpu_rows, mx.random.normal((1, 4, 128))) is not None
     assert mx.abs(model(ids) - want).max().item() <= 1e-5 * mx.abs(want).max().item()
 

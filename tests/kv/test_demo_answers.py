@@ -39,7 +39,7 @@ def demo(tmp_path_factory):
     try:  # core's CPU kernel for the quantized projections: same numbers, several times faster
         from metal.linear_cpu import use_cpu_kernels
 
-        use_cpu_kernels(model, heads_at_one_position_only=False)
+        use_cpu_kernels(model, heads_at_few_positions_only=False)
     except ImportError:
         pass
     return model, tokenizer
