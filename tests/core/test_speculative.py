@@ -197,6 +197,13 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert NgramDrafter().index().propose([7, 8, 9], 3) == []  # nothing recurs
 
 
+def test_prompt_lookup_goes_on_repeating_a_repeat_that_runs_into_the_end():
+    drafter = NgramDrafter(max_n=3, min_n=1)
+    assert drafter.index().propose([9, 7, 7, 7], 4) == [7, 7, 7, 7]  # a run of one token
+    assert drafter.index().propose([1, 5, 6, 5, 6], 4) == [5, 6, 5, 6]  # a short phrase again
+    assert drafter.index().propose([1, 5, 6, 2, 5, 6], 4) == [2, 5, 6, 2]
+
+
 def _sampler(seed: int) -> FilteredSampler:
     return FilteredSampler(temperature=0.8, filters=[], seed=seed)
 

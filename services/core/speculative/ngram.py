@@ -1,5 +1,7 @@
 """Prompt-lookup drafting: the tokens that followed the latest earlier occurrence of the
-sequence's own last n tokens (n from `max_n` down to `min_n`) are the draft. It needs no model,
+sequence's own last n tokens (n from `max_n` down to `min_n`) are the draft; where those run into
+the context's end (a short repeat: a run of one token, a repeated short phrase), the draft goes on
+repeating them. It needs no model,
 and it pays where an answer repeats its prompt or itself: code edits, quoting, structured output.
 
 Each sequence keeps an index from n-gram to where it last ended with a token after it, updated
@@ -46,5 +48,8 @@ class NgramIndex:
         for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
             end = self._ends.get(tuple(context[-n:]))
             if end is not None:
-                return context[end + 1 : end + 1 + k]
+                # the match ends `period` tokens before the context does: the text repeats with that
+                # period since the match began, and the draft goes on repeating it
+                follows, period = end + 1, len(context) - 1 - end
+                return [context[follows + i % period] for i in range(k)]
         return []
