@@ -26,31 +26,36 @@ def test_drafting_shortens_then_pauses_when_drafts_fail():
 def test_drafts_only_as_many_tokens_as_their_cost_pays_for():
     # a hop-bound step (a GPU, a network): a drafted token costs little, drafting pays even at low
     # acceptance; a compute-bound one: only well-accepted drafts pay, and poorly accepted never
-    assert worth_drafting(0.3, per_draft=0.02, most=4) >= 1
-    assert worth_drafting(0.9, per_draft=0.02, most=4) == 4
-    assert worth_drafting(0.3, per_draft=0.6, most=4) == 0
-    assert 1 <= worth_drafting(0.6, per_draft=0.25, most=4) < 4
-    assert worth_drafting(1.0, per_draft=1.0, most=4) == 0  # a token per step at best: no gain
+    assert worth_drafting(0.3, linear(0.02).ratio, most=4) >= 1
+    assert worth_drafting(0.9, linear(0.02).ratio, most=4) == 4
+    assert worth_drafting(0.3, linear(0.6).ratio, most=4) == 0
+    assert 1 <= worth_drafting(0.6, linear(0.25).ratio, most=4) < 4
+    assert worth_drafting(1.0, linear(1.0).ratio, most=4) == 0  # a token per step at best: no gain
     policy = DraftPolicy(most=4, acceptance=0.3)
-    assert policy.budget(per_draft=0.02) >= 1
-    assert policy.budget(per_draft=0.6) == 0 and policy.paused  # not worth one draft: a pause
+    assert policy.budget(linear(0.02)) >= 1
+    assert policy.budget(linear(0.6)) == 0 and policy.paused  # not worth one draft: a pause
     while policy.paused:
-        assert policy.budget(per_draft=0.6) == 0
-    assert policy.budget(per_draft=0.6) == 1  # then one draft, to measure acceptance again
+        assert policy.budget(linear(0.6)) == 0
+    assert policy.budget(linear(0.6)) == 1  # then one draft, to measure acceptance again
     policy.observe(1, 0)
-    assert policy.budget(per_draft=0.6) == 0 and policy.paused == 2 * PAUSE_STEPS - 1  # backs off
+    assert policy.budget(linear(0.6)) == 0 and policy.paused == 2 * PAUSE_STEPS - 1  # backs off
     while policy.paused:
-        policy.budget(per_draft=0.6)
-    assert policy.budget(per_draft=0.6) == 1
+        policy.budget(linear(0.6))
+    assert policy.budget(linear(0.6)) == 1
     policy.observe(1, 1)
     policy.observe(1, 1)  # accepted again: drafting pays at a hop-bound step
-    assert policy.budget(per_draft=0.02) >= 1 and policy.pause_steps == PAUSE_STEPS
+    assert policy.budget(linear(0.02)) >= 1 and policy.pause_steps == PAUSE_STEPS
 
 
 def test_a_drafted_token_too_dear_for_any_acceptance_stops_every_row_without_probes():
     policy = DraftPolicy(most=4)
-    assert [policy.budget(per_draft=1.5) for _ in range(40)] == [0] * 40
+    assert [policy.budget(linear(1.5)) for _ in range(40)] == [0] * 40
     assert not policy.paused  # StepCosts retries, not each row: a draft model's catch-up is dear
+
+
+def linear(per_draft: float) -> StepCosts:
+    """Step prices where each drafted token adds `per_draft` plain steps."""
+    return StepCosts(fixed=per_draft)
 
 
 class Steps:
@@ -97,6 +102,34 @@ def test_a_drafted_token_is_priced_from_the_steps_own_times():
     steps.run(0, 0.1)
     steps.mark()
     assert not costs.wants_plain()
+
+
+def test_each_draft_length_is_priced_on_its_own():
+    """A verify step whose cost is mostly fixed: a one-token draft costs about what a four-token
+    one does, so at low acceptance neither pays, where a price per drafted token fitted on the
+    four-token steps would have drafted one token at a loss."""
+    costs = StepCosts()
+    steps = Steps(costs)
+    steps.run(0, 0.1, count=StepCosts.WARMUP_PLAIN)
+    steps.run(4, 0.18)
+    steps.mark()
+    assert costs.ratio(4) == pytest.approx(1.8) and costs.per_draft == pytest.approx(0.2)
+    assert costs.ratio(1) == costs.ratio(3) == pytest.approx(1.8)  # not measured: priced dear
+    assert costs.ratio(6) == pytest.approx(2.2)  # past the longest: in proportion to the draft
+    chat, code = DraftPolicy(most=4, acceptance=0.36), DraftPolicy(most=4, acceptance=0.9)
+    assert chat.budget(costs) == 0 and chat.paused
+    assert code.budget(costs) == 4
+    while chat.paused:
+        chat.budget(costs)
+    assert chat.budget(costs) == 1  # the probe, which prices a one-token step
+    steps.run(1, 0.17)
+    steps.mark()
+    assert costs.ratio(1) == pytest.approx(1.7) and costs.ratio(2) == pytest.approx(1.8)
+    assert DraftPolicy(most=4, acceptance=0.36).budget(costs) == 0  # measured dear too
+    assert worth_drafting(0.36, linear(0.2).ratio, most=4) >= 1  # what one price per token said
+    steps.run(1, 0.1, count=8)  # one-token steps turn cheap (say, fewer rows to verify)
+    steps.mark()
+    assert costs.ratio(1) < 1.1 and DraftPolicy(most=4, acceptance=0.36).budget(costs) == 1
 
 
 def test_drafting_too_dear_to_pay_stops_then_is_priced_again_less_often():
@@ -151,7 +184,7 @@ def test_what_a_drafted_token_costs_outlives_the_batches():
     )
     lane = ("fp16", 0)
     costs = batches.decoder(lane).costs
-    costs.per_draft = 0.3
+    costs.ratios[2] = 1.6
     batches.reset()
-    assert batches.decoder(lane).costs is costs and costs.per_draft == 0.3
+    assert batches.decoder(lane).costs is costs and costs.per_draft == pytest.approx(0.3)
     assert batches.decoder(("fp16", 1)).costs is not costs  # each lane times its own steps

@@ -157,7 +157,7 @@ class SpeculativeDecoder:
                 and (sampler is greedy_sampler or isinstance(sampler, FilteredSampler))
                 and self.wants(uid)
             )
-            k = min(policy.budget(self.costs.per_draft), left) if drafting else 0
+            k = min(policy.budget(self.costs), left) if drafting else 0
             drafts.append(index.propose(batch.tokens[i] + [pending[i]], k) if k else [])
         on_device = [d for d in drafts if isinstance(d, mx.array)]  # a draft model's: one sync for all
         if self._wants_hidden:  # the MTP caches fed since the last step
