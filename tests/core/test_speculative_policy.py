@@ -132,6 +132,40 @@ def test_each_draft_length_is_priced_on_its_own():
     assert costs.ratio(1) < 1.1 and DraftPolicy(most=4, acceptance=0.36).budget(costs) == 1
 
 
+def test_an_odd_interval_does_not_price_a_draft_length():
+    """Another request's prefill merged into one drafting step, or a draft model catching up on a
+    new prompt, leaves that length's price alone; the same dear interval twice in a row moves it."""
+    costs = StepCosts()
+    steps = Steps(costs)
+    steps.run(0, 0.1, count=StepCosts.WARMUP_PLAIN)
+    steps.run(4, 0.12)
+    steps.run(4, 1.5)
+    steps.mark()
+    assert costs.ratio(4) == pytest.approx(1.2)
+    steps.run(4, 0.12)
+    steps.run(4, 1.5)
+    steps.run(4, 1.5)
+    steps.mark()
+    assert costs.ratio(4) > 3.0
+
+
+def test_lengths_not_timed_between_plain_steps_are_priced_again():
+    """A length priced dear once would never be chosen to be timed again: the refresh plain step
+    forgets it, and it is priced from the lengths timed since."""
+    costs = StepCosts()
+    steps = Steps(costs)
+    steps.run(0, 0.1, count=StepCosts.WARMUP_PLAIN)
+    steps.run(4, 0.5)
+    steps.run(0, 0.1)  # a step every row decoded plainly (paused after that dear one)
+    steps.run(1, 0.11, count=StepCosts.REFRESH_STEPS)
+    steps.mark()
+    assert costs.ratio(4) == pytest.approx(5.0) and costs.wants_plain()
+    steps.run(0, 0.1)
+    steps.mark()
+    assert 4 not in costs.ratios and costs.ratio(4) == pytest.approx(1.4)
+    assert costs.ratio(1) == pytest.approx(1.1)
+
+
 def test_drafting_too_dear_to_pay_stops_then_is_priced_again_less_often():
     costs = StepCosts()
     steps = Steps(costs)

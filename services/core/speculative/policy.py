@@ -97,9 +97,11 @@ class StepCosts:
     from those that are, on the dear side: as the next longer one, or past the longest in
     proportion to its draft.
 
-    A plain interval far beyond the mean is an idle gap or another request's long prefill, and is
-    left out. Where every row drafts, `wants_plain` asks for one plain step now and then to price
-    against. Where a drafted token costs a whole plain step or more at every length measured, no
+    An interval far beyond its mean is an idle gap, another request's long prefill or a draft
+    model catching up on a new prompt, and is left out (a drafting length's, unless the next one at
+    that length is too: then the price moved). Where every row drafts, `wants_plain` asks for one
+    plain step now and then to price against; it also forgets the lengths no step timed since the
+    one before, so a length priced dear once is priced again from its neighbours. Where a drafted token costs a whole plain step or more at every length measured, no
     acceptance pays: every row stops (`stopped`), and drafting is priced again after `retry` steps,
     twice as many each time it still does not pay, and never before the plain steps since took
     RETRY_COST times what the failed try took (a draft model's try catches up on every token it
@@ -119,6 +121,8 @@ class StepCosts:
         self.fixed = fixed
         self.plain_s: float | None = None
         self.ratios: dict[int, float] = {}  # drafts per row -> mean step time in plain steps
+        self._timed: set[int] = set()  # lengths timed since the last plain step
+        self._odd: set[int] = set()  # lengths whose last interval was left out
         self.retry = self.FIRST_RETRY
         self._plain_samples = 0
         self._since_plain = 0
@@ -196,12 +200,21 @@ class StepCosts:
                 return
             self.plain_s = _mean(self.plain_s, seconds, self.WEIGHT)
             self._plain_samples += 1
+            if self._since_plain >= self.REFRESH_STEPS:  # lengths not timed since are stale
+                self.ratios = {k: r for k, r in self.ratios.items() if k in self._timed}
             self._since_plain = 0
+            self._timed.clear()
             return
         self._since_plain += 1
         if self.plain_s is None or self._plain_samples < self.WARMUP_PLAIN:
             return
         ratio = min(1.0 + self.MOST_PER_DRAFT * drafted, max(1.0, seconds / self.plain_s))
+        mean = self.ratios.get(drafted)
+        if mean is not None and ratio > self.GAP * mean and drafted not in self._odd:
+            self._odd.add(drafted)
+            return
+        self._odd.discard(drafted)
+        self._timed.add(drafted)
         was_dear = not self.priced or self.stopped
         self.ratios[drafted] = _mean(self.ratios.get(drafted), ratio, self.WEIGHT)
         if self.stopped:
