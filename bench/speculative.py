@@ -13,7 +13,9 @@ MoE layers and decoded tokens: the steps each token costs (1.0 without drafts). 
 is 1 + accepted drafted tokens per verified draft: the tokens a drafting step yields. Greedy tokens
 with speculation must equal those without (`tokens_match_off`); where they do not,
 `first_difference` gives the first differing step and the gap between the top two logprobs there
-without speculation (a near tie when small). With random weights (the synthetic
+without speculation (a near tie when small). `paired` compares, on the method's own core, requests
+with drafts and requests sent with `speculative: false`, in turns, by their median tok/s: the ratio
+least moved by the machine's drift between processes. With random weights (the synthetic
 shapes) a prompt's meaning is lost: what their figures show is the mechanism's cost and the hop
 count, not real acceptance.
 """
@@ -27,6 +29,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 import grpc
 import mlx.core as mx
@@ -62,11 +65,13 @@ def prompt_tokens(path: Path, text: str) -> list[int]:
     return tokens
 
 
-def decode(address: str, prompt: list[int], tokens: int) -> dict:
-    """One greedy generation after a warm-up: tokens, decode tok/s, layer calls, spec counters."""
+def decode(address: str, prompt: list[int], tokens: int, speculative: bool = True) -> dict:
+    """One greedy generation after a warm-up: tokens, decode tok/s, layer calls, spec counters.
+    speculative=False: this request alone decodes without drafts (the per-request switch)."""
     with grpc.insecure_channel(address) as channel:
         stub = core_pb2_grpc.CoreStub(channel)
         request = greedy_token_request(prompt, 4)
+        request.speculative = speculative
         list(stub.Generate(request, timeout=600))  # warm-up
         before = stub.GetStats(core_pb2.GetStatsRequest()).speculative
         request.stopping.max_tokens = tokens
@@ -117,6 +122,18 @@ def first_difference(tokens: list[int], reference: list[int], gaps: list[float])
     return {"step": step, "top2_logprob_gap": gaps[step] if step < len(gaps) else None}
 
 
+def paired(on: list[dict], off: list[dict]) -> dict:
+    """Requests with and without drafts in turns on the same core: the ratio of their median tok/s,
+    which the machine's drift between processes does not move."""
+    on_median, off_median = median(r["tok_s"] for r in on), median(r["tok_s"] for r in off)
+    return {
+        "rounds": len(on),
+        "tok_s_median": round(on_median, 3),
+        "off_tok_s_median": round(off_median, 3),
+        "ratio_median": round(on_median / off_median, 3),
+    }
+
+
 def bench_model(name: str, methods: list[str], tokens: int, rounds: int, dtype: str, k: int) -> dict:
     path = checkpoint(name, dtype)
     split = resolve_split(str(path))
@@ -138,9 +155,15 @@ def bench_model(name: str, methods: list[str], tokens: int, rounds: int, dtype: 
             for key, prompt in prompts.items():
                 for round_index in range(rounds):
                     log(f"{name}: {mode} {key} round {round_index + 1}/{rounds}")
-                    run = decode(address, prompt, tokens)
-                    run["hops_per_token"] = round(run["layer_calls"] / moe_layers / max(1, run["decoded"]), 3)
-                    runs.setdefault(mode, {}).setdefault(key, []).append(run)
+                    # with a method: a request without drafts beside each one with, in turns
+                    pair = [True] if mode == "off" else [True, False][:: 1 - 2 * (round_index % 2)]
+                    for speculative in pair:
+                        run = decode(address, prompt, tokens, speculative)
+                        run["hops_per_token"] = round(
+                            run["layer_calls"] / moe_layers / max(1, run["decoded"]), 3
+                        )
+                        lane = mode if speculative else f"{mode}/off"
+                        runs.setdefault(lane, {}).setdefault(key, []).append(run)
     report = {"checkpoint": str(path), "moe_layers": moe_layers, "decode_tokens": tokens, "prompts": {}}
     for key, prompt in prompts.items():
         off = max(runs["off"][key], key=lambda r: r["tok_s"])
@@ -157,6 +180,7 @@ def bench_model(name: str, methods: list[str], tokens: int, rounds: int, dtype: 
                 "acceptance_length": best["acceptance_length"],
                 "acceptance_rate": best["acceptance_rate"],
                 "tokens_match_off": all(r["tokens"] == off["tokens"] for r in runs[method][key]),
+                "paired": paired(runs[method][key], runs[f"{method}/off"][key]),
             }
             reference, gaps = references[key]
             if reference == off["tokens"]:  # the logprobs run decoded as the timed one did
@@ -190,7 +214,7 @@ def main() -> None:
         "bench": "speculative",
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, mlx {mx.__version__} on {mx.default_device()}",
         "num_speculative_tokens": args.num_speculative_tokens,
-        "note": "best of rounds; greedy; core + 1 expert worker on this host",
+        "note": "best of rounds; paired: medians of turns with and without drafts on the method's core; greedy; core + 1 expert worker on this host",
         "models": {
             name: bench_model(
                 name, methods, args.tokens, args.rounds, args.dtype, args.num_speculative_tokens
