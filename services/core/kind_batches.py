@@ -19,6 +19,7 @@ from services.core.engine_config import EngineConfig
 from services.core.kv import make_kv_cache
 from services.core.speculative import SpeculativeDecoder, make_drafter
 from services.core.speculative.policy import StepCosts
+from services.core.speculative.recurrent_rows import recurrent_rows
 
 BatchKey = tuple[str, int]  # (KV cache kind, micro-batch lane)
 
@@ -31,6 +32,7 @@ class KindBatches:
         self._speculates = speculates
         self.model = None
         self._drafter = None  # what drafts tokens, made once the model is loaded
+        self._recurrent = None  # the model's recurrent layers, replayed after each verify
         self.generators: dict[BatchKey, BatchGenerator] = {}
         self._decoders: dict[BatchKey, SpeculativeDecoder] = {}
         self._step_costs: dict[BatchKey, StepCosts] = {}  # outlive the batches: learned once
@@ -38,6 +40,7 @@ class KindBatches:
     def use_model(self, model, tokenizer) -> None:
         self.model = model
         if self.config.speculative is not None:
+            self._recurrent = recurrent_rows(model)  # refuses caches that cannot drop tokens
             self._drafter = make_drafter(self.config.speculative, tokenizer, model)
 
     def new_cache(self, kind: str) -> list:
@@ -75,6 +78,7 @@ class KindBatches:
                 lambda uid: self._speculates(batch, uid),
                 self._drafter,
                 costs,
+                self._recurrent,
             )
         return self._decoders[batch]
 

@@ -126,13 +126,13 @@ def test_greedy_tokens_equal_decoding_without_mtp(mtp_model):
 
 def test_models_without_servable_mtp_layers_are_refused_by_name():
     assert "num_nextn_predict_layers is 0" in unsupported_reason({"model_type": "deepseek_v3"})
-    assert "recurrent state" in unsupported_reason(
+    assert "qwen3_next's MTP layers (mtp.* weights) are not served" in unsupported_reason(
         {"model_type": "qwen3_next", "num_nextn_predict_layers": 1}
     )
     assert "qwen3_moe has no multi-token-prediction" in unsupported_reason({"model_type": "qwen3_moe"})
     assert unsupported_reason({"model_type": "glm4_moe", "num_nextn_predict_layers": 1}) is None
     qwen35 = {"model_type": "qwen3_5_moe", "text_config": {"model_type": "qwen3_5_moe_text"}}
-    assert "recurrent state" in unsupported_reason(qwen35)
+    assert "are not served yet" in unsupported_reason(qwen35)
     wrapped = {
         "model_type": "kimi_k25",
         "text_config": {"model_type": "deepseek_v3", "num_nextn_predict_layers": 1},

@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
-from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from services.common.mlx_lm_adapter import DecodeState
@@ -26,6 +25,7 @@ from services.core.speculative.mtp import MtpDrafter
 from services.core.speculative.mtp_prefix import MtpPrefixState
 from services.core.speculative.ngram import NgramDrafter, NgramIndex
 from services.core.speculative.policy import DraftPolicy, StepCosts
+from services.core.speculative.recurrent_rows import RecurrentRows
 from services.core.speculative.row_trim import RowOrder, can_trim_rows, trim_rows
 
 Response = GenerationBatch.Response
@@ -33,14 +33,8 @@ Response = GenerationBatch.Response
 
 def make_drafter(config: SpeculativeConfig, tokenizer, model):
     """What drafts for `config`: prompt lookup, or the draft model (loaded now, checked against
-    the served model's tokenizer). Refused for a model whose caches cannot drop rejected tokens."""
-    kept = {type(c).__name__ for c in make_prompt_cache(model) if type(c) is not KVCache}
-    if kept:
-        model_type = getattr(getattr(model, "args", None), "model_type", type(model).__module__)
-        raise ValueError(
-            f"speculative decoding needs KV caches that can drop rejected tokens; {model_type} keeps "
-            f"{', '.join(sorted(kept))} (recurrent state or a sliding window)"
-        )
+    the served model's tokenizer). The served model's caches must drop rejected tokens: see
+    recurrent_rows(), which the engine calls first."""
     vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)
     if config.method == "mtp":
         layer = getattr(model, "mtp_draft", None)
@@ -62,11 +56,13 @@ class SpeculativeDecoder:
         wants: Callable[[int], bool] = lambda uid: True,
         drafter=None,
         costs: StepCosts | None = None,
+        recurrent: RecurrentRows | None = None,
     ):
         """`wants(uid)`: whether that sequence's request allows speculation; `drafter.index()`
         makes each sequence's `propose(context, k)` (default: prompt lookup). `costs`: what a drafted
         token costs, measured from the steps (policy.StepCosts); the engine keeps it across batches,
-        which end whenever it idles."""
+        which end whenever it idles. `recurrent`: the model's recurrent layers, replayed after
+        each verify so they keep only accepted positions (recurrent_rows.py)."""
         self.config = config
         self.counters = counters
         self.wants = wants
@@ -78,6 +74,7 @@ class SpeculativeDecoder:
         self.prefill_sink = self.prefilled if self._wants_hidden else None  # for GeneratorStep
         self._prefilling: dict[int, object] = {}  # uid -> its MTP state, before it decodes
         self.costs = costs or StepCosts(config.draft_cost)
+        self.recurrent = recurrent
 
     def decode(self, batch: GenerationBatch) -> list[Response]:
         """One decode step of `batch`: GenerationBatch.next()'s responses, several per row when
@@ -85,7 +82,7 @@ class SpeculativeDecoder:
         if not batch.uids:
             return []
         self._forget(batch.uids)
-        if not can_trim_rows(batch.prompt_cache):
+        if not can_trim_rows(batch.prompt_cache, self.recurrent):
             return [self._in_token_order(r) for r in batch.next()]
         pending = DecodeState(batch).next_tokens.tolist()  # the step before has finished now
         self.costs.began(time.perf_counter())
@@ -171,6 +168,8 @@ class SpeculativeDecoder:
         dtype = state.next_tokens.dtype
         width = 1 + max(len(d) for d in drafts)
         rows = [[p, *d] + [p] * (width - 1 - len(d)) for p, d in zip(pending, drafts, strict=True)]
+        if self.recurrent is not None:
+            self.recurrent.arm(batch.prompt_cache)
         logits = batch.model(mx.array(rows, dtype=dtype), cache=batch.prompt_cache)
         hidden = self._drafter.last_hidden() if self._wants_hidden else None  # [B, width, H]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -202,6 +201,8 @@ class SpeculativeDecoder:
             following.append((token, scores[kept]))
             drop.append(width - len(row))
         trim_rows(batch.prompt_cache, drop, batch.uids, self.order)
+        if self.recurrent is not None:
+            self.recurrent.settle(batch.prompt_cache, [width - n for n in drop])
 
         state.advance(
             mx.array(pending, dtype=dtype),

@@ -7,8 +7,8 @@ a MoE with its routed experts). mlx-lm's `sanitize()` drops them, so `split` rea
 checkpoint's files itself and writes them to `core/mtp.safetensors` as `mtp.{i}.*`, routed experts
 stacked as mlx-lm stacks the model's own. They stay in core: never split to workers.
 
-The Qwen3-Next / Qwen3.5 layout (`mtp.*`) sits on recurrent (linear-attention) layers whose state
-cannot drop rejected tokens, which speculation needs; those models are refused by name.
+The Qwen3-Next / Qwen3.5 layout (`mtp.*`: `fc`, `pre_fc_norm_*`, `layers.*`, `norm`) is not served
+yet: `--speculative mtp` refuses those models by name (`ngram` and `draft:PATH` serve them).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from services.common.model_shape import text_config
 
 MTP_FILE = "mtp.safetensors"
 FAMILIES = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa")
-RECURRENT_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+UNSERVED_MTP_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 # Copies of the main model's embedding and output head: the main model's own serve.
 _SHARED = ("embed_tokens.", "shared_head.head.")
 _AS_LAYER_0 = "model.layers.0."
@@ -36,11 +36,11 @@ def unsupported_reason(config: dict) -> str | None:
     """Why `--speculative mtp` cannot serve this model, or None when it can."""
     text = text_config(config)
     model_type = text.get("model_type", config.get("model_type"))
-    if model_type in RECURRENT_FAMILIES or config.get("model_type") in RECURRENT_FAMILIES:
+    if model_type in UNSERVED_MTP_FAMILIES or config.get("model_type") in UNSERVED_MTP_FAMILIES:
         model_type = config.get("model_type")
         return (
-            f"{model_type} ships MTP layers, but its linear-attention layers keep recurrent state that "
-            "cannot drop rejected draft tokens"
+            f"{model_type}'s MTP layers (mtp.* weights) are not served yet; --speculative ngram or "
+            "draft:PATH serve this model"
         )
     if "text_config" in config:
         return f"{config.get('model_type')} wraps its language model; its MTP layers are not served"

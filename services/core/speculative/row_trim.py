@@ -13,17 +13,22 @@ token order again: `RowOrder` records the moves and `in_token_order` undoes them
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from services.common.mlx_lm_adapter import write_index
 from services.core.kv.batch_cache import BatchTurboQuantKVCache
+from services.core.speculative.recurrent_rows import RecurrentRows
 
 TRIMMABLE = (BatchKVCache, BatchTurboQuantKVCache)
 
 
-def can_trim_rows(caches: list) -> bool:
-    """Only these exact types: a sliding window or a recurrent state cannot give tokens back."""
-    return bool(caches) and all(type(c) in TRIMMABLE for c in caches)
+def can_trim_rows(caches: list, recurrent: RecurrentRows | None = None) -> bool:
+    """Only these exact types, and recurrent layers that `recurrent` replays: a sliding window or
+    another recurrent state cannot give tokens back."""
+    replayed = recurrent.mixers if recurrent is not None else {}
+    return bool(caches) and all(
+        type(c) in TRIMMABLE or (type(c) is ArraysCache and i in replayed) for i, c in enumerate(caches)
+    )
 
 
 class RowOrder:

@@ -1,0 +1,99 @@
+"""Recurrent layers' rows that drop rejected drafts: the linear-attention (gated delta) layers of
+hybrid models such as Qwen3-Next and Qwen3.5.
+
+Such a layer keeps a convolution window and a recurrent state per row instead of keys and values,
+and a verify forward folds every drafted position into them, rejected ones included; nothing can
+be cut back out. So, while a verify forward runs, each of these layers keeps its input and the
+state it started from. Once acceptance is known, the layer runs again from that state over the
+same input with each row's positions past its kept ones masked out: mlx-lm's own right-padded path
+(`ArraysCache.lengths` and the mask) then leaves every row's window and state at its last kept
+position, exactly as if only those positions had been fed. That costs these layers' own compute
+once more, and no expert call.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx import nn
+from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+
+# mlx-lm's gated delta layers, which take a right-padding mask and `ArraysCache.lengths`
+MIXERS = ("GatedDeltaNet", "Qwen3NextGatedDeltaNet")
+
+
+class ReplayableMixer(nn.Module):
+    """A linear-attention layer that keeps, for the forward it is armed for, its input and the
+    cache state that forward started from."""
+
+    def __init__(self, mixer: nn.Module):
+        super().__init__()
+        self.mixer = mixer
+        self._armed: ArraysCache | None = None  # the batch cache whose forward to keep
+        self._taken: tuple[mx.array, object, object] | None = None
+
+    def __call__(self, x: mx.array, mask: mx.array | None = None, cache=None) -> mx.array:
+        if cache is not None and cache is self._armed:
+            self._taken = (x, cache[0], cache[1])
+        return self.mixer(x, mask, cache)
+
+    def arm(self, cache: ArraysCache) -> None:
+        self._armed, self._taken = cache, None
+
+    def settle(self, cache: ArraysCache, keep: list[int]) -> None:
+        """Leave row i of `cache` as if only its first keep[i] positions had been fed."""
+        taken, self._armed, self._taken = self._taken, None, None
+        if taken is None:
+            return
+        x, window, state = taken
+        width = x.shape[1]
+        if all(k == width for k in keep):
+            return
+        lengths, padding = cache.lengths, cache.left_padding
+        cache[0], cache[1] = window, state
+        kept = mx.array(keep)
+        cache.lengths = kept
+        self.mixer(x, mx.arange(width)[None] < kept[:, None], cache)
+        cache.lengths, cache.left_padding = lengths, padding
+
+
+class RecurrentRows:
+    """The served model's recurrent layers, made replayable: `arm(caches)` before a verify
+    forward, `settle(caches, keep)` once each row's kept positions are known."""
+
+    def __init__(self, mixers: dict[int, ReplayableMixer]):
+        self.mixers = mixers  # layer index (= its cache's index) -> its mixer
+
+    def arm(self, caches: list) -> None:
+        for index, mixer in self.mixers.items():
+            mixer.arm(caches[index])
+
+    def settle(self, caches: list, keep: list[int]) -> None:
+        for index, mixer in self.mixers.items():
+            mixer.settle(caches[index], keep)
+
+
+def recurrent_rows(model) -> RecurrentRows | None:
+    """Make the model's recurrent layers replayable (None where it has none). Refused, naming
+    the model and the cache, where a layer keeps state that cannot drop rejected tokens."""
+    caches = make_prompt_cache(model)
+    layers = getattr(model, "layers", None)
+    if all(type(c) is KVCache for c in caches):
+        return None
+    model_type = getattr(getattr(model, "args", None), "model_type", type(model).__module__)
+    mixers: dict[int, ReplayableMixer] = {}
+    for index, cache in enumerate(caches):
+        if type(cache) is KVCache:
+            continue
+        layer = layers[index] if layers is not None and len(layers) == len(caches) else None
+        mixer = getattr(layer, "linear_attn", None)
+        if type(cache) is not ArraysCache or type(mixer).__name__ not in MIXERS + ("ReplayableMixer",):
+            raise ValueError(
+                f"speculative decoding needs caches that can drop rejected tokens; {model_type} keeps "
+                f"{type(cache).__name__} in layer {index} (a sliding window or a recurrent state "
+                f"moe-mesh cannot replay; it replays {', '.join(MIXERS)})"
+            )
+        if not isinstance(mixer, ReplayableMixer):
+            mixer = ReplayableMixer(mixer)
+            layer.linear_attn = mixer
+        mixers[index] = mixer
+    return RecurrentRows(mixers)
