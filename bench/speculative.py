@@ -156,7 +156,9 @@ def bench_model(name: str, methods: list[str], tokens: int, rounds: int, dtype: 
                 for round_index in range(rounds):
                     log(f"{name}: {mode} {key} round {round_index + 1}/{rounds}")
                     # with a method: a request without drafts beside each one with, in turns
-                    pair = [True] if mode == "off" else [True, False][:: 1 - 2 * (round_index % 2)]
+                    pair = (
+                        [True] if mode == "off" else [True, False] if round_index % 2 == 0 else [False, True]
+                    )
                     for speculative in pair:
                         run = decode(address, prompt, tokens, speculative)
                         run["hops_per_token"] = round(

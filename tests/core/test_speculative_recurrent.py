@@ -31,6 +31,7 @@ def test_a_replayed_layer_holds_what_feeding_only_the_kept_positions_leaves(hybr
     prompt = mx.array([[5, 17, 33, 2, 9, 41, 7, 3], [8, 8, 1, 30, 12, 6, 44, 2]])
     verified = mx.array([[20, 11, 12, 13, 14], [21, 15, 16, 17, 18]])
     keep = [2, 4]  # row 0 kept its pending token and one draft, row 1 three drafts
+    drop = [verified.shape[1] - k for k in keep]
 
     def prefilled():
         cache = make_prompt_cache(hybrid)
@@ -40,7 +41,7 @@ def test_a_replayed_layer_holds_what_feeding_only_the_kept_positions_leaves(hybr
     cache = prefilled()
     rows.arm(cache)
     hybrid(verified, cache=cache)
-    rows.settle(cache, keep)
+    rows.settle(cache, drop)
     for row, kept in enumerate(keep):
         fed = make_prompt_cache(hybrid)
         hybrid(prompt[row : row + 1], cache=fed)

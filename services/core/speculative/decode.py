@@ -200,9 +200,7 @@ class SpeculativeDecoder:
             reasons.append(reason)
             following.append((token, scores[kept]))
             drop.append(width - len(row))
-        trim_rows(batch.prompt_cache, drop, batch.uids, self.order)
-        if self.recurrent is not None:
-            self.recurrent.settle(batch.prompt_cache, [width - n for n in drop])
+        trim_rows(batch.prompt_cache, drop, batch.uids, self.order, self.recurrent)
 
         state.advance(
             mx.array(pending, dtype=dtype),

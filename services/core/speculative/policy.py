@@ -101,11 +101,13 @@ class StepCosts:
     model catching up on a new prompt, and is left out (a drafting length's, unless the next one at
     that length is too: then the price moved). Where every row drafts, `wants_plain` asks for one
     plain step now and then to price against; it also forgets the lengths no step timed since the
-    one before, so a length priced dear once is priced again from its neighbours. Where a drafted token costs a whole plain step or more at every length measured, no
-    acceptance pays: every row stops (`stopped`), and drafting is priced again after `retry` steps,
-    twice as many each time it still does not pay, and never before the plain steps since took
-    RETRY_COST times what the failed try took (a draft model's try catches up on every token it
-    skipped: a prompt's prefill)."""
+    one before, so a length priced dear once is priced again from its neighbours.
+
+    Where a drafted token costs a whole plain step or more at every length measured, no acceptance
+    pays: every row stops (`stopped`), and drafting is priced again after `retry` steps, twice as
+    many each time it still does not pay, and never before the plain steps since took RETRY_COST
+    times what the failed try took (a draft model's try catches up on every token it skipped: a
+    prompt's prefill)."""
 
     WARMUP_PLAIN = 2
     REFRESH_STEPS = 256  # drafting steps between two plain ones

@@ -39,18 +39,16 @@ class ReplayableMixer(nn.Module):
     def arm(self, cache: ArraysCache) -> None:
         self._armed, self._taken = cache, None
 
-    def settle(self, cache: ArraysCache, keep: list[int]) -> None:
-        """Leave row i of `cache` as if only its first keep[i] positions had been fed."""
+    def settle(self, cache: ArraysCache, drop: list[int]) -> None:
+        """Leave row i of `cache` as if its armed forward had not fed its last drop[i] positions."""
         taken, self._armed, self._taken = self._taken, None, None
-        if taken is None:
+        if taken is None or not any(drop):
             return
         x, window, state = taken
         width = x.shape[1]
-        if all(k == width for k in keep):
-            return
         lengths, padding = cache.lengths, cache.left_padding
         cache[0], cache[1] = window, state
-        kept = mx.array(keep)
+        kept = width - mx.array(drop)
         cache.lengths = kept
         self.mixer(x, mx.arange(width)[None] < kept[:, None], cache)
         cache.lengths, cache.left_padding = lengths, padding
@@ -58,7 +56,7 @@ class ReplayableMixer(nn.Module):
 
 class RecurrentRows:
     """The served model's recurrent layers, made replayable: `arm(caches)` before a verify
-    forward, `settle(caches, keep)` once each row's kept positions are known."""
+    forward, `settle(caches, drop)` once each row's rejected positions are known."""
 
     def __init__(self, mixers: dict[int, ReplayableMixer]):
         self.mixers = mixers  # layer index (= its cache's index) -> its mixer
@@ -67,9 +65,9 @@ class RecurrentRows:
         for index, mixer in self.mixers.items():
             mixer.arm(caches[index])
 
-    def settle(self, caches: list, keep: list[int]) -> None:
+    def settle(self, caches: list, drop: list[int]) -> None:
         for index, mixer in self.mixers.items():
-            mixer.settle(caches[index], keep)
+            mixer.settle(caches[index], drop)
 
 
 def recurrent_rows(model) -> RecurrentRows | None:
@@ -86,7 +84,8 @@ def recurrent_rows(model) -> RecurrentRows | None:
             continue
         layer = layers[index] if layers is not None and len(layers) == len(caches) else None
         mixer = getattr(layer, "linear_attn", None)
-        if type(cache) is not ArraysCache or type(mixer).__name__ not in MIXERS + ("ReplayableMixer",):
+        replayable = isinstance(mixer, ReplayableMixer) or type(mixer).__name__ in MIXERS
+        if type(cache) is not ArraysCache or not replayable:
             raise ValueError(
                 f"speculative decoding needs caches that can drop rejected tokens; {model_type} keeps "
                 f"{type(cache).__name__} in layer {index} (a sliding window or a recurrent state "

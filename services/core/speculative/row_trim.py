@@ -70,8 +70,13 @@ class RowOrder:
         return cache
 
 
-def trim_rows(caches: list, drop: list[int], uids: list[int], order: RowOrder) -> None:
-    """Drop the newest `drop[i]` tokens of row i in every layer's cache."""
+def trim_rows(
+    caches: list, drop: list[int], uids: list[int], order: RowOrder, recurrent: RecurrentRows | None = None
+) -> None:
+    """Drop the newest `drop[i]` tokens of row i in every layer's cache; the recurrent layers'
+    rows by replaying the forward `recurrent` was armed for."""
+    if recurrent is not None:
+        recurrent.settle(caches, drop)
     if not any(drop):
         return
     plain = [c for c in caches if type(c) is BatchKVCache]
