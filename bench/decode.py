@@ -82,8 +82,9 @@ def log(message: str) -> None:
 
 
 SYNTHETIC_SHAPE = re.compile(r"qwen3-30b-a3b-(\d+)layer")
-# DeepSeek-V3's layout with its multi-token-prediction layer, for `--speculative mtp`
-TINY_BENCH_MODELS = {"deepseek-v3-mtp-tiny": "deepseek_v3_mtp"}
+# Random models with a multi-token-prediction layer, for `--speculative mtp`: DeepSeek-V3's layout,
+# and Qwen3.5's (a hybrid of linear and full attention)
+TINY_BENCH_MODELS = {"deepseek-v3-mtp-tiny": "deepseek_v3_mtp", "qwen3.5-mtp-tiny": "qwen3_5_moe_mtp"}
 
 
 def synthetic_name(layers: int) -> str:

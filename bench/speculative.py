@@ -199,7 +199,7 @@ def main() -> None:
     parser.add_argument(
         "--models",
         default="demo",
-        help="demo, qwen3-30b-a3b-<N>layer, deepseek-v3-mtp-tiny or a path (comma-separated)",
+        help="demo, qwen3-30b-a3b-<N>layer, deepseek-v3-mtp-tiny, qwen3.5-mtp-tiny or a path (comma-separated)",
     )
     parser.add_argument(
         "--methods",

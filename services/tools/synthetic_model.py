@@ -19,6 +19,7 @@ from mlx import nn
 from mlx_lm.utils import quantize_model, save_config, save_model
 
 from services.common.mlx_lm_adapter import classes_for_config
+from services.core.speculative.mtp_weights import mtp_layer_count
 from services.tools.tiny_mtp import write_random_mtp_layers
 
 _COMMON = {
@@ -174,6 +175,11 @@ TINY_CONFIGS.update(
 )
 # DeepSeek-V3 with the multi-token-prediction layer its checkpoints ship (`--speculative mtp`).
 TINY_CONFIGS["deepseek_v3_mtp"] = {**TINY_CONFIGS["deepseek_v3"], "num_nextn_predict_layers": 1}
+# Qwen3.5 with its MTP layer (`mtp.*`), as Qwen3.5-397B-A17B ships it.
+TINY_CONFIGS["qwen3_5_moe_mtp"] = {
+    **TINY_CONFIGS["qwen3_5_moe"],
+    "text_config": {**TINY_CONFIGS["qwen3_5_moe"]["text_config"], "mtp_num_hidden_layers": 1},
+}
 
 # Qwen3-30B-A3B's MoE shape with few layers: what the decode benchmark measures.
 QWEN3_30B_A3B_SHAPE: dict[str, Any] = {
@@ -243,7 +249,7 @@ def build_random_checkpoint(
     mx.eval(model.parameters())
     out_dir.mkdir(parents=True, exist_ok=True)
     save_model(out_dir, model)
-    if config.get("num_nextn_predict_layers"):
+    if mtp_layer_count(config):
         write_random_mtp_layers(out_dir, model, config, dtype)
     save_config(config, out_dir / "config.json")
     for path in qwen3_tokenizer_dir().iterdir():

@@ -16,7 +16,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 from services.core.speculative import SpeculativeConfig, SpeculativeCounters, SpeculativeDecoder
-from services.core.speculative.mtp import MtpDrafter, load_mtp
+from services.core.speculative.mtp import MtpDrafter, load_mtp, text_model
 from services.core.speculative.mtp_prefix import split_prefix_state
 from services.core.speculative.mtp_weights import MTP_FILE, unsupported_reason
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
@@ -66,7 +66,7 @@ def reference_drafts(model, layer, context: list[int], k: int) -> list[int]:
     out = layer.shared_head["norm"](layer.block(x, create_attention_mask(x, cache, return_array=True), cache))
     drafts = []
     for _ in range(k):
-        token = mx.argmax(model.lm_head.head(out[:, -1:])[0, -1])
+        token = mx.argmax(text_model(model).lm_head.head(out[:, -1:])[0, -1])
         drafts.append(int(token.item()))
         out = layer(inner.embed_tokens(token.reshape(1, 1)), out[:, -1:], cache)
     return drafts
@@ -126,13 +126,16 @@ def test_greedy_tokens_equal_decoding_without_mtp(mtp_model):
 
 def test_models_without_servable_mtp_layers_are_refused_by_name():
     assert "num_nextn_predict_layers is 0" in unsupported_reason({"model_type": "deepseek_v3"})
-    assert "qwen3_next's MTP layers (mtp.* weights) are not served" in unsupported_reason(
-        {"model_type": "qwen3_next", "num_nextn_predict_layers": 1}
-    )
+    assert "(mtp_num_hidden_layers is 0)" in unsupported_reason({"model_type": "qwen3_next"})
+    assert unsupported_reason({"model_type": "qwen3_next", "mtp_num_hidden_layers": 1}) is None
+    dedicated = {"model_type": "qwen3_next", "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": True}
+    assert "embeddings of their own" in unsupported_reason(dedicated)
     assert "qwen3_moe has no multi-token-prediction" in unsupported_reason({"model_type": "qwen3_moe"})
     assert unsupported_reason({"model_type": "glm4_moe", "num_nextn_predict_layers": 1}) is None
     qwen35 = {"model_type": "qwen3_5_moe", "text_config": {"model_type": "qwen3_5_moe_text"}}
-    assert "are not served yet" in unsupported_reason(qwen35)
+    assert "(mtp_num_hidden_layers is 0)" in unsupported_reason(qwen35)
+    qwen35["text_config"]["mtp_num_hidden_layers"] = 1
+    assert unsupported_reason(qwen35) is None
     wrapped = {
         "model_type": "kimi_k25",
         "text_config": {"model_type": "deepseek_v3", "num_nextn_predict_layers": 1},

@@ -21,8 +21,9 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
+from services.common.model_shape import text_config
 from services.core.speculative.mtp_prefix import MtpPrefixState
-from services.core.speculative.mtp_weights import MTP_FILE, unsupported_reason
+from services.core.speculative.mtp_weights import MTP_FILE, mtp_block_index, unsupported_reason
 
 
 class MtpLayer(nn.Module):
@@ -72,14 +73,16 @@ def check_mtp_servable(split_dir: Path, config: dict) -> Path:
 def load_mtp(model, split_dir: Path, config: dict) -> MtpLayer:
     """The checkpoint's first MTP layer, weights from `split_dir/core/mtp.safetensors`, quantized as
     they are stored. Installs a HiddenRecorder as the model's output head. Raises ValueError."""
-    path = check_mtp_servable(split_dir, config)  # a text model: wrapped ones are refused
-    if not isinstance(getattr(model, "lm_head", None), nn.Module):
+    path = check_mtp_servable(split_dir, config)
+    text = text_model(model)
+    if not isinstance(getattr(text, "lm_head", None), nn.Module):
         raise ValueError("--speculative mtp: the model ties its output head to its embedding")
-    weights = {k.removeprefix("mtp.0."): v for k, v in mx.load(str(path)).items() if k.startswith("mtp.0.")}
-    if getattr(model, "args", None) is None:
+    if getattr(text, "args", None) is None:
         raise ValueError("--speculative mtp: the model keeps no ModelArgs to build its MTP layer from")
-    block = type(model.model.layers[-1])(model.args, int(config["num_hidden_layers"]))
-    layer = MtpLayer(block, int(config["hidden_size"]), float(config.get("rms_norm_eps", 1e-6)))
+    weights = {k.removeprefix("mtp.0."): v for k, v in mx.load(str(path)).items() if k.startswith("mtp.0.")}
+    block = type(text.model.layers[-1])(text.args, mtp_block_index(config))
+    hidden = text_config(config)
+    layer = MtpLayer(block, int(hidden["hidden_size"]), float(hidden.get("rms_norm_eps", 1e-6)))
     own = ("enorm", "hnorm", "eh_proj", "shared_head")
     renamed = {(k if k.split(".")[0] in own else f"block.{k}"): v for k, v in weights.items()}
     quantization = config.get("quantization")
@@ -90,12 +93,20 @@ def load_mtp(model, split_dir: Path, config: dict) -> MtpLayer:
             bits=quantization["bits"],
             class_predicate=lambda p, m: f"{p}.scales" in renamed,
         )
-    layer.load_weights(list(renamed.items()), strict=True)
+    try:
+        layer.load_weights(list(renamed.items()), strict=True)
+    except ValueError as error:
+        raise ValueError(f"--speculative mtp: {path} does not fit the model's MTP layer: {error}") from None
     layer.eval()
     mx.eval(layer.parameters())
-    if not isinstance(model.lm_head, HiddenRecorder):
-        model.lm_head = HiddenRecorder(model.lm_head)
+    if not isinstance(text.lm_head, HiddenRecorder):
+        text.lm_head = HiddenRecorder(text.lm_head)
     return layer
+
+
+def text_model(model) -> nn.Module:
+    """The language model: the model itself, or the one a multimodal wrapper holds."""
+    return getattr(model, "language_model", model)
 
 
 class MtpDrafter:
@@ -104,7 +115,7 @@ class MtpDrafter:
     wants_hidden = True
 
     def __init__(self, model, layer: MtpLayer, vocab_size: int | None):
-        self.recorder: HiddenRecorder = model.lm_head
+        self.recorder: HiddenRecorder = text_model(model).lm_head
         self.embed = model.model.embed_tokens
         self.layer = layer
         self.vocab_size = vocab_size
