@@ -124,6 +124,25 @@ def test_greedy_tokens_equal_decoding_without_mtp(mtp_model):
     assert steps <= plain_steps
 
 
+@pytest.mark.slow  # decodes for seconds
+def test_requests_that_never_draft_leave_the_mtp_layer_idle(mtp_model):
+    """On a core drafting with MTP, a request sent with `speculative: false` decodes as without it
+    and costs no MTP forward: neither its prompt nor its steps feed the layer."""
+    model, layer = mtp_model
+    drafter = MtpDrafter(model, layer, None)
+    calls = []
+    drafter.layer = lambda *args: (calls.append(args[0].shape), layer(*args))[1]
+    decoder = SpeculativeDecoder(
+        SpeculativeConfig(method="mtp", num_speculative_tokens=2, draft_cost=0.0),
+        SpeculativeCounters(),
+        wants=lambda uid: False,
+        drafter=drafter,
+    )
+    tokens, _, _, _ = generate(model, "fp16", decoder)
+    assert tokens == generate(model, "fp16", None)[0]
+    assert calls == [] and decoder.counters.draft_tokens == 0
+
+
 def test_models_without_servable_mtp_layers_are_refused_by_name():
     assert "num_nextn_predict_layers is 0" in unsupported_reason({"model_type": "deepseek_v3"})
     assert "(mtp_num_hidden_layers is 0)" in unsupported_reason({"model_type": "qwen3_next"})

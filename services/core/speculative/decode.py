@@ -94,7 +94,8 @@ class SpeculativeDecoder:
             if self._wants_hidden:  # the forward's states at the pending tokens, for MTP to feed on
                 hidden = self._drafter.last_hidden()
                 for i, uid in enumerate(uids):
-                    self._rows[uid][0].feed(hidden[i : i + 1, :1], pending[i : i + 1])
+                    if self.wants(uid):
+                        self._rows[uid][0].feed(hidden[i : i + 1, :1], pending[i : i + 1])
         else:
             responses = self._verify(batch, pending, drafts)
         if not batch.uids:  # every row finished: the next step is not this one's sequel
@@ -110,6 +111,8 @@ class SpeculativeDecoder:
         hidden states it left [B, L, H] holds those at `chunks[r]`, for an MTP drafter to feed on."""
         hidden = self._drafter.last_hidden()
         for row, (uid, chunk) in enumerate(zip(uids, chunks, strict=True)):
+            if not self.wants(uid):  # a request that never drafts leaves the MTP layer idle
+                continue
             if uid not in self._prefilling:
                 self._prefilling[uid] = self._drafter.index()
             self._prefilling[uid].feed(hidden[row : row + 1, : len(chunk)], chunk)
@@ -191,7 +194,7 @@ class SpeculativeDecoder:
             if draft:
                 self._rows[uid][1].observe(len(draft), kept)
                 self.counters.record(len(draft), kept)
-            if hidden is not None:  # the positions this step confirmed, and their tokens
+            if hidden is not None and self.wants(uid):  # the positions this step confirmed, and their tokens
                 self._rows[uid][0].feed(hidden[i : i + 1, : kept + 1], [pending[i], *draft[:kept]])
             row = [(pending[i], state.next_logprobs[i])] + [(draft[j], scores[j]) for j in range(kept)]
             row, reason = _until_finished(batch, i, row)
