@@ -37,7 +37,7 @@ from services.common.model_build import (
 from services.common.progress import Progress
 from services.common.staging import remove_abandoned, staging_name
 from services.common.tensor_codec import dtype_name
-from services.core.speculative.mtp_weights import MTP_FILE, extract_mtp_weights
+from services.core.speculative.mtp_weights import MTP_FILE, extract_mtp_weights, mtp_layer_count
 from services.tools.safetensors_header import check_safetensors
 from services.tools.split_disk import GB, check_free_space, link_or_copy
 from services.tools.split_vision import write_vision_weights
@@ -185,6 +185,9 @@ def _write_split(
     if mtp_weights:
         mx.save_safetensors(str(staging / "core" / MTP_FILE), mtp_weights, metadata={"format": "mlx"})
         log.info("split_mtp_layers", tensors=len(mtp_weights))
+    elif mtp_layer_count(config):
+        # conversions such as mlx-lm's drop them: --speculative mtp will not serve this split
+        log.warning("split_mtp_layers_absent", declared=mtp_layer_count(config))
     write_vision_weights(model_path, config, staging / "core")
     for name in sorted(core_weights):
         digest.update(name.encode())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from pathlib import Path
 
 import grpc
@@ -18,11 +19,13 @@ from mlx_lm.models.cache import KVCache
 
 from services.common.mlx_lm_adapter import classes_for_config
 from services.core.speculative import SpeculativeConfig, SpeculativeCounters, SpeculativeDecoder
-from services.core.speculative.mtp import HiddenRecorder, MtpDrafter, load_mtp, text_model
+from services.core.speculative.mtp import HiddenRecorder, MtpDrafter, check_mtp_servable, load_mtp, text_model
 from services.core.speculative.mtp_weights import MTP_FILE, extract_mtp_weights, mtp_block_index
 from services.core.speculative.recurrent_rows import recurrent_rows
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
+from services.tools.split import split_checkpoint
 from services.tools.synthetic_model import TINY_CONFIGS
+from services.tools.tiny_mtp import MTP_SHARD
 from tests.core.test_batching import GREEDY, run, running
 from tests.core.test_mtp import reference_drafts
 from tests.core.test_speculative import generate
@@ -78,6 +81,18 @@ def test_split_keeps_the_mtp_layer_for_core_under_the_drafter_names(split):
     assert not any("linear_attn" in n or "gate_up" in n or ".fc." in n for n in names)
     manifest = json.loads((split / "manifest.json").read_text())
     assert [layer["layer"] for layer in manifest["layers"]] == [0, 1, 2, 3]  # workers get no MTP layer
+
+
+def test_a_split_of_files_without_the_mtp_layer_is_refused_saying_why(tiny_models, tmp_path):
+    """mlx-lm's conversions drop `mtp.*` while their config still declares the layer: the split
+    goes ahead without it and `--speculative mtp` names the cause."""
+    checkpoint = tmp_path / "converted"
+    shutil.copytree(tiny_models.checkpoint(ARCH, None), checkpoint)
+    (checkpoint / MTP_SHARD).unlink()
+    split_checkpoint(checkpoint, tmp_path / "split", progress=False)
+    config = json.loads((tmp_path / "split" / "core" / "config.json").read_text())
+    with pytest.raises(ValueError, match="made from files without MTP weights"):
+        check_mtp_servable(tmp_path / "split", config)
 
 
 def _mlx_form_layer(model, config: dict) -> dict[str, mx.array]:

@@ -64,8 +64,9 @@ def check_mtp_servable(split_dir: Path, config: dict) -> Path:
     path = Path(split_dir) / "core" / MTP_FILE
     if not path.exists():
         raise ValueError(
-            f"--speculative mtp: {path} is missing; split the original checkpoint again "
-            "(split keeps its MTP layers in core)"
+            f"--speculative mtp: {path} is missing: the split was made from files without MTP weights "
+            "(mlx-lm's conversions drop them) or by an older moe-mesh; split the original Hugging Face "
+            "checkpoint (split keeps its MTP layers in core)"
         )
     return path
 
