@@ -34,7 +34,12 @@ def split(tiny_models):
 
 @pytest.fixture(scope="module")
 def mtp_model(tiny_models, split):
-    model, _ = mlx_lm.load(str(tiny_models.checkpoint(ARCH, None)))
+    return load_with_mtp(tiny_models, ARCH, split)
+
+
+def load_with_mtp(tiny_models, arch: str, split):
+    """The tiny checkpoint's model, as mlx-lm loads it, and its MTP layer from the split."""
+    model, _ = mlx_lm.load(str(tiny_models.checkpoint(arch, None)))
     config = json.loads((split / "core" / "config.json").read_text())
     return model, load_mtp(model, split, config)
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import grpc
 import mlx.core as mx
-import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
@@ -27,7 +26,7 @@ from services.tools.split import split_checkpoint
 from services.tools.synthetic_model import TINY_CONFIGS
 from services.tools.tiny_mtp import MTP_SHARD
 from tests.core.test_batching import GREEDY, run, running
-from tests.core.test_mtp import reference_drafts
+from tests.core.test_mtp import load_with_mtp, reference_drafts
 from tests.core.test_speculative import generate
 
 ARCH = "qwen3_5_moe_mtp"
@@ -62,9 +61,7 @@ def split(tiny_models):
 
 @pytest.fixture(scope="module")
 def mtp_model(tiny_models, split):
-    model, _ = mlx_lm.load(str(tiny_models.checkpoint(ARCH, None)))
-    config = json.loads((split / "core" / "config.json").read_text())
-    return model, load_mtp(model, split, config)
+    return load_with_mtp(tiny_models, ARCH, split)
 
 
 def test_split_keeps_the_mtp_layer_for_core_under_the_drafter_names(split):

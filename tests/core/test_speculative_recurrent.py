@@ -41,7 +41,14 @@ def test_a_replayed_layer_holds_what_feeding_only_the_kept_positions_leaves(hybr
     cache = prefilled()
     rows.arm(cache)
     hybrid(verified, cache=cache)
+    projected = []  # the input projections computed from here on
+    for mixer in rows.mixers.values():
+        assert mixer.projections  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+        for projection in mixer.projections:
+            linear = projection.linear
+            projection.linear = lambda x, linear=linear: (projected.append(x.shape), linear(x))[1]
     rows.settle(cache, drop)
+    assert projected == []  # the replay reuses the verify forward's projections
     for row, kept in enumerate(keep):
         fed = make_prompt_cache(hybrid)
         hybrid(prompt[row : row + 1], cache=fed)

@@ -7,8 +7,9 @@ be cut back out. So, while a verify forward runs, each of these layers keeps its
 state it started from. Once acceptance is known, the layer runs again from that state over the
 same input with each row's positions past its kept ones masked out: mlx-lm's own right-padded path
 (`ArraysCache.lengths` and the mask) then leaves every row's window and state at its last kept
-position, exactly as if only those positions had been fed. That costs these layers' own compute
-once more, and no expert call.
+position, exactly as if only those positions had been fed. The replay reuses the armed forward's
+input projections (`in_proj_*`, the same input gives the same output), so it costs the convolution
+and the recurrence over the drafted positions once more, and no expert call.
 """
 
 from __future__ import annotations
@@ -21,20 +22,61 @@ from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 MIXERS = ("GatedDeltaNet", "Qwen3NextGatedDeltaNet")
 
 
+class KeptProjection(nn.Module):
+    """One of a mixer's input projections: keeps its output while `keeping`, and gives the kept
+    output back instead of computing it again while `replaying`."""
+
+    def __init__(self, linear: nn.Module):
+        super().__init__()
+        self.linear = linear
+        self.keeping = self.replaying = False
+        self._kept: mx.array | None = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.replaying:
+            return self._kept
+        out = self.linear(x)
+        if self.keeping:
+            self._kept = out
+        return out
+
+    def forget(self) -> None:
+        self._kept = None
+
+
 class ReplayableMixer(nn.Module):
-    """A linear-attention layer that keeps, for the forward it is armed for, its input and the
-    cache state that forward started from."""
+    """A linear-attention layer that keeps, for the forward it is armed for, its input, its input
+    projections and the cache state that forward started from."""
 
     def __init__(self, mixer: nn.Module):
         super().__init__()
         self.mixer = mixer
+        self._projections = []  # not parameters: `_` names stay out of the module's tree
+        for name, child in list(mixer.children().items()):
+            if name.startswith("in_proj") and isinstance(child, nn.Module):
+                setattr(mixer, name, KeptProjection(child))
+                self._projections.append(getattr(mixer, name))
         self._armed: ArraysCache | None = None  # the batch cache whose forward to keep
         self._taken: tuple[mx.array, object, object] | None = None
 
+    @property
+    def projections(self) -> tuple[KeptProjection, ...]:
+        return tuple(self._projections)
+
     def __call__(self, x: mx.array, mask: mx.array | None = None, cache=None) -> mx.array:
-        if cache is not None and cache is self._armed:
-            self._taken = (x, cache[0], cache[1])
-        return self.mixer(x, mask, cache)
+        if cache is None or cache is not self._armed:
+            return self.mixer(x, mask, cache)
+        self._taken = (x, cache[0], cache[1])
+        return self._run(x, mask, cache, keeping=True)
+
+    def _run(self, x, mask, cache, keeping: bool = False, replaying: bool = False) -> mx.array:
+        for projection in self._projections:
+            projection.keeping, projection.replaying = keeping, replaying
+        try:
+            return self.mixer(x, mask, cache)
+        finally:
+            for projection in self._projections:
+                projection.keeping = projection.replaying = False
 
     def arm(self, cache: ArraysCache) -> None:
         self._armed, self._taken = cache, None
@@ -42,16 +84,17 @@ class ReplayableMixer(nn.Module):
     def settle(self, cache: ArraysCache, drop: list[int]) -> None:
         """Leave row i of `cache` as if its armed forward had not fed its last drop[i] positions."""
         taken, self._armed, self._taken = self._taken, None, None
-        if taken is None or not any(drop):
-            return
-        x, window, state = taken
-        width = x.shape[1]
-        lengths, padding = cache.lengths, cache.left_padding
-        cache[0], cache[1] = window, state
-        kept = width - mx.array(drop)
-        cache.lengths = kept
-        self.mixer(x, mx.arange(width)[None] < kept[:, None], cache)
-        cache.lengths, cache.left_padding = lengths, padding
+        if taken is not None and any(drop):
+            x, window, state = taken
+            width = x.shape[1]
+            lengths, padding = cache.lengths, cache.left_padding
+            cache[0], cache[1] = window, state
+            kept = width - mx.array(drop)
+            cache.lengths = kept
+            self._run(x, mx.arange(width)[None] < kept[:, None], cache, replaying=True)
+            cache.lengths, cache.left_padding = lengths, padding
+        for projection in self._projections:
+            projection.forget()
 
 
 class RecurrentRows:
