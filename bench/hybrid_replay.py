@@ -12,7 +12,9 @@ tokens in each of `--batch` rows, it times, median ms over `--steps`:
 - a verify forward of 1 + K positions per row, as a model without recurrent layers runs it;
 - the same verify armed, and settled with the rejected positions of each row replayed out of the
   recurrent layers (services/core/speculative/recurrent_rows.py): every row keeps one drafted token,
-  the worst case, where the most positions are replayed out.
+  the worst case, where the most positions are replayed out;
+- that settled verify with the replay computing the input projections again, as running the whole
+  layer again would, instead of reusing the verify forward's.
 
 `replay_ms` is the difference of the last two; `settled_vs_verify` their ratio.
 """
@@ -91,21 +93,33 @@ def measure(model, batch: int, context: int, k: int, steps: int, vocab: int) -> 
         mx.eval(model(wide, cache=cache))
         trim(width)
 
-    def settled() -> None:
+    def settled(reuse: bool = True) -> None:
         rows.arm(cache)
         logits = model(wide, cache=cache)
         mx.eval(logits)
+        if not reuse:
+            for mixer in rows.mixers.values():
+                mixer.forget_projections()
         rows.settle(cache, [width - 2] * batch)  # the pending token and one draft kept
         mx.eval([c.state for c in cache])
         trim(width)
 
+    def recomputed() -> None:
+        settled(reuse=False)
+
     out = {
         name: timed(step, steps, warmup=3)["p50_us"] / 1e3
-        for name, step in (("plain_step_ms", plain), ("verify_ms", verify), ("settled_ms", settled))
+        for name, step in (
+            ("plain_step_ms", plain),
+            ("verify_ms", verify),
+            ("settled_ms", settled),
+            ("settled_recomputing_projections_ms", recomputed),
+        )
     }
     out["replay_ms"] = out["settled_ms"] - out["verify_ms"]
     out["settled_vs_verify"] = out["settled_ms"] / out["verify_ms"]
     out["settled_vs_plain"] = out["settled_ms"] / out["plain_step_ms"]
+    out["replay_recomputing_projections_ms"] = out["settled_recomputing_projections_ms"] - out["verify_ms"]
     return {k: round(v, 3) for k, v in out.items()}
 
 

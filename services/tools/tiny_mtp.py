@@ -18,6 +18,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten
 
+from services.core.speculative.mtp import text_model
 from services.core.speculative.mtp_weights import QWEN_LAYOUT, mtp_block_index, mtp_layer_count
 
 MTP_SHARD = "mtp-layers.safetensors"
@@ -25,7 +26,7 @@ MTP_SHARD = "mtp-layers.safetensors"
 
 def write_random_mtp_layers(out_dir: Path, model, config: dict, dtype: mx.Dtype) -> None:
     """The config's MTP layers, random, of `model`'s decoder-layer kind."""
-    text = getattr(model, "language_model", model)
+    text = text_model(model)
     hidden = int(text.args.hidden_size)
     layer_class = type(text.model.layers[-1])
     index = mtp_block_index(config)

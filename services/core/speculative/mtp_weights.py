@@ -40,10 +40,6 @@ _QWEN_NORMS = {
 }
 
 
-def model_family(config: dict) -> str | None:
-    return config.get("model_type")
-
-
 def mtp_layer_count(config: dict) -> int:
     """How many MTP layers the checkpoint's config declares (0 for none)."""
     text = text_config(config)
@@ -54,7 +50,7 @@ def mtp_block_index(config: dict) -> int:
     """The layer index an MTP decoder layer is built (and sanitized) as: past the model's layers
     for DeepSeek's layout, the model's first full-attention layer for Qwen's hybrid models."""
     text = text_config(config)
-    if model_family(config) in QWEN_LAYOUT:
+    if config.get("model_type") in QWEN_LAYOUT:
         return int(text.get("full_attention_interval", 4)) - 1
     return int(text["num_hidden_layers"])
 
@@ -62,7 +58,7 @@ def mtp_block_index(config: dict) -> int:
 def unsupported_reason(config: dict) -> str | None:
     """Why `--speculative mtp` cannot serve this model, or None when it can."""
     text = text_config(config)
-    family = model_family(config)
+    family = config.get("model_type")
     if family not in QWEN_LAYOUT and "text_config" in config:
         return f"{family} wraps its language model; its MTP layers are not served"
     if family not in FAMILIES:
@@ -81,7 +77,7 @@ def extract_mtp_weights(model_path: Path, config: dict, model) -> dict[str, mx.a
     if unsupported_reason(config) is not None:
         return {}
     files = sorted(Path(model_path).glob("*.safetensors"))
-    if model_family(config) in QWEN_LAYOUT:
+    if config.get("model_type") in QWEN_LAYOUT:
         return _qwen_layout(files, config, model)
     return _deepseek_layout(files, config, model)
 

@@ -23,60 +23,55 @@ MIXERS = ("GatedDeltaNet", "Qwen3NextGatedDeltaNet")
 
 
 class KeptProjection(nn.Module):
-    """One of a mixer's input projections: keeps its output while `keeping`, and gives the kept
-    output back instead of computing it again while `replaying`."""
+    """One of a mixer's input projections over one armed forward and its replay: computes its output
+    once and gives the same back after, since the replay feeds the same input."""
 
     def __init__(self, linear: nn.Module):
         super().__init__()
         self.linear = linear
-        self.keeping = self.replaying = False
         self._kept: mx.array | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
-        if self.replaying:
-            return self._kept
-        out = self.linear(x)
-        if self.keeping:
-            self._kept = out
-        return out
-
-    def forget(self) -> None:
-        self._kept = None
+        if self._kept is None:
+            self._kept = self.linear(x)
+        return self._kept
 
 
 class ReplayableMixer(nn.Module):
     """A linear-attention layer that keeps, for the forward it is armed for, its input, its input
-    projections and the cache state that forward started from."""
+    projections and the cache state that forward started from. Other forwards run the layer as it
+    is: the kept projections stand in for its own only during the armed forward and the replay."""
 
     def __init__(self, mixer: nn.Module):
         super().__init__()
         self.mixer = mixer
-        self._projections = []  # not parameters: `_` names stay out of the module's tree
-        for name, child in list(mixer.children().items()):
-            if name.startswith("in_proj") and isinstance(child, nn.Module):
-                setattr(mixer, name, KeptProjection(child))
-                self._projections.append(getattr(mixer, name))
+        self._inputs = tuple(
+            n for n, c in mixer.children().items() if n.startswith("in_proj") and isinstance(c, nn.Module)
+        )
+        self._kept: tuple = ()  # (name, KeptProjection) of the armed forward; a tuple stays out of the tree
         self._armed: ArraysCache | None = None  # the batch cache whose forward to keep
         self._taken: tuple[mx.array, object, object] | None = None
 
-    @property
-    def projections(self) -> tuple[KeptProjection, ...]:
-        return tuple(self._projections)
+    def forget_projections(self) -> None:
+        """Let the replay compute the input projections again (what reusing them saves)."""
+        self._kept = ()
 
     def __call__(self, x: mx.array, mask: mx.array | None = None, cache=None) -> mx.array:
         if cache is None or cache is not self._armed:
             return self.mixer(x, mask, cache)
         self._taken = (x, cache[0], cache[1])
-        return self._run(x, mask, cache, keeping=True)
+        self._kept = tuple((name, KeptProjection(getattr(self.mixer, name))) for name in self._inputs)
+        return self._with_kept(x, mask, cache)
 
-    def _run(self, x, mask, cache, keeping: bool = False, replaying: bool = False) -> mx.array:
-        for projection in self._projections:
-            projection.keeping, projection.replaying = keeping, replaying
+    def _with_kept(self, x: mx.array, mask: mx.array | None, cache) -> mx.array:
+        own = [(name, getattr(self.mixer, name)) for name, _ in self._kept]
+        for name, projection in self._kept:
+            setattr(self.mixer, name, projection)
         try:
             return self.mixer(x, mask, cache)
         finally:
-            for projection in self._projections:
-                projection.keeping = projection.replaying = False
+            for name, linear in own:
+                setattr(self.mixer, name, linear)
 
     def arm(self, cache: ArraysCache) -> None:
         self._armed, self._taken = cache, None
@@ -91,10 +86,9 @@ class ReplayableMixer(nn.Module):
             cache[0], cache[1] = window, state
             kept = width - mx.array(drop)
             cache.lengths = kept
-            self._run(x, mx.arange(width)[None] < kept[:, None], cache, replaying=True)
+            self._with_kept(x, mx.arange(width)[None] < kept[:, None], cache)
             cache.lengths, cache.left_padding = lengths, padding
-        for projection in self._projections:
-            projection.forget()
+        self._kept = ()
 
 
 class RecurrentRows:
