@@ -1,13 +1,16 @@
 """Where a split decode token's time goes on core's engine thread: a py-spy profile.
 
     pip install py-spy && python bench/core_profile.py [--workers 1] [--tokens 160] [--seconds 20]
+        [--model demo|qwen3-30b-a3b-4layer|PATH] [--dtype float32|bfloat16]
 
-Starts N workers and core on the demo model (frame reads poll as `moe-mesh up` would choose),
+Starts N workers and core on the model (frame reads poll as `moe-mesh up` would choose),
 decodes `--tokens` greedily through Core.Generate and samples the core process with py-spy
 meanwhile. Reported, as shares of the engine thread's samples: waiting for the workers'
 answers (frame reads, gRPC reply queue), core's own MLX evaluation (the evals in RemoteExperts
 and step_merge), and everything else (Python: graph building, dispatcher, engine), plus the
-run's tok/s and layer-call p50s. Prints one JSON object.
+run's tok/s and layer-call p50s. `functions_pct` gives each function's inclusive share of the
+engine thread's samples (the largest 40), so the Python share can be traced to its callers.
+Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -44,6 +47,12 @@ def classify(stack: list[str]) -> str:
     return "core_mlx_eval" if any(call in source for call in EVALUATING) else "python"
 
 
+def function_name(frame: str) -> str:
+    """py-spy's `function (path/file.py:line)` as `file.py:function`."""
+    name, _, where = frame.partition(" (")
+    return f"{Path(where.rsplit(':', 1)[0]).name}:{name}"
+
+
 def main() -> None:
     import mlx_lm
 
@@ -55,14 +64,18 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=160)
     parser.add_argument("--seconds", type=int, default=20)
     parser.add_argument("--core-flag", action="append", default=[], help="extra `moe-mesh core` flag")
+    parser.add_argument("--model", default="demo")
+    parser.add_argument("--dtype", default="float32", help="synthetic model's dtype (bfloat16 on GPUs)")
     args = parser.parse_args()
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(py_spy).exists():
         raise SystemExit("py-spy is not installed: pip install py-spy")
-    path = checkpoint("demo", "float32")
+    path = checkpoint(args.model, args.dtype)
     split = resolve_split(str(path))
-    _, tokenizer = mlx_lm.load(str(path), lazy=True)
-    prompt = tokenizer.encode(PROMPT)
+    if args.model == "demo":
+        prompt = mlx_lm.load(str(path), lazy=True)[1].encode(PROMPT)
+    else:
+        prompt = list(range(1000, 1024))
     workdir = bench_workdir("mm-prof-")
     profile = workdir / "profile.txt"
     spin_us = spin_as_up(args.workers)
@@ -88,11 +101,14 @@ def main() -> None:
         )
         decoding.join()
     shares: Counter = Counter()
+    functions: Counter = Counter()
     for line in profile.read_text().splitlines():
         stack, count = line.rsplit(" ", 1)
         frames = stack.split(";")
         if any("engine.py" in frame for frame in frames):
             shares[classify(frames)] += int(count)
+            for name in {function_name(frame) for frame in frames}:
+                functions[name] += int(count)
     total = sum(shares.values())
     _, stamps, calls = run["r"]
     print(
@@ -109,6 +125,7 @@ def main() -> None:
                 },
                 "engine_thread_samples": total,
                 "share_pct": {name: round(100 * n / total, 1) for name, n in shares.most_common()},
+                "functions_pct": {name: round(100 * n / total, 1) for name, n in functions.most_common(40)},
             }
         )
     )

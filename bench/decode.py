@@ -209,6 +209,7 @@ SPLIT_VARIANTS = {
     "workers_2": (2, [], []),
     "workers_1_grpc": (1, ["--no-expert-frames"], []),
     "workers_1_no_overlap": (1, ["--expert-overlap", "off"], []),
+    "workers_1_overlap": (1, ["--expert-overlap", "on"], []),  # off by default on GPUs
     "workers_1_mlx_experts": (1, [], ["--expert-kernel", "mlx"]),
     "workers_2_mlx_experts": (2, [], ["--expert-kernel", "mlx"]),
     # the in-graph data plane (services/common/data_plane.py) instead of frames
