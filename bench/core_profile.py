@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import linecache
+import platform
 import shutil
 import subprocess
 import sys
@@ -25,6 +26,8 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+
+import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -115,6 +118,10 @@ def main() -> None:
         json.dumps(
             {
                 "bench": "core_profile",
+                "machine": f"{platform.system()} {platform.machine()}, mlx {mx.__version__} on {mx.default_device()}",
+                "model": args.model,
+                "dtype": args.dtype,
+                "decode_tokens": args.tokens,
                 "workers": args.workers,
                 "core_flags": args.core_flag,
                 "tok_s": round((len(stamps) - 1) / (stamps[-1] - stamps[0]), 3),
