@@ -3,10 +3,13 @@
     python bench/layer_sync.py [--model qwen3-30b-a3b-4layer] [--dtype bfloat16] [--steps 200]
 
 mlx-lm's model with every expert module replaced by one that evaluates its inputs (as core's
-`RemoteExperts` does before a hop, timed) and answers with zeros already on the device: the
-per-layer evaluation of attention, router and the previous layer's combine, with no second
-process on the device. Also the whole decode step with those evaluations, and without any
-(the same graph evaluated once). Prints one JSON object.
+`RemoteExperts` does before a hop, timed) and answers at once, in one process with nothing else on
+the device. Variants: the answer already on the device (`synced_per_layer`); made from host bytes as
+core makes a worker's answer (`answers_from_host`, host staging as configured); and, besides, the
+evaluated inputs read to the host as core reads what it sends, through the pointer
+(`inputs_read_by_view`) or by the copy engine (`inputs_read_by_copy_engine`, CUDA only). Also the
+decode step with no evaluation but the token's (`one_eval_per_step`) and the price of evaluating one
+tiny op (`empty_eval_p50_us`). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -20,14 +23,24 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from mlx import nn
+from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode import checkpoint
-from services.common import host_staging, tensor_codec
-
-STAGE = host_staging.staging()
+from services.common import tensor_codec
+from services.common.host_staging import MemoryAdvisor
 from services.common.model_build import expert_modules, replace_modules
+
+ADVISOR = MemoryAdvisor.find()  # the CUDA driver's copy engine; None elsewhere
+
+
+def read_by_copy_engine(array: mx.array) -> np.ndarray:
+    view = np.asarray(array)  # a view: no page is read through it
+    host = np.empty_like(view)
+    if not ADVISOR.copy_to_host(host.ctypes.data, view.ctypes.data, view.nbytes):
+        raise RuntimeError("cuMemcpyDtoH failed")
+    return host
 
 
 class SyncedZeros(nn.Module):
@@ -48,10 +61,7 @@ class SyncedZeros(nn.Module):
             if self._read == "view":  # as core reads what it sends: through the pointer
                 np.asarray(tensor_codec.wire_form(flat_x)).tobytes(), np.asarray(flat_ids).tobytes()
             elif self._read == "copy_engine":
-                for a in (tensor_codec.wire_form(flat_x), flat_ids):
-                    view = np.asarray(a)
-                    host = np.empty_like(view)
-                    assert STAGE._advisor.copy_to_host(host.ctypes.data, view.ctypes.data, view.nbytes)
+                read_by_copy_engine(tensor_codec.wire_form(flat_x)), read_by_copy_engine(flat_ids)
         if self._from_host:  # as core's answer arrives: host bytes made an MLX array
             host = np.zeros(shape, dtype=np.uint16 if self._dtype == mx.bfloat16 else np.float32)
             return tensor_codec.to_mlx(host)
@@ -66,9 +76,8 @@ def run(model, steps: int, sync: bool, from_host: bool = False, read: str = "") 
     from mlx_lm.models.cache import make_prompt_cache
 
     times: list[float] = []
-    dtype = (
-        model.model.embed_tokens.scales.dtype if hasattr(model.model.embed_tokens, "scales") else mx.float32
-    )
+    floats = (mx.float32, mx.float16, mx.bfloat16)
+    dtype = next(v.dtype for _, v in tree_flatten(model.parameters()) if v.dtype in floats)
     hidden = model.args.hidden_size
     replace_modules(
         model,
@@ -133,7 +142,7 @@ def main() -> None:
         ("one_eval_per_step", False, False, ""),
     )
     for name, sync, from_host, read in variants:
-        if read == "copy_engine" and (STAGE is None or STAGE._advisor is None):
+        if read == "copy_engine" and ADVISOR is None:
             continue
         model, _ = mlx_lm.load(str(path))
         report[name] = run(model, args.steps, sync, from_host, read)
