@@ -37,6 +37,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._refuse(503, f"the gateway holds its maximum of {self.max_connections} connections")
             return
         self._header_bytes = 0
+        self._header_tail = b""  # the last bytes counted, for a blank line split across chunks
         self._in_headers = True
         self._timer: asyncio.TimerHandle | None = None
         self._arm(HEADER_TIMEOUT_S, 408, "the request headers did not arrive in time")
@@ -46,16 +47,22 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        super().data_received(data)
+        """Headers are counted before they are parsed, up to their blank line, so headers that end
+        in the same chunk as they overflow are refused too (a body in that chunk is not counted)."""
         if self._in_headers and not self.transport.is_closing():
-            self._header_bytes += len(data)
+            seen = self._header_tail + data
+            end = seen.find(b"\r\n\r\n")
+            self._header_bytes += len(data) if end < 0 else max(0, end + 4 - len(self._header_tail))
+            self._header_tail = seen[-3:]
             if self._header_bytes > MAX_HEADER_BYTES:
                 self._refuse(431, f"request headers exceed {MAX_HEADER_BYTES} bytes")
+                return
+        super().data_received(data)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         if not self._in_headers:  # a further request on a kept-alive connection
-            self._in_headers, self._header_bytes = True, 0
+            self._in_headers, self._header_bytes, self._header_tail = True, 0, b""
             self._arm(HEADER_TIMEOUT_S, 408, "the request headers did not arrive in time")
 
     def on_headers_complete(self) -> None:

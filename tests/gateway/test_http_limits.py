@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from services.gateway import http_limits
+from services.gateway.memory_bound import MAX_HEADER_BYTES
 from services.gateway.server import raise_open_file_limit
 
 from .conftest import GatewayThread
@@ -78,10 +79,28 @@ def test_a_thousand_idle_connections_are_closed_and_never_block_a_request(limite
     assert served(limited_gateway.url)
 
 
-def test_oversized_headers_get_431(limited_gateway):
-    reply = httpx.get(limited_gateway.url + "/version", headers={"X-Big": "a" * (1 << 20)}, timeout=10)
+@pytest.mark.parametrize("size", [MAX_HEADER_BYTES + 100, 100_000, 1 << 20])
+def test_oversized_headers_get_431(limited_gateway, size):
+    reply = httpx.get(limited_gateway.url + "/version", headers={"X-Big": "a" * size}, timeout=10)
     assert reply.status_code == 431
     assert served(limited_gateway.url)
+
+
+def test_headers_just_under_the_limit_with_a_body_in_the_same_send_are_served(limited_gateway):
+    """A request whose headers fit is served even when its body, sent along, takes it past the cap."""
+    sock = connect(limited_gateway.url)
+    with sock:
+        body = b'{"text": "' + b"a" * (2 * MAX_HEADER_BYTES) + b'"}'
+        head = (
+            b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+        )
+        head += b"X-Fill: " + b"b" * (MAX_HEADER_BYTES - len(head) - 200) + b"\r\n"
+        head += b"Content-Length: %d\r\n\r\n" % len(body)
+        assert len(head) < MAX_HEADER_BYTES
+        sock.sendall(head + body)
+        answer = answer_of(sock)
+    assert not answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    assert answer.startswith(b"HTTP/1.1 "), answer[:200]
 
 
 @pytest.mark.parametrize("trickle", [False, True])
