@@ -29,7 +29,7 @@ from pathlib import Path
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from services.gateway.errors import OpenAIError
+from services.gateway.errors import ANTHROPIC_PATH_PREFIX, OpenAIError
 
 API_KEY_ENV = "MOE_MESH_API_KEY"
 PROTECTED_PREFIX = "/v1/"
@@ -125,7 +125,10 @@ class ApiKeyMiddleware:
         if presented and key_matches(presented, self.digests):
             await self.app(scope, receive, send)
             return
-        message = "invalid API key" if presented else "missing API key (send Authorization: Bearer <key>)"
+        header = (
+            "x-api-key: <key>" if path.startswith(ANTHROPIC_PATH_PREFIX) else "Authorization: Bearer <key>"
+        )
+        message = "invalid API key" if presented else f"missing API key (send {header})"
         error = OpenAIError(401, message, code="invalid_api_key")
         # The page itself asks a browser for the key; its data (fetched by the page) must not pop
         # a second dialog, the browser resends what the page's 401 collected.

@@ -135,8 +135,12 @@ def test_api_keys(keyed_gateway: str, core: CoreDouble) -> None:
             openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0).models.list()
         assert raised.value.body["type"] == "authentication_error"
     missing = httpx.post(url + "/v1/chat/completions", json={"model": MODEL_ID, "messages": MESSAGES})
-    assert missing.status_code == 401 and "missing" in missing.json()["error"]["message"]
+    assert missing.status_code == 401 and "Authorization: Bearer" in missing.json()["error"]["message"]
     assert missing.headers["x-request-id"]
+    missing = httpx.post(
+        url + "/v1/messages", json={"model": MODEL_ID, "max_tokens": 5, "messages": MESSAGES[1:]}
+    )
+    assert missing.status_code == 401 and "x-api-key" in missing.json()["error"]["message"]
     # Anthropic clients send x-api-key and get Anthropic-shaped errors
     good = anthropic.Anthropic(base_url=url, api_key="sk-second", max_retries=0)
     assert (
