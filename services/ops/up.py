@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -165,16 +166,22 @@ class Cluster:
         return True
 
     def stop(self, grace_s: float = 10.0) -> None:
-        for _, proc, _ in reversed(self.procs):  # gateway first, workers last
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        """Stop the services a role at a time, the gateway, then core, then the workers, each role
+        gone before the next is signalled: core finishes its requests while the workers they need
+        still serve them, and sees no worker leave. What is left at `grace_s` is killed."""
         deadline = time.monotonic() + grace_s
-        for _, proc, _ in self.procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        roles = itertools.groupby(reversed(self.procs), key=lambda entry: entry[0].rsplit("-", 1)[0])
+        for _, entries in roles:
+            procs = [proc for _, proc, _ in entries]
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in procs:
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
 
 
 def worker_compute_threads(experts: int) -> int:

@@ -313,3 +313,32 @@ def test_without_a_workdir_progress_shows_and_the_logs_outlive_the_run(up):
     assert sorted(p.name for p in logs.iterdir()) == ["core.log", "expert-0.log", "gateway.log"]
     assert '"stage": "serving"' in (logs / "core.log").read_text()  # the services' logs are JSON
     assert not list(logs.glob("*.sock*"))  # sockets lived elsewhere and are gone
+
+
+def test_ctrl_c_lets_a_streamed_answer_finish(up):
+    """Ctrl-C stops the gateway, then core, then the workers, each once the one before is gone: an
+    answer being streamed finishes whole, since the workers its core needs serve until core exits."""
+    cache = up[3]
+    proc, url = start_up(cache, short_dir("mm-up-stop-"), "--experts", "1")
+    try:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+        stream = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=QUESTION,
+            temperature=0,
+            max_tokens=48,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        chunks = iter(stream)
+        first = next(chunks)
+        proc.send_signal(signal.SIGINT)
+        rest = list(chunks)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    finished = [
+        c.choices[0].finish_reason for c in [first, *rest] if c.choices and c.choices[0].finish_reason
+    ]
+    assert finished == ["length"]
