@@ -110,7 +110,9 @@ class TextEmitter:
     def finish(self) -> OutputDelta:
         """End of generation: flush everything still held (minus any stop string)."""
         self.detokenizer.finalize()
-        self.pending += self.detokenizer.last_segment
+        # A character the token limit cut off leaves bytes that decode to U+FFFD: they are dropped,
+        # not sent as a replacement character (streaming held them back already, as vLLM does).
+        self.pending += self.detokenizer.last_segment.rstrip("\ufffd")
         delta = self._route(final=True)
         delta.matched_stop = self.matched_stop
         return delta

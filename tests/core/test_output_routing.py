@@ -399,3 +399,24 @@ def test_control_tokens_never_reach_the_text(preparer, tokenizer):
         preparer, tokenizer, chat_request(tools=()), "<think>\nhm\n</think>\n\nYes<|im_start|>"
     )
     assert (joined(thought, "reasoning"), joined(thought, "text")) == ("\nhm\n", "Yes")
+
+
+def test_a_character_cut_off_by_the_token_limit_is_not_sent_as_a_replacement_character(preparer, tokenizer):
+    """🫠 is three byte-level tokens in Qwen3's vocabulary: stopping after two leaves half a character."""
+    request = core_pb2.GenerateRequest(
+        chat=core_pb2.ChatInput(messages=[core_pb2.ChatMessage(role="user", content="hi")])
+    )
+    prepared = preparer.prepare(request, None)
+    tokens = tokenizer.encode("Hi 🫠", add_special_tokens=False)
+    emitter = TextEmitter(tokenizer.detokenizer, prepared.output)
+    chunk = core_pb2.GenerateChunk()
+    for token in tokens[:-1]:
+        emitter.add(token).write_to(chunk)
+    emitter.finish().write_to(chunk)
+    assert chunk.text == "Hi "
+    whole = TextEmitter(tokenizer.detokenizer, prepared.output)
+    chunk = core_pb2.GenerateChunk()
+    for token in tokens:
+        whole.add(token).write_to(chunk)
+    whole.finish().write_to(chunk)
+    assert chunk.text == "Hi 🫠"
