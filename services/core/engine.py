@@ -261,7 +261,9 @@ class Engine:
             return
         sequence.cached_tokens = cached
         self._active[sequence.key] = sequence
-        self.counters.prompt_tokens += len(request.prompt)
+        # The positions it holds already and its last token, which the step that samples its first
+        # token feeds; the rest counts as prefill steps compute it (_step).
+        self.counters.prompt_tokens += held + 1
 
     def _refuse(self, sequence: Sequence, error: Exception) -> None:
         log.exception("insert_failed")
@@ -279,6 +281,7 @@ class Engine:
         plan = plan_step(self.batches, working, self._scoring, self.config, self.pacer)
         self._in_batch = plan.in_batch  # a prompt prefilling counts as running from its first step
         forwards = run_step_forwards(plan, self.image_prefills, self.config)
+        self.counters.prompt_tokens += plan.prompt_tokens
         if forwards.tasks:
             seconds = time.monotonic() - started
             record_step(self.pacer, forwards.tasks, plan.prompt_tokens, plan.decoding, seconds)
