@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from services.common.images import DEFAULT_MAX_IMAGE_BYTES
 from services.common.logging import get_logger
@@ -45,6 +46,7 @@ def create_app(
     api_keys: Iterable[str] = (),
     core_tls: TlsFiles | None = None,
     protect_metrics: bool = False,
+    allowed_origins: Iterable[str] = (),
     request_memory_mb: int = DEFAULT_REQUEST_MEMORY_MB,
     allow_image_urls: bool = False,
     allow_private_image_urls: bool = False,
@@ -52,7 +54,8 @@ def create_app(
 ) -> FastAPI:
     """Build the app; the core channel opens at startup (inside uvicorn's loop) and closes at shutdown.
     `allow_image_urls`: fetch http(s) image URLs in chats (else only inline images are taken), from
-    public addresses only unless `allow_private_image_urls`."""
+    public addresses only unless `allow_private_image_urls`; `allowed_origins`: browser origins
+    that may call it (CORS; `*` for any), none by default."""
     config = CoreClientConfig(
         core_target, generate_timeout_s=generate_timeout_s, unary_timeout_s=unary_timeout_s, tls=core_tls
     )
@@ -92,7 +95,18 @@ def create_app(
         BodySizeLimitMiddleware, max_body_bytes=max_body_bytes, budget=app.state.request_memory
     )
     app.add_middleware(ApiKeyMiddleware, keys=keys, protect_metrics=protect_metrics)
-    app.add_middleware(RequestIdMiddleware)  # added last = outermost: sees every response
+    app.add_middleware(RequestIdMiddleware)  # outermost but CORS: sees every response
+    if allowed_origins := list(allowed_origins):
+        # Outside the key check: a browser's preflight carries no key, and every answer (a 401
+        # too) must carry the headers that let the page read it.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=allowed_origins,
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["x-request-id"],
+            max_age=600,
+        )
     for module in (routes_openai, routes_anthropic, routes_service, routes_status, routes_tokenize):
         app.include_router(module.router)
     return app

@@ -87,6 +87,7 @@ def _gateway(args) -> None:
         **gateway_kwargs(args),
         api_keys=keys,
         protect_metrics=args.protect_metrics,
+        allowed_origins=args.allowed_origins,
         max_connections=args.max_connections,
         request_memory_mb=args.max_request_memory_mb,
         allow_image_urls=args.allow_image_urls,
