@@ -34,9 +34,10 @@ UINT64_MAX = 2**64 - 1
 
 class ApiModel(BaseModel):
     """Base for every request model: extra fields are accepted and dropped; every string in a
-    field must be valid Unicode."""
+    field must be valid Unicode; numbers must be finite (NaN and Infinity, which Python's JSON
+    reader takes, are refused as such)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod

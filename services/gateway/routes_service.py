@@ -9,6 +9,7 @@ traffic only where it can be served.
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime
 from typing import Any
 
 import grpc
@@ -37,18 +38,26 @@ async def _models(request: Request) -> list[core_pb2.ModelInfo]:
 
 
 def _model_json(model: core_pb2.ModelInfo) -> dict[str, Any]:
+    """One model as OpenAI lists it, with the fields Anthropic's clients read beside them."""
+    created = model.created or 0
     return {
         "id": model.id,
         "object": "model",
-        "created": model.created or 0,
+        "created": created,
         "owned_by": "moe-mesh",
         "max_model_len": model.context_length or None,  # vLLM's name for the context length
+        "type": "model",
+        "display_name": model.id,
+        "created_at": datetime.fromtimestamp(created, UTC).isoformat().replace("+00:00", "Z"),
     }
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_json(model) for model in await _models(request)]}
+    data = [_model_json(model) for model in await _models(request)]
+    ids = [model["id"] for model in data]
+    # OpenAI's list, and Anthropic's page fields (one page holds every model)
+    return {"object": "list", "data": data, "has_more": False, "first_id": ids[0] if ids else None, "last_id": ids[-1] if ids else None}  # fmt: skip
 
 
 @router.get("/v1/models/{model_id:path}")
@@ -66,12 +75,14 @@ async def version() -> dict[str, str]:
 
 
 @router.get("/health")
+@router.head("/health", include_in_schema=False)  # uptime checkers send HEAD
 async def health(request: Request) -> dict[str, str]:
     core: CoreClient = request.app.state.core
     return {"status": "ok", "core": await core.health()}
 
 
 @router.get("/ready")
+@router.head("/ready", include_in_schema=False)
 async def ready(request: Request) -> JSONResponse:
     core: CoreClient = request.app.state.core
     status = await core.health()

@@ -243,6 +243,9 @@ def test_models(gateway_url: str, core: CoreDouble) -> None:
             "created": 1_700_000_000,
             "owned_by": "moe-mesh",
             "max_model_len": 2048,
+            "type": "model",
+            "display_name": MODEL_ID,
+            "created_at": "2023-11-14T22:13:20Z",
         }
     ]
 

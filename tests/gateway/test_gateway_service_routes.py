@@ -30,6 +30,26 @@ def test_ready_follows_core_health(gateway_url: str, core: CoreDouble, core_serv
     response = httpx.get(gateway_url + "/ready")
     assert response.status_code == 503 and response.json()["error"]["code"] == "core_not_ready"
     assert httpx.get(gateway_url + "/health").status_code == 200  # liveness is unaffected
+    assert httpx.head(gateway_url + "/health").status_code == 200  # uptime checkers send HEAD
+    assert httpx.head(gateway_url + "/ready").status_code == 503
+
+
+def test_anthropic_clients_list_the_models(gateway_url: str, core: CoreDouble) -> None:
+    page = anthropic.Anthropic(base_url=gateway_url, api_key="unused", max_retries=0).models.list()
+    (model,) = page.data
+    assert (model.id, model.type, model.display_name) == (MODEL_ID, "model", MODEL_ID)
+    assert model.created_at.year >= 1970 and page.has_more is False
+
+
+def test_nan_and_infinity_are_refused_as_such(gateway_url: str, core: CoreDouble) -> None:
+    for value in ("NaN", "Infinity"):
+        body = '{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "temperature": %s}'
+        reply = httpx.post(
+            gateway_url + "/v1/chat/completions",
+            content=body % (MODEL_ID, value),
+            headers={"content-type": "application/json"},
+        )
+        assert reply.status_code == 400 and "finite" in reply.json()["error"]["message"], reply.text
 
 
 def test_ready_is_503_when_core_is_unreachable() -> None:
