@@ -55,9 +55,9 @@ def _model_json(model: core_pb2.ModelInfo) -> dict[str, Any]:
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     data = [_model_json(model) for model in await _models(request)]
-    ids = [model["id"] for model in data]
+    first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
     # OpenAI's list, and Anthropic's page fields (one page holds every model)
-    return {"object": "list", "data": data, "has_more": False, "first_id": ids[0] if ids else None, "last_id": ids[-1] if ids else None}  # fmt: skip
+    return {"object": "list", "data": data, "has_more": False, "first_id": first, "last_id": last}
 
 
 @router.get("/v1/models/{model_id:path}")
