@@ -5,8 +5,8 @@
 One sequence, greedy, `--tokens` tokens, ms per token (the first two steps left out), for:
   mono_generate_step     mlx-lm's model under mlx-lm's generate_step (monolithic decode)
   mono_batch_generator   the same model under mlx-lm's BatchGenerator
-  mono_engine_step       that BatchGenerator stepped as core's engine steps it (batch_step.py:
-                         GeneratorStep, which leaves the decode mask out of an unpadded batch)
+  mono_engine_step       the same model stepped as core's engine steps it (sequence_batch.py,
+                         batch_step.py: BatchStep, which leaves the decode mask out of an unpadded batch)
   core_generate_step     core's model (model_loader.py) with every expert local and in its graph
                          (expert_link/local.py), under generate_step
   core_batch_generator   that model under BatchGenerator
@@ -27,16 +27,17 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
-from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.generate import BatchGenerator, generate_step, generation_stream
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode import checkpoint, log
 from services.common.manifest import Manifest
-from services.core.batch_step import GeneratorStep
+from services.core.batch_step import BatchStep
 from services.core.expert_link.local import LocalExperts
 from services.core.expert_link.local_spec import LocalExpertsSpec
 from services.core.model_loader import load_core_model
+from services.core.sequence_batch import SequenceBatch
 from services.ops.up import resolve_split
 
 
@@ -49,27 +50,36 @@ def under_generate_step(model, prompt: list[int], tokens: int) -> float:
     return ms_per_token(stamps)
 
 
-def mlx_lm_step(generator: BatchGenerator) -> list:
-    return generator.next()[1]
+def greedy(logprobs):
+    return mx.argmax(logprobs, axis=-1)
 
 
-def engine_step(generator: BatchGenerator) -> list:
-    step = GeneratorStep(generator)
-    return step.finish([task() for task in step.tasks])[1]
-
-
-def under_batch_generator(model, prompt: list[int], tokens: int, advance=mlx_lm_step) -> float:
-    """ms per token of one sequence in a BatchGenerator, stepped by `advance` (mlx-lm's own
-    `next`, or core's engine step)."""
-    generator = BatchGenerator(
-        model, max_tokens=tokens, sampler=lambda logprobs: mx.argmax(logprobs, axis=-1)
-    )
-    generator.insert([prompt], [tokens])
+def stepped(advance, tokens: int) -> float:
     stamps: list[float] = []
     while len(stamps) < tokens - 1:
-        if advance(generator):
+        if advance():
             stamps.append(time.perf_counter())
     return ms_per_token(stamps)
+
+
+def under_batch_generator(model, prompt: list[int], tokens: int) -> float:
+    """ms per token of one sequence in mlx-lm's BatchGenerator."""
+    generator = BatchGenerator(model, max_tokens=tokens, sampler=greedy)
+    generator.insert([prompt], [tokens])
+    return stepped(lambda: generator.next()[1], tokens)
+
+
+def under_engine_step(model, prompt: list[int], tokens: int) -> float:
+    """ms per token of one sequence stepped as core's engine steps it."""
+    batch = SequenceBatch(model, max_sequences=32, prefill_chunk=2048)
+    batch.insert([prompt], tokens, sampler=greedy)
+
+    def advance() -> list:
+        with mx.stream(generation_stream):
+            step = BatchStep(batch)
+            return step.finish([task() for task in step.tasks])[1]
+
+    return stepped(advance, tokens)
 
 
 def main() -> None:
@@ -93,7 +103,7 @@ def main() -> None:
     under_generate_step(mono, prompt, 16)  # warm-up: kernels compiled, weights where they will stay
     report["mono_generate_step_ms"] = round(under_generate_step(mono, prompt, args.tokens), 3)
     report["mono_batch_generator_ms"] = round(under_batch_generator(mono, prompt, args.tokens), 3)
-    report["mono_engine_step_ms"] = round(under_batch_generator(mono, prompt, args.tokens, engine_step), 3)
+    report["mono_engine_step_ms"] = round(under_engine_step(mono, prompt, args.tokens), 3)
     del mono
     log("core's model, every expert local and in its graph")
     manifest = Manifest.load(split)
@@ -102,7 +112,7 @@ def main() -> None:
     under_generate_step(core, prompt, 16)
     report["core_generate_step_ms"] = round(under_generate_step(core, prompt, args.tokens), 3)
     report["core_batch_generator_ms"] = round(under_batch_generator(core, prompt, args.tokens), 3)
-    report["core_engine_step_ms"] = round(under_batch_generator(core, prompt, args.tokens, engine_step), 3)
+    report["core_engine_step_ms"] = round(under_engine_step(core, prompt, args.tokens), 3)
     local.close()
     print(json.dumps(report, indent=1))
 

@@ -1,10 +1,11 @@
 """Every name moe-mesh takes from mlx-lm beyond its public API, in one module.
 
-Core's engine steps mlx-lm's `BatchGenerator` itself (batch_step.py follows
-`BatchGenerator._next`), verifies drafted tokens inside a `GenerationBatch`, trims batch KV
-caches in place and reuses a few helpers. mlx-lm may rename any of these in a release. Each
-is read here under a name of moe-mesh's own, and tests/core/test_mlx_lm_adapter.py checks
-every one against the installed mlx-lm, so an upgrade fails there, by name.
+Core's engine keeps its own scheduling state and runs mlx-lm's public batch classes
+(`PromptProcessingBatch`, `GenerationBatch`). Beyond them it verifies drafted tokens inside a
+`GenerationBatch`'s decode state, trims batch KV caches in place and reuses a few helpers.
+mlx-lm may rename any of these in a release. Each is read here under a name of moe-mesh's own,
+and tests/core/test_mlx_lm_adapter.py checks every one against the installed mlx-lm, so an
+upgrade fails there, by name.
 """
 
 from __future__ import annotations
@@ -18,56 +19,6 @@ BaseCache = _BaseCache  # the base of mlx-lm's caches: state, from_state, size, 
 right_pad_prompts = _right_pad_prompts  # token lists -> one right-padded [B, max_length] array
 classes_for_config = _get_classes  # a config dict -> (Model, ModelArgs) of its model_type
 SPM_SPACE = SPMStreamingDetokenizer._sep  # what SentencePiece pieces write for a space
-
-
-class GeneratorState:
-    """A `BatchGenerator`'s scheduling state, as `_next` keeps it: the running (generation)
-    batch, the batch of prompts being prefilled with each prompt's remaining segments, the
-    sequences not yet admitted, and the token counters."""
-
-    __slots__ = ("generator",)
-
-    def __init__(self, generator):
-        self.generator = generator
-
-    @property
-    def generation_batch(self):
-        return self.generator._generation_batch
-
-    @property
-    def prompt_batch(self):
-        return self.generator._prompt_batch
-
-    @property
-    def waiting(self):
-        """Inserted sequences not yet in the prompt batch (a sized sequence)."""
-        return self.generator._unprocessed_sequences
-
-    def admit(self, n: int):
-        """The next `n` waiting sequences as a prompt batch (they leave `waiting`)."""
-        return self.generator._make_batch(n)
-
-    @property
-    def processing(self) -> list:
-        """One [segments, tokens done, tokens in all] per row of the prompt batch."""
-        return self.generator._currently_processing
-
-    @processing.setter
-    def processing(self, rows: list) -> None:
-        self.generator._currently_processing = rows
-
-    @property
-    def counters(self):
-        """prompt_tokens, generation_tokens, generation_steps (what `stats()` reports)."""
-        return self.generator._counters
-
-    def running(self) -> int:
-        """Sequences decoding or being prefilled."""
-        return len(self.generation_batch) + len(self.prompt_batch)
-
-    def size(self) -> int:
-        """Sequences in the generator: running, being prefilled, and waiting."""
-        return self.running() + len(self.waiting)
 
 
 class DecodeState:

@@ -29,7 +29,7 @@ class UnsupportedModelError(ValueError):
 
 
 def check_batchable(model: nn.Module, model_type: str) -> None:
-    """Core's engine batches sequences with mlx-lm's BatchGenerator, which merges each layer's
+    """Core's engine batches sequences with mlx-lm's batch classes, which merge each layer's
     cache across sequences; raise UnsupportedModelError naming the family when a cache of this
     model cannot merge (as mlx-lm's own server then falls back to one request at a time)."""
     from mlx_lm.models.cache import make_prompt_cache
@@ -40,7 +40,7 @@ def check_batchable(model: nn.Module, model_type: str) -> None:
     if unbatchable:
         raise UnsupportedModelError(
             f"{model_type} cannot be served: its KV cache ({', '.join(unbatchable)}) cannot be batched "
-            "by mlx-lm's BatchGenerator, which core's engine runs on"
+            "by mlx-lm's batch classes, which core's engine runs on"
         )
 
 

@@ -1,7 +1,8 @@
 """The core's step loop: one thread, `schedule -> forward(batch) -> sample -> emit`.
 
-Batching, chunked prefill and per-sequence sampling come from mlx-lm's own
-`BatchGenerator` (the engine mlx-lm's server runs), so a request's tokens match
+Each step plans every batch's forwards (batch_step.py) over moe-mesh's own scheduling state
+(sequence_batch.py), in the order mlx-lm's `BatchGenerator` steps, and runs them in mlx-lm's
+batch classes (merged KV caches, per-sequence sampling), so a request's tokens match
 `mlx_lm.generate`. Around it this loop adds what a server needs: a bounded queue,
 cancellation that frees the sequence and its KV cache at once, deadlines, stop
 strings, and failure isolation — an expert worker that fails a layer call fails the
@@ -246,14 +247,14 @@ class Engine:
         try:
             cuts = [held, *(at for at in request.snapshot_at if at > held), len(request.prompt)]
             sequence.batch = self.batches.place(sequence.kind)
-            (sequence.uid,) = self.batches.generator(sequence.batch).insert_segments(
-                [[request.prompt[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]],
-                max_tokens=[request.max_tokens],
-                caches=[cache],
-                all_tokens=[request.prompt[:held]],
-                samplers=[request.sampler],
-                logits_processors=[request.processors],
-                stop_sequences=[request.stop_sequences],
+            sequence.uid = self.batches.batch(sequence.batch).insert(
+                [request.prompt[a:b] for a, b in zip(cuts, cuts[1:], strict=False)],
+                request.max_tokens,
+                cache,
+                request.prompt[:held],
+                request.sampler,
+                request.processors,
+                request.stop_sequences,
             )
             self.batches.started(sequence.batch, sequence.uid, held, sequence.kept_draft_state)
         except Exception as error:  # noqa: BLE001 - this request fails, no other
@@ -287,7 +288,7 @@ class Engine:
             record_step(self.pacer, forwards.tasks, plan.prompt_tokens, plan.decoding, seconds)
         for batch, outcome in forwards.outcomes.items():
             step = plan.steps[batch]
-            self.output.deliver(batch, step.generator, step, outcome, self._active, started)
+            self.output.deliver(batch, step.batch, step, outcome, self._active, started)
         for prefilled in self.image_prefills.ready():
             self._insert(prefilled.sequence, prefilled.cache, prefilled.done, prefilled.cached)
         self._refresh_gauges()

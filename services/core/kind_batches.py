@@ -1,4 +1,4 @@
-"""The engine's running batches: one mlx-lm `BatchGenerator` per KV cache kind and micro-batch,
+"""The engine's running batches: one `SequenceBatch` per KV cache kind and micro-batch,
 and its `SpeculativeDecoder` when core speculates.
 
 A batch's caches merge into one batched cache, so kinds cannot share a batch; their forwards still
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mlx_lm.generate import BatchGenerator
+from mlx_lm.utils import maybe_set_recommended_wired_limit
 
-from services.common.mlx_lm_adapter import GeneratorState
 from services.core.engine_config import EngineConfig
 from services.core.kv import make_kv_cache
+from services.core.sequence_batch import SequenceBatch
 from services.core.speculative import SpeculativeDecoder, make_drafter
 from services.core.speculative.policy import StepCosts
 from services.core.speculative.recurrent_rows import recurrent_rows
@@ -33,12 +33,13 @@ class KindBatches:
         self.model = None
         self._drafter = None  # what drafts tokens, made once the model is loaded
         self._recurrent = None  # the model's recurrent layers, replayed after each verify
-        self.generators: dict[BatchKey, BatchGenerator] = {}
+        self.by_key: dict[BatchKey, SequenceBatch] = {}
         self._decoders: dict[BatchKey, SpeculativeDecoder] = {}
         self._step_costs: dict[BatchKey, StepCosts] = {}  # outlive the batches: learned once
 
     def use_model(self, model, tokenizer) -> None:
         self.model = model
+        maybe_set_recommended_wired_limit()  # on Metal: keep the weights wired, as mlx-lm does
         if self.config.speculative is not None:
             self._recurrent = recurrent_rows(model)  # refuses caches that cannot drop tokens
             self._drafter = make_drafter(self.config.speculative, tokenizer, model)
@@ -51,20 +52,15 @@ class KindBatches:
         return min(((kind, lane) for lane in range(self.config.micro_batches)), key=self._size)
 
     def _size(self, batch: BatchKey) -> int:
-        generator = self.generators.get(batch)
-        if generator is None:
-            return 0
-        return GeneratorState(generator).size()
+        sequences = self.by_key.get(batch)
+        return 0 if sequences is None else sequences.size()
 
-    def generator(self, batch: BatchKey) -> BatchGenerator:
-        if batch not in self.generators:
-            self.generators[batch] = BatchGenerator(
-                self.model,
-                completion_batch_size=self.config.max_num_seqs,
-                prefill_batch_size=self.config.max_num_seqs,
-                prefill_step_size=self.config.max_num_batched_tokens,
+    def batch(self, batch: BatchKey) -> SequenceBatch:
+        if batch not in self.by_key:
+            self.by_key[batch] = SequenceBatch(
+                self.model, self.config.max_num_seqs, self.config.max_num_batched_tokens
             )
-        return self.generators[batch]
+        return self.by_key[batch]
 
     def decoder(self, batch: BatchKey) -> SpeculativeDecoder | None:
         if self.config.speculative is None:
@@ -115,7 +111,7 @@ class KindBatches:
     def _remove(self, batch: BatchKey, uid: int, keep_prompt_cache: bool) -> list[tuple[list[int], list]]:
         """Take a sequence out of its batch, freeing its KV cache; with `keep_prompt_cache`, its
         (tokens, cache) in token order (speculation may have moved its slots)."""
-        caches = self.generators[batch].remove([uid], return_prompt_caches=keep_prompt_cache)
+        caches = self.by_key[batch].remove([uid], keep_caches=keep_prompt_cache)
         decoder = self._decoders.get(batch)
         in_order = (lambda uid, cache: cache) if decoder is None else decoder.in_token_order
         return [
@@ -124,16 +120,14 @@ class KindBatches:
         ]
 
     def kv_bytes(self) -> int:
-        return sum(g.prompt_cache_nbytes for g in self.generators.values())
+        return sum(b.kv_bytes() for b in self.by_key.values())
 
     def sequences(self) -> int:
         """Sequences decoding or prefilling in every batch."""
-        return sum(GeneratorState(g).running() for g in self.generators.values())
+        return sum(b.running() for b in self.by_key.values())
 
     def reset(self) -> None:
         """Close every batch (a failed step lost them, or the engine went idle); the next requests
         start new ones."""
-        for generator in self.generators.values():
-            generator.close()
-        self.generators.clear()
+        self.by_key.clear()
         self._decoders.clear()

@@ -22,7 +22,7 @@ from services.proto.moemesh.v1 import core_pb2
 def prefill_keeping_logprobs(
     batch: PromptProcessingBatch, tokens: list[list[int]], rows: set[int]
 ) -> dict[int, mx.array]:
-    """Prefill `tokens` (one chunk per row, as `GeneratorStep` cuts them) into the batch's caches,
+    """Prefill `tokens` (one chunk per row, as `BatchStep` cuts them) into the batch's caches,
     as `batch.prompt(tokens)` does, and return {row: log-softmax of its positions' logits} for
     `rows`: entry j scores the token that follows the row's j-th token of the chunk."""
     if not rows or not tokens:

@@ -77,7 +77,7 @@ class Sequence:
     outbox: Outbox
     kind: str = ""  # KV cache kind
     batch: tuple[str, int] = ("", 0)  # the batch it runs in: (kind, micro-batch lane)
-    uid: int | None = None  # the uid its batch's generator gave it
+    uid: int | None = None  # the uid its batch gave it
     generated: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     # with request.prompt_logprobs: one entry per prompt token scored so far, sent on the first chunk

@@ -8,12 +8,12 @@ import time
 from collections.abc import Callable
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator
 
 from services.core.engine_config import EngineCounters
 from services.core.logprobs import LogprobWriter
 from services.core.prefix_cache import PrefixCache
 from services.core.sequence import Sequence
+from services.core.sequence_batch import SequenceBatch
 from services.proto.moemesh.v1 import core_pb2
 
 FINISH = {"stop": core_pb2.FinishReason.STOP, "length": core_pb2.FinishReason.LENGTH}
@@ -40,16 +40,16 @@ class SequenceOutput:
         self._finish_sequence = finish_sequence
 
     def deliver(
-        self, batch: tuple[str, int], generator: BatchGenerator, step, outcome, active: dict, started: float
+        self, batch: tuple[str, int], sequences: SequenceBatch, step, outcome, active: dict, started: float
     ) -> None:
-        """What one batch's step (batch_step.GeneratorStep) produced, for the sequences in
+        """What one batch's step (batch_step.BatchStep) produced, for the sequences in
         `active` ((batch, uid) -> Sequence): prompt scores, finished prefills, decoded tokens."""
         prompt_responses, responses = outcome
         for uid, rows in step.prompt_logprobs.items():
             sequence = active.get((batch, uid))
             if sequence is not None:
                 self.prompt_scores(sequence, rows)
-        self._after_prefill(batch, generator, prompt_responses, active, started)
+        self._after_prefill(batch, sequences, prompt_responses, active, started)
         for response in responses:
             sequence = active.get((batch, response.uid))
             if sequence is not None:
@@ -57,7 +57,7 @@ class SequenceOutput:
                     sequence.prefill_started_at = started
                 self.token(sequence, response)
 
-    def _after_prefill(self, batch, generator: BatchGenerator, prompt_responses, active, started) -> None:
+    def _after_prefill(self, batch, sequences: SequenceBatch, prompt_responses, active, started) -> None:
         """Note when each sequence's prefill began, and keep the KV of every prompt whose
         prefill just finished, so requests that share the prefix skip it."""
         finished = []
@@ -70,7 +70,7 @@ class SequenceOutput:
             if response.end_of_segment and not response.end_of_prompt:
                 finished.append(response.uid)
         if finished and self.prefix_cache.enabled:
-            for uid, (cache, tokens) in generator.extract_cache(finished).items():
+            for uid, (cache, tokens) in sequences.extract_cache(finished).items():
                 self.prefix_cache.store(batch[0], tokens[:], self.kept_cache(batch, uid, len(tokens), cache))
 
     def token(self, sequence: Sequence, response) -> None:
@@ -115,7 +115,7 @@ class SequenceOutput:
     def score(self, sequence: Sequence, retired: bool) -> None:
         """max_tokens 0 with prompt logprobs: the prompt, scored, is the whole answer, sent once the
         last prompt token is scored (the sequence then leaves its batch); `retired`: mlx-lm's
-        generator has already let it go."""
+        batch has already let it go."""
         sequence.first_token_at = time.monotonic()
         chunk = core_pb2.GenerateChunk(request_id=sequence.request.request_id)
         chunk.prompt_logprobs.extend(sequence.prompt_logprobs)

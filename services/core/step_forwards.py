@@ -2,7 +2,7 @@
 
 Every forward of a lane (decode, prompts joining, prefill chunks, of every KV kind) shares one
 expert call per worker per layer (step_merge.py); lanes pipeline theirs. What the forwards give
-back is handed to each batch's `GeneratorStep.finish`, in task order.
+back is handed to each batch's `BatchStep.finish`, in task order.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from services.core.batch_step import GeneratorStep
+from services.core.batch_step import BatchStep
 from services.core.engine_config import EngineConfig
 from services.core.expert_link.step_merge import run_side_by_side
 from services.core.image_prefills import ImagePrefills
@@ -24,7 +24,7 @@ from services.core.step_budget import share_step_budget
 
 @dataclass
 class StepPlan:
-    steps: dict[BatchKey, GeneratorStep]
+    steps: dict[BatchKey, BatchStep]
     decoding: int  # sequences that decode a token in this step
     in_batch: int  # sequences decoding or being prefilled, this step's admissions included
 
@@ -49,15 +49,15 @@ def plan_step(
 ) -> StepPlan:
     """Share the step's budget among the batches in `working` and lay out each one's forwards."""
     with mx.stream(generation_stream):
-        busy = {batch: g for batch, g in batches.generators.items() if batch in working}
+        busy = {key: batch for key, batch in batches.by_key.items() if key in working}
         decoding, in_batch = share_step_budget(
             list(busy.values()), config.max_num_seqs, config.max_num_batched_tokens, pacer
         )
         steps = {}
-        for batch, generator in busy.items():
-            decoder = batches.decoder(batch)
+        for key, batch in busy.items():
+            decoder = batches.decoder(key)
             decode, sink = (None, None) if decoder is None else (decoder.decode, decoder.prefill_sink)
-            steps[batch] = GeneratorStep(generator, scoring(batch), decode, sink)
+            steps[key] = BatchStep(batch, scoring(key), decode, sink)
     return StepPlan(steps, decoding, in_batch)
 
 

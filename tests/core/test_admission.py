@@ -7,32 +7,30 @@ from collections import deque
 
 import pytest
 
-from services.common.mlx_lm_adapter import GeneratorState
 from services.core.prefill_pacer import PrefillPacer
 from services.core.step_budget import share_step_budget
 
 
-class PromptBatch(list):
-    prefill_step_size = 0
-
-
 class Batches:
-    """The parts of an mlx-lm BatchGenerator that admission reads and sets."""
+    """The parts of a SequenceBatch that admission reads and sets."""
 
     def __init__(self, decoding: int, prefilling: int, queued: int):
-        self._generation_batch = [object()] * decoding
-        self._prompt_batch = PromptBatch([object()] * prefilling)
-        self._unprocessed_sequences = deque([object()] * queued)
-        self.completion_batch_size = self.prefill_batch_size = self.prefill_step_size = 0
+        self.generation_batch = [object()] * decoding
+        self.prompt_batch = [object()] * prefilling
+        self.waiting = deque([object()] * queued)
+        self.max_decoding = self.max_prefilling = self.prefill_chunk = 0
+
+    def running(self) -> int:
+        return len(self.generation_batch) + len(self.prompt_batch)
 
     def admitted(self) -> int:
-        """What `GeneratorStep._plan` (as mlx-lm's `_next`) admits from the queue with these sizes."""
-        if len(self._generation_batch) >= self.completion_batch_size:
+        """What `BatchStep._plan` admits from the queue with these sizes."""
+        if len(self.generation_batch) >= self.max_decoding:
             return 0
         n = min(
-            self.prefill_batch_size - len(self._prompt_batch),
-            self.completion_batch_size - len(self._generation_batch),
-            len(self._unprocessed_sequences),
+            self.max_prefilling - len(self.prompt_batch),
+            self.max_decoding - len(self.generation_batch),
+            len(self.waiting),
         )
         return max(n, 0)
 
@@ -49,5 +47,5 @@ class Batches:
 def test_decoding_and_prefilling_sequences_of_every_kind_share_max_num_seqs(batches):
     generators = [Batches(*shape) for shape in batches]
     share_step_budget(generators, max_num_seqs=4, max_num_batched_tokens=512, pacer=PrefillPacer(0.0))
-    in_batches = sum(GeneratorState(g).running() for g in generators)
+    in_batches = sum(g.running() for g in generators)
     assert in_batches + sum(g.admitted() for g in generators) == 4

@@ -6,12 +6,12 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx_lm
 import pytest
-from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import BatchKVCache
 
-from services.common.mlx_lm_adapter import GeneratorState
-from services.core.batch_step import GeneratorStep
+from services.core.batch_step import BatchStep
 from services.core.decode_mask import skip_decode_mask_if_unpadded
+from services.core.sequence_batch import SequenceBatch
 
 
 def greedy(logprobs: mx.array) -> mx.array:
@@ -26,13 +26,14 @@ def solo_tokens(model, prompt: list[int], count: int) -> list[int]:
 def test_a_padded_batch_keeps_its_mask_and_an_aligned_one_drops_it(tiny_models):
     model, _ = mlx_lm.load(str(tiny_models.checkpoint("qwen3_moe", None)))
     short, long = list(range(3, 8)), list(range(20, 32))
-    generator = BatchGenerator(model, sampler=greedy, completion_batch_size=4, prefill_batch_size=4)
-    uid_short, uid_long = generator.insert([short, long], max_tokens=[4, 10])
+    sequences = SequenceBatch(model, max_sequences=4, prefill_chunk=2048)
+    uid_short = sequences.insert([short], 4, sampler=greedy)
+    uid_long = sequences.insert([long], 10, sampler=greedy)
     tokens: dict[int, list[int]] = {uid_short: [], uid_long: []}
     unpadded_by_rows: dict[int, set[bool]] = {}
     while any(len(t) < n for t, n in ((tokens[uid_short], 4), (tokens[uid_long], 10))):
-        step = GeneratorStep(generator)
-        batch = GeneratorState(generator).generation_batch
+        step = BatchStep(sequences)
+        batch = sequences.generation_batch
         if len(batch) > 0:
             unpadded_by_rows.setdefault(len(batch), set()).add(batch.prompt_cache[0].decode_unpadded)
         _, responses = step.finish([task() for task in step.tasks])
@@ -42,7 +43,6 @@ def test_a_padded_batch_keeps_its_mask_and_an_aligned_one_drops_it(tiny_models):
     assert unpadded_by_rows == {2: {False}, 1: {True}}
     assert tokens[uid_short] == solo_tokens(model, short, 4)
     assert tokens[uid_long] == solo_tokens(model, long, 10)
-    generator.close()
 
 
 def test_the_mask_is_left_out_only_for_one_token_without_a_window():

@@ -6,11 +6,12 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx_lm
 import pytest
-from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 from mlx_lm.models import qwen3_moe
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from services.common import mlx_lm_adapter as adapter
+from services.core.batch_step import BatchStep
+from services.core.sequence_batch import SequenceBatch
 
 
 def greedy(logprobs: mx.array) -> mx.array:
@@ -42,42 +43,13 @@ def test_spm_space_is_sentencepieces_space_marker():
     assert adapter.SPM_SPACE == "\u2581".encode()
 
 
-def test_generator_state_follows_a_request_from_waiting_to_decoding(model):
-    generator = BatchGenerator(model, sampler=greedy, completion_batch_size=4, prefill_batch_size=4)
-    state = adapter.GeneratorState(generator)
-    first, second = generator.insert([[3, 4, 5, 6], [7, 8]], max_tokens=[6, 6])
-    assert len(state.waiting) == 2 and state.running() == 0 and state.size() == 2
-    admitted = state.admit(1)
-    assert isinstance(admitted, PromptProcessingBatch) and admitted.uids == [first]
-    assert len(state.waiting) == 1
-    state.prompt_batch.extend(admitted)
-    assert state.prompt_batch.uids == [first]
-    segments, done, total = state.processing[0]  # the admitted row: its segments to prefill
-    assert [t for segment in segments for t in segment] == [3, 4, 5, 6] and (done, total) == (0, 4)
-    state.processing = list(state.processing)  # the engine replaces the list, not its rows
-    assert len(state.processing) == 1
-    while len(state.generation_batch) < 2:
-        generator.next()
-    assert isinstance(state.generation_batch, GenerationBatch) and set(state.generation_batch.uids) == {
-        first,
-        second,
-    }
-    assert state.running() == 2 and len(state.waiting) == 0
-    counters = state.counters
-    assert counters.prompt_tokens == 4  # each prompt but its last token, which decoding feeds
-    tokens, steps = counters.generation_tokens, counters.generation_steps
-    generator.next()
-    assert (counters.generation_tokens, counters.generation_steps) == (tokens + 2, steps + 1)
-    generator.close()
-
-
 def test_decode_state_holds_the_pending_token_that_next_emits(model):
-    generator = BatchGenerator(model, sampler=greedy, completion_batch_size=2, prefill_batch_size=2)
-    (uid,) = generator.insert([[3, 4, 5, 6]], max_tokens=[8])
-    state = adapter.GeneratorState(generator)
-    while len(state.generation_batch) == 0:
-        generator.next()
-    batch = state.generation_batch
+    sequences = SequenceBatch(model, max_sequences=2, prefill_chunk=2048)
+    uid = sequences.insert([[3, 4, 5, 6]], 8, sampler=greedy)
+    while len(sequences.generation_batch) == 0:
+        step = BatchStep(sequences)
+        step.finish([task() for task in step.tasks])
+    batch = sequences.generation_batch
     decode = adapter.DecodeState(batch)
     assert decode.next_tokens.shape == (1,) and len(decode.next_logprobs) == 1
     assert decode.emitted == [1] or decode.emitted == [0]
@@ -90,7 +62,6 @@ def test_decode_state_holds_the_pending_token_that_next_emits(model):
     (response,) = batch.next()
     assert response.uid == uid and response.token == chosen
     assert decode.emitted[0] == emitted_before + 1
-    generator.close()
 
 
 def test_write_index_and_right_padding_of_a_batch_kv_cache():

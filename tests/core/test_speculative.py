@@ -9,13 +9,14 @@ import math
 import mlx.core as mx
 import mlx_lm
 import pytest
-from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.generate import StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 
-from services.core.batch_step import GeneratorStep
+from services.core.batch_step import BatchStep
 from services.core.kv import make_kv_cache
 from services.core.sampling import FilteredSampler, logit_bias_processor
+from services.core.sequence_batch import SequenceBatch
 from services.core.speculative import (
     SpeculativeConfig,
     SpeculativeCounters,
@@ -69,19 +70,20 @@ def generate(
 ):
     """Each prompt's tokens and finished (cache, tokens), and the steps taken; `shapes` collects
     the shapes of the responses' logprobs."""
-    generator = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
-    uids = generator.insert(
-        PROMPTS,
-        max_tokens=max_tokens,
-        samplers=samplers or [greedy_sampler] * len(PROMPTS),
-        caches=[make_kv_cache(model, kind) for _ in PROMPTS],
-        logits_processors=processors,
-    )
+    sequences = SequenceBatch(model, max_sequences=8, prefill_chunk=2048)
+    samplers = samplers or [greedy_sampler] * len(PROMPTS)
+    processors = processors or [()] * len(PROMPTS)
+    uids = [
+        sequences.insert(
+            [prompt], limit, make_kv_cache(model, kind), sampler=sampler, logits_processors=chain
+        )
+        for prompt, limit, sampler, chain in zip(PROMPTS, max_tokens, samplers, processors, strict=True)
+    ]
     tokens = {uid: [] for uid in uids}
     finished, steps, moved = {}, 0, 0
     while len(finished) < len(uids):
-        step = GeneratorStep(
-            generator,
+        step = BatchStep(
+            sequences,
             decode=None if decoder is None else decoder.decode,
             prefill_sink=None if decoder is None else decoder.prefill_sink,
         )
@@ -95,7 +97,6 @@ def generate(
                 shapes.add(tuple(response.logprobs.shape))
             if response.finish_reason:
                 finished[response.uid] = (response.prompt_cache, response.all_tokens, response.finish_reason)
-    generator.close()
     return [tokens[u] for u in uids], [finished[u] for u in uids], steps, moved
 
 
@@ -160,22 +161,22 @@ def test_a_stop_token_inside_an_accepted_draft_ends_the_sequence_there(model):
     reference, _, _, _ = generate(model, "fp16", None)
     full = [p + r for p, r in zip(PROMPTS, reference, strict=True)]
     stop_at = 9  # the sequence's 10th token stops it, though the draft runs past it
-    generator = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4)
+    sequences = SequenceBatch(model, max_sequences=4, prefill_chunk=2048)
     stop = reference[0][stop_at]
     first = reference[0].index(stop)
-    (uid,) = generator.insert(
+    sequences.insert(
         [PROMPTS[0]],
-        max_tokens=[40],
-        samplers=[greedy_sampler],
-        caches=[make_kv_cache(model, "fp16")],
-        stop_sequences=[StopSequences([[stop]])],
+        40,
+        make_kv_cache(model, "fp16"),
+        sampler=greedy_sampler,
+        stop_sequences=StopSequences([[stop]]),
     )
     decoder = SpeculativeDecoder(
         SpeculativeConfig(draft_cost=0.0), SpeculativeCounters(), drafter=OracleDrafter(full, 1000)
     )
     tokens, reason = [], None
     while reason is None:
-        step = GeneratorStep(generator, decode=decoder.decode)
+        step = BatchStep(sequences, decode=decoder.decode)
         _, responses = step.finish([task() for task in step.tasks])
         for response in responses:
             tokens.append(response.token)
@@ -184,7 +185,6 @@ def test_a_stop_token_inside_an_accepted_draft_ends_the_sequence_there(model):
                 assert response.all_tokens == PROMPTS[0] + tokens
                 assert response.prompt_cache[0].offset == len(PROMPTS[0]) + len(tokens)
     assert tokens == reference[0][: first + 1] and reason == "stop"
-    generator.close()
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_match():

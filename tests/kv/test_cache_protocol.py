@@ -1,4 +1,4 @@
-"""TurboQuantKVCache inside mlx-lm: generate_step, BatchGenerator, trim, deepcopy, bytes."""
+"""TurboQuantKVCache inside mlx-lm: generate_step, the engine's batches, trim, deepcopy, bytes."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import copy
 import mlx.core as mx
 import pytest
 from mlx_lm import load
-from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
-from services.common.mlx_lm_adapter import GeneratorState
+from services.core.batch_step import BatchStep
 from services.core.kv import (
     BatchTurboQuantKVCache,
     KVCacheSettings,
@@ -20,6 +20,7 @@ from services.core.kv import (
     make_kv_cache,
 )
 from services.core.kv import cache as kv_cache_module
+from services.core.sequence_batch import SequenceBatch
 
 ARCHS = ["qwen3_moe", "mixtral", "qwen3_5_moe"]
 COMPRESSING = KVCacheSettings(sink_tokens=4, recent_window=8, block_size=8)
@@ -82,21 +83,20 @@ def test_compressing_cache_is_smaller_and_hook_falls_through_for_fp16(tiny):
     assert kv_cache_bytes(tq) == sum(c.nbytes for c in tq)
 
 
-def test_batch_generator_matches_one_sequence_at_a_time(tiny, aging):
+def test_a_batch_matches_one_sequence_at_a_time(tiny, aging):
     _, model = tiny
     alone = [greedy(model, p, make_kv_cache(model, "turboquant", COMPRESSING)) for p in PROMPTS]
-    generator = BatchGenerator(model, completion_batch_size=3, prefill_batch_size=3, prefill_step_size=16)
-    caches = [make_kv_cache(model, "turboquant", COMPRESSING) for _ in PROMPTS]
-    uids = generator.insert(PROMPTS, max_tokens=[8] * 3, caches=caches)
+    sequences = SequenceBatch(model, max_sequences=3, prefill_chunk=16)
+    uids = [sequences.insert([p], 8, make_kv_cache(model, "turboquant", COMPRESSING)) for p in PROMPTS]
     out = {uid: [] for uid in uids}
     saw_batch_cache = False
     while any(len(v) < 8 for v in out.values()):
-        responses = generator.next_generated()
-        batch = GeneratorState(generator).generation_batch.prompt_cache
+        step = BatchStep(sequences)
+        _, responses = step.finish([task() for task in step.tasks])
+        batch = sequences.generation_batch.prompt_cache
         saw_batch_cache |= any(isinstance(c, BatchTurboQuantKVCache) for c in batch)
         for r in responses:
             out[r.uid].append(r.token)
-    generator.close()
     assert saw_batch_cache
     assert [out[uid] for uid in uids] == alone
 

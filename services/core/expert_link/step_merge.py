@@ -1,7 +1,7 @@
 """One expert call per worker per layer for everything an engine step computes, and micro-batches
 whose calls pipeline.
 
-A step can run up to three model forwards per batch (mlx-lm's `BatchGenerator._next`):
+A step can run up to three model forwards per batch (batch_step.py):
 the decode of the running sequences, the first token of prompts that just finished
 prefilling, and the next prefill chunk, plus the same again for each KV cache kind. Run
 one after another, each forward makes its own expert call per layer. `run_side_by_side`

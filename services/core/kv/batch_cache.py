@@ -1,5 +1,5 @@
-"""`BatchTurboQuantKVCache`: the batched form of TurboQuantKVCache for mlx-lm's
-BatchGenerator.
+"""`BatchTurboQuantKVCache`: the batched form of TurboQuantKVCache for mlx-lm's batch
+classes (`PromptProcessingBatch`, `GenerationBatch`).
 
 Why rows instead of one left-padded tensor like BatchKVCache: each sequence has its
 own sinks, compressed blocks and recent window, whose boundaries fall at different

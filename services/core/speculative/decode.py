@@ -1,4 +1,4 @@
-"""The decode of one `BatchGenerator`'s running batch, with drafted tokens verified in the same
+"""The decode of one batch's running sequences (mlx-lm's `GenerationBatch`), with drafted tokens verified in the same
 forward: each row feeds its pending token and its draft, so one expert call per worker per layer
 checks every row's draft, and a row gains up to 1 + K tokens per step.
 
@@ -71,7 +71,7 @@ class SpeculativeDecoder:
         self._rows: dict[int, tuple[NgramIndex, DraftPolicy]] = {}
         # MTP drafts from the hidden states each forward leaves (prefill, decode, verify): `feed`
         self._wants_hidden = getattr(self._drafter, "wants_hidden", False)
-        self.prefill_sink = self.prefilled if self._wants_hidden else None  # for GeneratorStep
+        self.prefill_sink = self.prefilled if self._wants_hidden else None  # for BatchStep
         self._prefilling: dict[int, object] = {}  # uid -> its MTP state, before it decodes
         self.costs = costs or StepCosts(config.draft_cost)
         self.recurrent = recurrent
