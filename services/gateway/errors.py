@@ -117,6 +117,24 @@ _PARAM_BY_CORE_PREFIX = (
 )
 
 
+# A core field path inside a message's text ("... in chat.tools").
+_CORE_PATH_IN_TEXT = re.compile(
+    r"\b(?:chat|response_format|tool_choice)\.[a-z_][a-z0-9_]*(?:\[\d+\])?(?:\.[a-z_][a-z0-9_]*(?:\[\d+\])?)*"
+)
+
+
+def _api_param(path: str) -> str:
+    for prefix, replacement in _PARAM_BY_CORE_PREFIX:
+        if path.startswith(prefix):
+            return replacement + path[len(prefix) :]
+    return path
+
+
+def api_names(details: str) -> str:
+    """A core message with its GenerateRequest field paths written as the API's parameters."""
+    return _CORE_PATH_IN_TEXT.sub(lambda match: _api_param(match.group(0)), details)
+
+
 def param_from_core_details(details: str) -> str | None:
     """The API parameter a core INVALID_ARGUMENT message names, or None."""
     parts = details.split(": ")
@@ -125,10 +143,7 @@ def param_from_core_details(details: str) -> str | None:
     path = parts[0]
     if path in ("sampling", "stopping") and len(parts) > 2 and _CORE_PATH.fullmatch(parts[1]):
         path = parts[1]
-    for prefix, replacement in _PARAM_BY_CORE_PREFIX:
-        if path.startswith(prefix):
-            path = replacement + path[len(prefix) :]
-            break
+    path = _api_param(path)
     return None if path in ("input", "sampling", "stopping") else path or None
 
 
@@ -143,7 +158,8 @@ def error_from_grpc(
     status, show_details = _HTTP_BY_GRPC_CODE.get(code, (500, False))
     details = (error.details() or "") if callable(getattr(error, "details", None)) else ""
     if (show_details or details.startswith(CORE_NOT_SERVING)) and details:
-        message = details  # core's own reason it cannot serve names the missing layers and workers
+        # core's own reason it cannot serve names the missing layers and workers
+        message = api_names(details) if status == 400 else details
     else:
         message = _SAFE_MESSAGE_BY_HTTP_STATUS.get(status, f"request failed ({code.name.lower()})")
     if status == 400 and details.startswith(CONTEXT_LENGTH_EXCEEDED):

@@ -135,6 +135,31 @@ def test_core_errors_name_the_api_parameter(details: str, param: str | None) -> 
     assert (error.status, error.param) == (400, param)
 
 
+@pytest.mark.parametrize(
+    ("details", "message"),
+    [
+        (
+            "tool_choice: required needs at least one tool in chat.tools",
+            "tool_choice: required needs at least one tool in tools",
+        ),
+        ("chat.tools: this model has no tool-call format", "tools: this model has no tool-call format"),
+        (
+            "tool_choice.function_name: no tool named 'x' in chat.tools",
+            "tool_choice.function.name: no tool named 'x' in tools",
+        ),
+        ("chat.template_kwargs_json: must be a JSON object", "chat_template_kwargs: must be a JSON object"),
+        ("chat.tools[1].name: 'f' is defined twice", "tools[1].name: 'f' is defined twice"),
+        (
+            "logit_bias: token id 151936 is outside the vocabulary",
+            "logit_bias: token id 151936 is outside the vocabulary",
+        ),
+    ],
+)
+def test_core_errors_speak_of_the_apis_parameters(details: str, message: str) -> None:
+    error = error_from_grpc(FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, details))
+    assert error.message == message
+
+
 def test_context_length_names_the_routes_prompt_field() -> None:
     details = "context_length_exceeded: the prompt has 9 tokens"
     for prompt_param in ("messages", "prompt"):
