@@ -4,17 +4,13 @@ and a sequence leaves from any stage with its cache."""
 
 from __future__ import annotations
 
-import mlx.core as mx
 import mlx_lm
 import pytest
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.sample_utils import greedy_sampler as greedy
 
 from services.core.batch_step import BatchStep
 from services.core.sequence_batch import SequenceBatch
-
-
-def greedy(logprobs: mx.array) -> mx.array:
-    return mx.argmax(logprobs, axis=-1)
 
 
 @pytest.fixture(scope="module")
