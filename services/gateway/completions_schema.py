@@ -1,8 +1,9 @@
 """Pydantic model for the OpenAI (legacy) Completions request body, `POST /v1/completions`.
 
-Contract: `prompt` is one prompt — a string or a list of token ids (a one-element list of either is
-accepted too, since clients often wrap it); batches of several prompts, `best_of` > 1 and `suffix`
-are refused with a 400 naming the field, because core serves one sequence per request and has no
+Contract: `prompt` is a string or a list of token ids, or a list of up to `MAX_PROMPTS` of either
+(evaluation harnesses send batches): each prompt is its own sequence in core, all answered whole,
+as `choices[i]` for prompt i; a batch with `stream` is refused. `best_of` > 1 and `suffix` are
+refused with a 400 naming the field: core samples one sequence per prompt and has no
 fill-in-the-middle template. `max_tokens` defaults to 16, as OpenAI's and vLLM's do.
 
 `echo` with `logprobs` also scores the prompt (the logprob of each prompt token given the ones
@@ -23,6 +24,7 @@ from services.gateway.openai_schema import UINT32_MAX, GenerationOptions
 TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_COMPLETION_LOGPROBS = 20
+MAX_PROMPTS = 256
 
 
 class CompletionRequest(GenerationOptions):
@@ -41,12 +43,34 @@ class CompletionRequest(GenerationOptions):
         cls, prompt: str | list[int] | list[str] | list[list[int]]
     ) -> str | list[int] | list[str] | list[list[int]]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise ValueError(f"{len(prompt)} prompts given; this server completes one prompt per request")
-            prompt = prompt[0]
+            if len(prompt) > MAX_PROMPTS:
+                raise ValueError(f"{len(prompt)} prompts given; at most {MAX_PROMPTS} per request")
+            if any(len(one) == 0 for one in prompt):
+                raise ValueError("prompt must not be empty")
+            return prompt[0] if len(prompt) == 1 else prompt
         if len(prompt) == 0:
             raise ValueError("prompt must not be empty")
         return prompt
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or the batch it sent."""
+        prompt = self.prompt
+        several = isinstance(prompt, list) and isinstance(prompt[0], str | list)
+        return list(prompt) if several else [prompt]  # type: ignore[list-item]
+
+    def one_per_prompt(self) -> list[CompletionRequest]:
+        """This request once per prompt (a batch with `stream` is refused: its chunks would
+        interleave the prompts' answers)."""
+        prompts = self.prompts()
+        if len(prompts) > 1 and self.stream:
+            raise OpenAIError(
+                400,
+                f"stream: {len(prompts)} prompts are answered whole; send them with stream false, "
+                "or one prompt per request to stream",
+                param="stream",
+                code="invalid_value",
+            )
+        return [self] if len(prompts) == 1 else [self.model_copy(update={"prompt": p}) for p in prompts]
 
     def check_max_tokens(self) -> None:
         """0 only with echo (pydantic checks each field alone, and echo is validated after it)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 import grpc
@@ -49,21 +49,22 @@ class ResponseFormatter(Protocol):
 
 
 class _Disconnect:
-    """Watches the HTTP connection and cancels the core call when the client goes away."""
+    """Watches the HTTP connection and cancels the core calls when the client goes away."""
 
-    def __init__(self, request: Request, call: grpc.aio.UnaryStreamCall) -> None:
+    def __init__(self, request: Request, *calls: grpc.aio.UnaryStreamCall) -> None:
         self.happened = False
-        self._task = asyncio.create_task(self._watch(request, call))
+        self._task = asyncio.create_task(self._watch(request, calls))
 
-    async def _watch(self, request: Request, call: grpc.aio.UnaryStreamCall) -> None:
+    async def _watch(self, request: Request, calls: tuple[grpc.aio.UnaryStreamCall, ...]) -> None:
         try:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
         except Exception:  # a receive that fails means the connection is gone too
             log.debug("receive failed; treating it as a disconnect", exc_info=True)
         self.happened = True
-        call.cancel()
-        log.info("client disconnected; core call cancelled")
+        for call in calls:
+            call.cancel()
+        log.info("client disconnected; core calls cancelled", calls=len(calls))
 
     def stop(self) -> None:
         self._task.cancel()
@@ -103,14 +104,7 @@ async def serve_generation(
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
             )
-        chunk = first
-        while chunk is not grpc.aio.EOF:
-            formatter.state.add(chunk)
-            timer.on_chunk(chunk)
-            chunk = await call.read()
-        result = formatter.result()
-        _done(formatter, timer, stream=False)
-        return JSONResponse(result)
+        return JSONResponse(await _whole(call, first, formatter, timer))
     except grpc.aio.AioRpcError as error:
         raise _logged(error_from_grpc(error, _prompt_param(generate)), error) from None
     except MissingFinishReason as error:
@@ -124,6 +118,63 @@ async def serve_generation(
         if not streaming:  # the stream generator owns call and watcher from here on
             disconnect.stop()
             call.cancel()
+
+
+async def serve_generations(
+    request: Request,
+    generates: list[core_pb2.GenerateRequest],
+    formatters: list[ResponseFormatter],
+    merge: Callable[[list[dict[str, Any]]], dict[str, Any]],
+    *,
+    model_label: str,
+) -> Response:
+    """Several Generate calls for one request (a batch of prompts), answered whole: they run at
+    once, so core batches them, and `merge` joins their results in order. The first call that
+    fails fails the request and cancels the others, as a client that goes away does."""
+    core: CoreClient = request.app.state.core
+    metrics: GatewayMetrics = request.app.state.metrics
+    calls = [core.generate(generate) for generate in generates]
+    disconnect = _Disconnect(request, *calls)
+    tasks = [
+        asyncio.create_task(_whole(call, None, formatter, RequestTimer(metrics, model_label)))
+        for call, formatter in zip(calls, formatters, strict=True)
+    ]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task in done and not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+        return JSONResponse(merge([task.result() for task in tasks]))
+    except grpc.aio.AioRpcError as error:
+        raise _logged(error_from_grpc(error, _prompt_param(generates[0])), error) from None
+    except MissingFinishReason as error:
+        log.error(str(error))
+        raise internal_error() from None
+    except asyncio.CancelledError:
+        if _cancelled_by_us(disconnect):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        raise
+    finally:
+        disconnect.stop()
+        for call, task in zip(calls, tasks, strict=True):
+            call.cancel()
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _whole(
+    call: grpc.aio.UnaryStreamCall, first: Any, formatter: ResponseFormatter, timer: RequestTimer
+) -> dict[str, Any]:
+    """Read a call to its end (`first`: its first chunk, if read already) into the formatter's
+    whole response."""
+    chunk = await call.read() if first is None else first
+    while chunk is not grpc.aio.EOF:
+        formatter.state.add(chunk)
+        timer.on_chunk(chunk)
+        chunk = await call.read()
+    result = formatter.result()
+    _done(formatter, timer, stream=False)
+    return result
 
 
 async def _sse(

@@ -13,10 +13,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from services.gateway.chat_format import ChatFormatter
-from services.gateway.completions_format import CompletionFormatter
+from services.gateway.completions_format import CompletionFormatter, merged_completions
 from services.gateway.completions_schema import CompletionRequest
 from services.gateway.generate_mapping import build_chat_request, build_completion_request
-from services.gateway.generation import serve_generation
+from services.gateway.generation import serve_generation, serve_generations
 from services.gateway.generation_state import CompletionMeta
 from services.gateway.image_parts import ImageLoader, chat_image_sources
 from services.gateway.openai_schema import ChatCompletionRequest
@@ -53,9 +53,15 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     request_id: str = request.state.request_id
     model = body.model or await served_model_name(request)
     meta = CompletionMeta(id=response_id("cmpl-", request_id), created=int(time.time()), model=model)
-    formatter = CompletionFormatter(
-        meta, include_usage=body.include_usage_in_stream(), with_logprobs=body.logprobs is not None
-    )
-    return await serve_generation(
-        request, build_completion_request(body, request_id), formatter, stream=body.stream, model_label=model
-    )
+    parts = body.one_per_prompt()
+    formatters = [
+        CompletionFormatter(
+            meta, include_usage=body.include_usage_in_stream(), with_logprobs=body.logprobs is not None
+        )
+        for _ in parts
+    ]
+    if len(parts) == 1:
+        generate = build_completion_request(body, request_id)
+        return await serve_generation(request, generate, formatters[0], stream=body.stream, model_label=model)
+    generates = [build_completion_request(part, f"{request_id}-{i}") for i, part in enumerate(parts)]
+    return await serve_generations(request, generates, formatters, merged_completions, model_label=model)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
+import grpc
 import openai
 import pytest
 
-from .core_double import ANSWER, ANSWER_WORDS, MODEL_ID, CoreDouble, prompt_logprobs
+from .core_double import ANSWER, ANSWER_WORDS, MODEL_ID, CoreDouble, Script, prompt_logprobs
 from .test_gateway_openai_client import async_client, sync_client
 
 PROMPT = "Question: what is the capital of France? Answer:"
@@ -31,6 +34,38 @@ def test_token_id_prompt(gateway_url: str, core: CoreDouble, prompt) -> None:
     assert completion.choices[0].text == "The capital of" and completion.choices[0].finish_reason == "length"
     assert list(core.requests[0].token_ids.ids) == [101, 102, 103]
     assert completion.usage.prompt_tokens == 3
+
+
+@pytest.mark.parametrize("prompts", [["a b", "c d e", "f"], [[101, 102], [7, 8, 9]]])
+def test_a_batch_of_prompts_gets_a_choice_each(gateway_url: str, core: CoreDouble, prompts) -> None:
+    completion = sync_client(gateway_url).completions.create(
+        model=MODEL_ID, prompt=prompts, echo=True, logprobs=1, max_tokens=3
+    )
+    assert [choice.index for choice in completion.choices] == list(range(len(prompts)))
+    sent = sorted(core.requests, key=lambda r: r.request_id)
+    assert [r.prompt if r.prompt else list(r.token_ids.ids) for r in sent] == prompts
+    assert len({r.request_id for r in sent}) == len(prompts)
+    for prompt, choice in zip(prompts, completion.choices, strict=True):
+        if isinstance(prompt, str):  # echoed: each choice answers its own prompt
+            assert choice.text == prompt + "The capital of"
+        assert choice.logprobs.tokens[-3:] == ANSWER_WORDS[:3]
+    words = [len(p.split()) if isinstance(p, str) else len(p) for p in prompts]
+    assert completion.usage.prompt_tokens == sum(words)
+    assert completion.usage.completion_tokens == 3 * len(prompts)
+    assert completion.usage.total_tokens == sum(words) + 3 * len(prompts)
+
+
+def test_a_batch_fails_whole_when_a_prompt_fails(gateway_url: str, core: CoreDouble) -> None:
+    core.script = Script(
+        abort_code=grpc.StatusCode.INVALID_ARGUMENT, abort_message="kv_cache: unknown kind 'x'"
+    )
+    with pytest.raises(openai.BadRequestError) as raised:
+        sync_client(gateway_url).completions.create(model=MODEL_ID, prompt=["a", "b", "c"])
+    assert raised.value.body["param"] == "kv_cache"
+    deadline = time.monotonic() + 5
+    while core.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert core.running == 0  # every call ended: none left generating for nobody
 
 
 def test_echo_and_logprobs(gateway_url: str, core: CoreDouble) -> None:
@@ -128,7 +163,9 @@ async def test_async_stream(gateway_url: str, core: CoreDouble) -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a", ""]}, "prompt"),
+        ({"prompt": ["a"] * 257}, "prompt"),
+        ({"prompt": ["a", "b"], "stream": True}, "stream"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": []}, "prompt"),
         ({"prompt": PROMPT, "best_of": 3}, "best_of"),

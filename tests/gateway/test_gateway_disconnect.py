@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -54,3 +55,14 @@ def test_gateway_keeps_serving_after_disconnects(gateway_url: str, core: CoreDou
     core.reset()
     response = httpx.post(gateway_url + CHAT, json=BODY)
     assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "stop"
+
+
+def test_disconnect_cancels_every_call_of_a_batch_of_prompts(gateway_url: str, core: CoreDouble) -> None:
+    core.script.delay_before_first_s = 10.0
+    body = {"model": BODY["model"], "prompt": ["a", "b", "c"], "max_tokens": 4}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gateway_url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.5))
+    deadline = time.monotonic() + 5
+    while core.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(core.requests) == 3 and core.running == 0  # all three cancelled, none left running

@@ -157,6 +157,19 @@ def test_qwen3_completions_prompt_and_token_ids(qwen3: LiveStack) -> None:
     assert text.usage.prompt_tokens == ids.usage.prompt_tokens == 5
 
 
+def test_qwen3_completions_batch_answers_each_prompt_as_alone(qwen3: LiveStack) -> None:
+    client = qwen3.openai()
+    prompts = ["The capital of France is", "One, two, three,", "Water boils at"]
+    alone = [
+        client.completions.create(model=qwen3.model, prompt=p, max_tokens=6, temperature=0) for p in prompts
+    ]
+    batch = client.completions.create(model=qwen3.model, prompt=prompts, max_tokens=6, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+
+
 def test_qwen3_anthropic_client(qwen3: LiveStack) -> None:
     client = qwen3.anthropic()
     whole = client.messages.create(
