@@ -179,19 +179,3 @@ def _logprobs_of(
     part = logprobs.add(prompt, echoed, prompt_counts, floor=start, prompt=True)
     tail = logprobs.add(generated, start + len(text), counts, floor=echoed)
     return {name: part[name] + tail[name] for name in part}
-
-
-def merged_completions(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """One response for a batch of prompts: prompt i's choice as `choices[i]`, usage summed."""
-    merged = dict(results[0])
-    merged["choices"] = [
-        {**choice, "index": index} for index, result in enumerate(results) for choice in result["choices"]
-    ]
-    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    cached = 0
-    for result in results:
-        for name in usage:
-            usage[name] += result["usage"][name]
-        cached += result["usage"]["prompt_tokens_details"]["cached_tokens"]
-    merged["usage"] = {**usage, "prompt_tokens_details": {"cached_tokens": cached}}
-    return merged

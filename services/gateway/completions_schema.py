@@ -2,7 +2,7 @@
 
 Contract: `prompt` is a string or a list of token ids, or a list of up to `MAX_PROMPTS` of either
 (evaluation harnesses send batches): each prompt is its own sequence in core, all answered whole,
-as `choices[i]` for prompt i; a batch with `stream` is refused. `best_of` > 1 and `suffix` are
+as `choices[i]` for prompt i (choices.py; a batch with `stream` is refused). `best_of` > 1 and `suffix` are
 refused with a 400 naming the field: core samples one sequence per prompt and has no
 fill-in-the-middle template. `max_tokens` defaults to 16, as OpenAI's and vLLM's do.
 
@@ -59,17 +59,8 @@ class CompletionRequest(GenerationOptions):
         return list(prompt) if several else [prompt]  # type: ignore[list-item]
 
     def one_per_prompt(self) -> list[CompletionRequest]:
-        """This request once per prompt (a batch with `stream` is refused: its chunks would
-        interleave the prompts' answers)."""
+        """This request once per prompt."""
         prompts = self.prompts()
-        if len(prompts) > 1 and self.stream:
-            raise OpenAIError(
-                400,
-                f"stream: {len(prompts)} prompts are answered whole; send them with stream false, "
-                "or one prompt per request to stream",
-                param="stream",
-                code="invalid_value",
-            )
         return [self] if len(prompts) == 1 else [self.model_copy(update={"prompt": p}) for p in prompts]
 
     def check_max_tokens(self) -> None:

@@ -2,7 +2,7 @@
 
 Contract: a request that validates here can always be mapped to a `GenerateRequest`; anything the
 server cannot honour is rejected *here*, so the client gets a 400 naming the field instead of a
-silently different answer (`n` > 1, an image in a non-user message, a tool_choice naming an unknown
+silently different answer (an image in a non-user message, a tool_choice naming an unknown
 tool). Image parts are only parsed here; `image_parts.py` reads, fetches and checks their images.
 
 Unknown fields are ignored, as vLLM does: clients written for other servers send extras
@@ -270,17 +270,8 @@ class GenerationOptions(ApiModel):
     # moe-mesh extension: false decodes this request without drafted tokens where core speculates
     speculative: StrictBool | None = None
 
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=256)  # choices: each its own sequence (choices.py)
     user: str | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        # Core generates one sequence per request; several choices would need n sequences with
-        # shared prefill, which the scheduler does not do yet.
-        if n != 1:
-            raise ValueError(f"n={n} is not supported: this server returns exactly one choice (n=1)")
-        return n
 
     @field_validator("stop")
     @classmethod

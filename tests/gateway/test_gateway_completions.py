@@ -55,6 +55,21 @@ def test_a_batch_of_prompts_gets_a_choice_each(gateway_url: str, core: CoreDoubl
     assert completion.usage.total_tokens == sum(words) + 3 * len(prompts)
 
 
+def test_a_batch_with_n_gives_n_choices_per_prompt_in_order(gateway_url: str, core: CoreDouble) -> None:
+    completion = sync_client(gateway_url).completions.create(
+        model=MODEL_ID, prompt=["a b", "c"], n=2, seed=5, echo=True, max_tokens=2
+    )
+    assert [(c.index, c.text) for c in completion.choices] == [
+        (0, "a bThe capital"),
+        (1, "a bThe capital"),
+        (2, "cThe capital"),
+        (3, "cThe capital"),
+    ]
+    sent = sorted((r.prompt, r.sampling.seed) for r in core.requests)
+    assert sent == [("a b", 5), ("a b", 6), ("c", 5), ("c", 6)]
+    assert completion.usage.prompt_tokens == 3 and completion.usage.completion_tokens == 8
+
+
 def test_a_batch_fails_whole_when_a_prompt_fails(gateway_url: str, core: CoreDouble) -> None:
     core.script = Script(
         abort_code=grpc.StatusCode.INVALID_ARGUMENT, abort_message="kv_cache: unknown kind 'x'"
@@ -171,7 +186,8 @@ async def test_async_stream(gateway_url: str, core: CoreDouble) -> None:
         ({"prompt": PROMPT, "best_of": 3}, "best_of"),
         ({"prompt": PROMPT, "suffix": "x"}, "suffix"),
         ({"prompt": PROMPT, "logprobs": 99}, "logprobs"),
-        ({"prompt": PROMPT, "n": 2}, "n"),
+        ({"prompt": PROMPT, "n": 2, "stream": True}, "n"),
+        ({"prompt": ["a"] * 100, "n": 3}, "n"),
         ({"prompt": [-1]}, "prompt"),
     ],
 )

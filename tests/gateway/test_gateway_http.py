@@ -33,7 +33,8 @@ def assert_envelope(response: httpx.Response, status: int, param: str | None = N
     [
         ({"model": MODEL_ID}, "messages"),
         ({**VALID_BODY, "messages": []}, "messages"),
-        ({**VALID_BODY, "n": 2}, "n"),
+        ({**VALID_BODY, "n": 0}, "n"),
+        ({**VALID_BODY, "n": 257}, "n"),
         ({**VALID_BODY, "messages": [{"role": "wizard", "content": "Hi"}]}, "messages[0].role"),
         (
             {
@@ -104,9 +105,11 @@ def test_a_json_body_sent_as_a_form_is_told_what_content_type_to_send(
     assert core.requests == []
 
 
-def test_n_message_is_clear(gateway_url: str, core: CoreDouble) -> None:
-    error = assert_envelope(httpx.post(gateway_url + CHAT, json={**VALID_BODY, "n": 2}), 400, "n")
-    assert "n=1" in error["message"]
+def test_several_streamed_choices_are_refused_clearly(gateway_url: str, core: CoreDouble) -> None:
+    body = {**VALID_BODY, "n": 2, "stream": True}
+    error = assert_envelope(httpx.post(gateway_url + CHAT, json=body), 400, "n")
+    assert "stream false" in error["message"]
+    assert core.requests == []
 
 
 LONE_SURROGATE = "a\\ud800b"  # valid JSON; decodes to a str no UTF-8 encoder takes

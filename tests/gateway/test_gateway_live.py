@@ -170,6 +170,14 @@ def test_qwen3_completions_batch_answers_each_prompt_as_alone(qwen3: LiveStack) 
     assert batch.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
 
 
+def test_qwen3_n_choices_are_the_seeded_answers_sent_alone(qwen3: LiveStack) -> None:
+    client = qwen3.openai()
+    kwargs = {"model": qwen3.model, "messages": QUESTION, "max_tokens": 8, "temperature": 1.0}
+    alone = [client.chat.completions.create(**kwargs, seed=s).choices[0].message.content for s in (11, 12)]
+    both = client.chat.completions.create(**kwargs, seed=11, n=2)
+    assert [c.message.content for c in both.choices] == alone
+
+
 def test_qwen3_anthropic_client(qwen3: LiveStack) -> None:
     client = qwen3.anthropic()
     whole = client.messages.create(

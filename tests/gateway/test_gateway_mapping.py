@@ -81,7 +81,7 @@ def test_unknown_fields_are_ignored() -> None:
 @pytest.mark.parametrize(
     "fields",
     [
-        {"n": 3},
+        {"n": 0},
         {"top_p": 0},
         {"seed": 2**64},
         {"messages": []},

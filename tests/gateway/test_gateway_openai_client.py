@@ -89,6 +89,21 @@ async def test_async_completion_and_stream(gateway_url: str, core: CoreDouble) -
     await client.close()
 
 
+@pytest.mark.parametrize("seed", [7, None])
+def test_n_choices_are_sampled_each_as_its_own_sequence(gateway_url: str, core: CoreDouble, seed) -> None:
+    messages = [{"role": "user", "content": "Capital of France?"}]
+    completion = sync_client(gateway_url).chat.completions.create(
+        model=MODEL_ID, messages=messages, n=3, seed=seed, temperature=0.8
+    )
+    assert [choice.index for choice in completion.choices] == [0, 1, 2]
+    assert all(choice.message.content == ANSWER for choice in completion.choices)
+    assert len(core.requests) == 3 and len({r.request_id for r in core.requests}) == 3
+    seeds = sorted(r.sampling.seed if r.sampling.HasField("seed") else -1 for r in core.requests)
+    assert seeds == ([7, 8, 9] if seed is not None else [-1] * 3)  # seeded choices differ, reproducibly
+    assert completion.usage.prompt_tokens == 3  # the prompt once, as OpenAI counts it
+    assert completion.usage.completion_tokens == 3 * len(ANSWER_WORDS)
+
+
 def test_max_tokens_gives_length(gateway_url: str, core: CoreDouble) -> None:
     completion = sync_client(gateway_url).chat.completions.create(
         model=MODEL_ID, messages=MESSAGES, max_tokens=3
