@@ -67,8 +67,10 @@ class ChatFormatter:
 
     log_event = "chat completion"
 
-    def __init__(self, meta: CompletionMeta, *, include_usage: bool, with_logprobs: bool) -> None:
+    def __init__(self, meta: CompletionMeta, *, include_usage: bool, with_logprobs: bool, index: int = 0) -> None:
+        """`index`: the choice this call's answer is (n > 1 makes one call per choice)."""
         self.meta = meta
+        self.index = index
         self.state = GenerationState()
         self.include_usage = include_usage
         self.with_logprobs = with_logprobs
@@ -105,7 +107,7 @@ class ChatFormatter:
             "model": self.meta.model,
             "choices": [
                 {
-                    "index": 0,
+                    "index": self.index,
                     "message": message,
                     "logprobs": {"content": logprobs_json(state.logprobs)} if self.with_logprobs else None,
                     "finish_reason": finish_reason_name(finish),
@@ -152,7 +154,8 @@ class ChatFormatter:
             out.append(sse_data(self._chunk({}, finish_reason=finish_reason_name(chunk.finish_reason))))
         return out
 
-    def closing(self) -> list[bytes]:
+    def closing(self, usage: dict[str, Any] | None = None) -> list[bytes]:
+        """The last frames; `usage`: the whole answer's, where it has more choices than this one."""
         self.state.require_finished()
         out = []
         if self.include_usage:  # an extra last chunk with no choices, only usage
@@ -164,7 +167,7 @@ class ChatFormatter:
                         "created": self.meta.created,
                         "model": self.meta.model,
                         "choices": [],
-                        "usage": usage_json(self.state),
+                        "usage": usage or usage_json(self.state),
                     }
                 )
             )
@@ -190,7 +193,7 @@ class ChatFormatter:
             "model": self.meta.model,
             "choices": [
                 {
-                    "index": 0,
+                    "index": self.index,
                     "delta": delta,
                     "logprobs": {"content": logprobs_json(logprobs)} if logprobs else None,
                     "finish_reason": finish_reason,

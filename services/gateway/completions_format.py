@@ -82,8 +82,11 @@ class CompletionFormatter:
 
     log_event = "text completion"
 
-    def __init__(self, meta: CompletionMeta, *, include_usage: bool, with_logprobs: bool) -> None:
+    def __init__(self, meta: CompletionMeta, *, include_usage: bool, with_logprobs: bool, index: int = 0) -> None:
+        """`index`: the choice this call's answer is (a batch of prompts or n > 1 makes one call
+        per choice)."""
         self.meta = meta
+        self.index = index
         self.state = GenerationState()
         self.include_usage = include_usage
         self.with_logprobs = with_logprobs
@@ -112,7 +115,7 @@ class CompletionFormatter:
         return self._object(
             [
                 {
-                    "index": 0,
+                    "index": self.index,
                     "text": state.full_text(),
                     "logprobs": logprobs,
                     "finish_reason": finish_reason_name(finish),
@@ -128,11 +131,11 @@ class CompletionFormatter:
         out = []
         logprobs = self._record(chunk)
         if chunk.text or chunk.logprobs or chunk.prompt_logprobs:
-            choice = {"index": 0, "text": chunk.text, "logprobs": logprobs, "finish_reason": None}
+            choice = {"index": self.index, "text": chunk.text, "logprobs": logprobs, "finish_reason": None}
             out.append(sse_data(self._object([choice], usage=None)))
         if chunk.finish_reason != core_pb2.FINISH_REASON_UNSPECIFIED:
             choice = {
-                "index": 0,
+                "index": self.index,
                 "text": "",
                 "logprobs": None,
                 "finish_reason": finish_reason_name(chunk.finish_reason),
@@ -140,11 +143,12 @@ class CompletionFormatter:
             out.append(sse_data(self._object([choice], usage=None)))
         return out
 
-    def closing(self) -> list[bytes]:
+    def closing(self, usage: dict[str, Any] | None = None) -> list[bytes]:
+        """The last frames; `usage`: the whole answer's, where it has more choices than this one."""
         self.state.require_finished()
         out = []
         if self.include_usage:
-            out.append(sse_data(self._object([], usage=usage_json(self.state))))
+            out.append(sse_data(self._object([], usage=usage or usage_json(self.state))))
         out.append(sse_data("[DONE]"))
         return out
 

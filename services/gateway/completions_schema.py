@@ -1,8 +1,8 @@
 """Pydantic model for the OpenAI (legacy) Completions request body, `POST /v1/completions`.
 
 Contract: `prompt` is a string or a list of token ids, or a list of up to `MAX_PROMPTS` of either
-(evaluation harnesses send batches): each prompt is its own sequence in core, all answered whole,
-as `choices[i]` for prompt i (choices.py; a batch with `stream` is refused). `best_of` > 1 and `suffix` are
+(evaluation harnesses send batches): each prompt is its own sequence in core, answered as
+`choices[i]` for prompt i (choices.py). `best_of` > 1 and `suffix` are
 refused with a 400 naming the field: core samples one sequence per prompt and has no
 fill-in-the-middle template. `max_tokens` defaults to 16, as OpenAI's and vLLM's do.
 

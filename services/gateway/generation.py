@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 import grpc
@@ -24,6 +24,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.common.logging import get_logger
+from services.gateway.chat_format import usage_json
+from services.gateway.choices import merged_choices, merged_usage
 from services.gateway.core_client import CoreClient
 from services.gateway.errors import OpenAIError, error_from_grpc, internal_error
 from services.gateway.generation_state import GenerationState, MissingFinishReason
@@ -124,29 +126,41 @@ async def serve_generations(
     request: Request,
     generates: list[core_pb2.GenerateRequest],
     formatters: list[ResponseFormatter],
-    merge: Callable[[list[dict[str, Any]]], dict[str, Any]],
     *,
+    n: int,
+    stream: bool,
     model_label: str,
 ) -> Response:
-    """Several Generate calls for one request (a batch of prompts), answered whole: they run at
-    once, so core batches them, and `merge` joins their results in order. The first call that
-    fails fails the request and cancels the others, as a client that goes away does."""
+    """Several Generate calls for one request (`n` choices, a batch of prompts; choices.py), one
+    per formatter, each formatter rendering its choice. They run at once, so core batches them.
+    Answered whole, or streamed as their chunks come, interleaved. Until every call's first chunk
+    is in, a failure is a plain HTTP error; the first call that fails fails the request and
+    cancels the others, as a client that goes away does."""
     core: CoreClient = request.app.state.core
     metrics: GatewayMetrics = request.app.state.metrics
     calls = [core.generate(generate) for generate in generates]
+    timers = [RequestTimer(metrics, model_label) for _ in calls]
     disconnect = _Disconnect(request, *calls)
-    tasks = [
-        asyncio.create_task(_whole(call, None, formatter, RequestTimer(metrics, model_label)))
-        for call, formatter in zip(calls, formatters, strict=True)
-    ]
+    prompt_param = _prompt_param(generates[0])
+    tasks: list[asyncio.Task] = []
+    streaming = False
     try:
+        firsts = await asyncio.gather(*(call.read() for call in calls))
+        if stream:
+            streaming = True
+            frames = _interleaved_sse(calls, firsts, formatters, timers, n, disconnect, prompt_param)
+            return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
+        tasks = [
+            asyncio.create_task(_whole(*parts))
+            for parts in zip(calls, firsts, formatters, timers, strict=True)
+        ]
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for task in tasks:
             if task in done and not task.cancelled() and task.exception() is not None:
                 raise task.exception()
-        return JSONResponse(merge([task.result() for task in tasks]))
+        return JSONResponse(merged_choices([task.result() for task in tasks], n))
     except grpc.aio.AioRpcError as error:
-        raise _logged(error_from_grpc(error, _prompt_param(generates[0])), error) from None
+        raise _logged(error_from_grpc(error, prompt_param), error) from None
     except MissingFinishReason as error:
         log.error(str(error))
         raise internal_error() from None
@@ -155,19 +169,83 @@ async def serve_generations(
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         raise
     finally:
-        disconnect.stop()
-        for call, task in zip(calls, tasks, strict=True):
-            call.cancel()
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if not streaming:  # the stream generator owns calls and watcher from here on
+            _cancel(disconnect, calls, tasks)
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _cancel(disconnect: _Disconnect, calls: list, tasks: list[asyncio.Task]) -> None:
+    disconnect.stop()
+    for call in calls:
+        call.cancel()  # no-op when finished; frees the sequence in core otherwise
+    for task in tasks:
+        task.cancel()
+
+
+_CHOICE_DONE = object()
+
+
+async def _interleaved_sse(
+    calls: list,
+    firsts: list,
+    formatters: list,
+    timers: list[RequestTimer],
+    n: int,
+    disconnect: _Disconnect,
+    prompt_param: str,
+) -> AsyncIterator[bytes]:
+    """The frames of several calls as each comes, then one usage chunk for them all and [DONE]."""
+    frames: asyncio.Queue = asyncio.Queue()
+
+    async def pump(call, first, formatter: ResponseFormatter, timer: RequestTimer) -> None:
+        try:
+            frames.put_nowait(b"".join(formatter.opening(first)))
+            chunk = first
+            while chunk is not grpc.aio.EOF:
+                formatter.state.add(chunk)
+                timer.on_chunk(chunk)
+                frames.put_nowait(b"".join(formatter.on_chunk(chunk)))
+                chunk = await call.read()
+            formatter.state.require_finished()
+            _done(formatter, timer, stream=True)
+            frames.put_nowait(_CHOICE_DONE)
+        except Exception as error:  # noqa: BLE001 - handed to the stream, which reports it
+            frames.put_nowait(error)
+
+    tasks = [asyncio.create_task(pump(*parts)) for parts in zip(calls, firsts, formatters, timers, strict=True)]
+    try:
+        finished = 0
+        while finished < len(tasks):
+            item = await frames.get()
+            if item is _CHOICE_DONE:
+                finished += 1
+            elif isinstance(item, Exception):
+                raise item
+            elif item:
+                yield item
+        usage = merged_usage([usage_json(formatter.state) for formatter in formatters], n)
+        yield b"".join(formatters[0].closing(usage))
+    except grpc.aio.AioRpcError as error:
+        yield formatters[0].error_event(_logged(error_from_grpc(error, prompt_param), error))
+    except MissingFinishReason as error:
+        log.error(str(error))
+        yield formatters[0].error_event(internal_error())
+    except asyncio.CancelledError:
+        if not _cancelled_by_us(disconnect):
+            raise
+    except Exception:  # the status line is sent: an error event is all we can still do
+        log.exception("stream failed")
+        yield formatters[0].error_event(internal_error())
+    finally:
+        _cancel(disconnect, calls, tasks)
 
 
 async def _whole(
     call: grpc.aio.UnaryStreamCall, first: Any, formatter: ResponseFormatter, timer: RequestTimer
 ) -> dict[str, Any]:
-    """Read a call to its end (`first`: its first chunk, if read already) into the formatter's
+    """Read a call to its end (`first`: its first chunk, read already) into the formatter's
     whole response."""
-    chunk = await call.read() if first is None else first
+    chunk = first
     while chunk is not grpc.aio.EOF:
         formatter.state.add(chunk)
         timer.on_chunk(chunk)

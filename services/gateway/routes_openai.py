@@ -8,13 +8,12 @@ embeds the request id, so a client's id finds the logs.
 from __future__ import annotations
 
 import time
-from functools import partial
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from services.gateway.chat_format import ChatFormatter
-from services.gateway.choices import merged_choices, one_per_choice
+from services.gateway.choices import one_per_choice
 from services.gateway.completions_format import CompletionFormatter
 from services.gateway.completions_schema import CompletionRequest
 from services.gateway.generate_mapping import build_chat_request, build_completion_request
@@ -36,22 +35,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     request_id: str = request.state.request_id
     model = body.model or await served_model_name(request)
     meta = CompletionMeta(id=response_id("chatcmpl-", request_id), created=int(time.time()), model=model)
-    parts = one_per_choice([body], body.n, body.stream)
-    formatters = [
-        ChatFormatter(meta, include_usage=body.include_usage_in_stream(), with_logprobs=body.logprobs)
-        for _ in parts
-    ]
+    parts = one_per_choice([body], body.n)
+    usage, logprobs = body.include_usage_in_stream(), body.logprobs
+    formatters = [ChatFormatter(meta, include_usage=usage, with_logprobs=logprobs, index=i) for i in range(len(parts))]
     loader: ImageLoader = request.app.state.images
     sources = chat_image_sources(body)
     async with loader.load(sources, await image_refusal(request, sources)) as images:
         if len(parts) == 1:
             generate = build_chat_request(body, request_id, images)
-            return await serve_generation(
-                request, generate, formatters[0], stream=body.stream, model_label=model
-            )
+            return await serve_generation(request, generate, formatters[0], stream=body.stream, model_label=model)
         generates = [build_chat_request(part, f"{request_id}-{i}", images) for i, part in enumerate(parts)]
-        merge = partial(merged_choices, n=body.n)
-        return await serve_generations(request, generates, formatters, merge, model_label=model)
+        return await serve_generations(
+            request, generates, formatters, n=body.n, stream=body.stream, model_label=model
+        )
 
 
 @router.post("/v1/completions")
@@ -60,16 +56,13 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     request_id: str = request.state.request_id
     model = body.model or await served_model_name(request)
     meta = CompletionMeta(id=response_id("cmpl-", request_id), created=int(time.time()), model=model)
-    parts = one_per_choice(body.one_per_prompt(), body.n, body.stream)
+    parts = one_per_choice(body.one_per_prompt(), body.n)
+    usage, logprobs = body.include_usage_in_stream(), body.logprobs is not None
     formatters = [
-        CompletionFormatter(
-            meta, include_usage=body.include_usage_in_stream(), with_logprobs=body.logprobs is not None
-        )
-        for _ in parts
+        CompletionFormatter(meta, include_usage=usage, with_logprobs=logprobs, index=i) for i in range(len(parts))
     ]
     if len(parts) == 1:
         generate = build_completion_request(body, request_id)
         return await serve_generation(request, generate, formatters[0], stream=body.stream, model_label=model)
     generates = [build_completion_request(part, f"{request_id}-{i}") for i, part in enumerate(parts)]
-    merge = partial(merged_choices, n=body.n)
-    return await serve_generations(request, generates, formatters, merge, model_label=model)
+    return await serve_generations(request, generates, formatters, n=body.n, stream=body.stream, model_label=model)

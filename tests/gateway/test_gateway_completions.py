@@ -70,6 +70,31 @@ def test_a_batch_with_n_gives_n_choices_per_prompt_in_order(gateway_url: str, co
     assert completion.usage.prompt_tokens == 3 and completion.usage.completion_tokens == 8
 
 
+def test_a_streamed_batch_interleaves_its_choices(gateway_url: str, core: CoreDouble) -> None:
+    stream = sync_client(gateway_url).completions.create(
+        model=MODEL_ID,
+        prompt=["a b", "c"],
+        n=2,
+        max_tokens=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    usages = []
+    for chunk in stream:
+        if chunk.usage is not None:
+            usages.append(chunk.usage)
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert texts == {i: "The capital of" for i in range(4)}
+    assert finishes == {i: "length" for i in range(4)}
+    assert len(usages) == 1  # one usage chunk, last, for the whole answer
+    assert (usages[0].prompt_tokens, usages[0].completion_tokens) == (3, 12)
+
+
 def test_a_batch_fails_whole_when_a_prompt_fails(gateway_url: str, core: CoreDouble) -> None:
     core.script = Script(
         abort_code=grpc.StatusCode.INVALID_ARGUMENT, abort_message="kv_cache: unknown kind 'x'"
@@ -180,13 +205,11 @@ async def test_async_stream(gateway_url: str, core: CoreDouble) -> None:
     [
         ({"prompt": ["a", ""]}, "prompt"),
         ({"prompt": ["a"] * 257}, "prompt"),
-        ({"prompt": ["a", "b"], "stream": True}, "stream"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": []}, "prompt"),
         ({"prompt": PROMPT, "best_of": 3}, "best_of"),
         ({"prompt": PROMPT, "suffix": "x"}, "suffix"),
         ({"prompt": PROMPT, "logprobs": 99}, "logprobs"),
-        ({"prompt": PROMPT, "n": 2, "stream": True}, "n"),
         ({"prompt": ["a"] * 100, "n": 3}, "n"),
         ({"prompt": [-1]}, "prompt"),
     ],

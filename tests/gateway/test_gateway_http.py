@@ -105,10 +105,9 @@ def test_a_json_body_sent_as_a_form_is_told_what_content_type_to_send(
     assert core.requests == []
 
 
-def test_several_streamed_choices_are_refused_clearly(gateway_url: str, core: CoreDouble) -> None:
-    body = {**VALID_BODY, "n": 2, "stream": True}
-    error = assert_envelope(httpx.post(gateway_url + CHAT, json=body), 400, "n")
-    assert "stream false" in error["message"]
+def test_too_many_choices_are_refused_clearly(gateway_url: str, core: CoreDouble) -> None:
+    error = assert_envelope(httpx.post(gateway_url + CHAT, json={**VALID_BODY, "n": 300}), 400, "n")
+    assert "256" in error["message"]
     assert core.requests == []
 
 

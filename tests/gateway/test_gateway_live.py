@@ -176,6 +176,11 @@ def test_qwen3_n_choices_are_the_seeded_answers_sent_alone(qwen3: LiveStack) -> 
     alone = [client.chat.completions.create(**kwargs, seed=s).choices[0].message.content for s in (11, 12)]
     both = client.chat.completions.create(**kwargs, seed=11, n=2)
     assert [c.message.content for c in both.choices] == alone
+    streamed = ["", ""]
+    for chunk in client.chat.completions.create(**kwargs, seed=11, n=2, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == alone
 
 
 def test_qwen3_anthropic_client(qwen3: LiveStack) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import grpc
 import openai
@@ -102,6 +103,46 @@ def test_n_choices_are_sampled_each_as_its_own_sequence(gateway_url: str, core: 
     assert seeds == ([7, 8, 9] if seed is not None else [-1] * 3)  # seeded choices differ, reproducibly
     assert completion.usage.prompt_tokens == 3  # the prompt once, as OpenAI counts it
     assert completion.usage.completion_tokens == 3 * len(ANSWER_WORDS)
+
+
+def test_n_streamed_choices_each_read_as_a_whole_answer(gateway_url: str, core: CoreDouble) -> None:
+    messages = [{"role": "user", "content": "Capital of France?"}]
+    stream = sync_client(gateway_url).chat.completions.create(
+        model=MODEL_ID, messages=messages, n=3, stream=True, stream_options={"include_usage": True}
+    )
+    contents: dict[int, str] = {}
+    roles, finishes, usages = set(), {}, []
+    for chunk in stream:
+        if chunk.usage is not None:
+            usages.append(chunk.usage)
+        for choice in chunk.choices:
+            contents[choice.index] = contents.get(choice.index, "") + (choice.delta.content or "")
+            if choice.delta.role:
+                roles.add(choice.index)
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert contents == {0: ANSWER, 1: ANSWER, 2: ANSWER} and roles == {0, 1, 2}
+    assert finishes == {0: "stop", 1: "stop", 2: "stop"}
+    assert len(usages) == 1 and usages[0].prompt_tokens == 3
+    assert usages[0].completion_tokens == 3 * len(ANSWER_WORDS)
+
+
+def test_an_error_in_one_streamed_choice_ends_the_stream_with_an_error_event(
+    gateway_url: str, core: CoreDouble
+) -> None:
+    core.script.abort_code = grpc.StatusCode.UNAVAILABLE
+    core.script.abort_after_chunks = 2  # after the stream began: only an error event can tell
+    messages = [{"role": "user", "content": "Capital of France?"}]
+    stream = sync_client(gateway_url).chat.completions.create(
+        model=MODEL_ID, messages=messages, n=2, stream=True
+    )
+    with pytest.raises(openai.APIError):
+        for _ in stream:
+            pass
+    deadline = time.monotonic() + 5
+    while core.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert core.running == 0
 
 
 def test_max_tokens_gives_length(gateway_url: str, core: CoreDouble) -> None:
