@@ -67,7 +67,9 @@ class ChatFormatter:
 
     log_event = "chat completion"
 
-    def __init__(self, meta: CompletionMeta, *, include_usage: bool, with_logprobs: bool, index: int = 0) -> None:
+    def __init__(
+        self, meta: CompletionMeta, *, include_usage: bool, with_logprobs: bool, index: int = 0
+    ) -> None:
         """`index`: the choice this call's answer is (n > 1 makes one call per choice)."""
         self.meta = meta
         self.index = index

@@ -82,7 +82,9 @@ class CompletionFormatter:
 
     log_event = "text completion"
 
-    def __init__(self, meta: CompletionMeta, *, include_usage: bool, with_logprobs: bool, index: int = 0) -> None:
+    def __init__(
+        self, meta: CompletionMeta, *, include_usage: bool, with_logprobs: bool, index: int = 0
+    ) -> None:
         """`index`: the choice this call's answer is (a batch of prompts or n > 1 makes one call
         per choice)."""
         self.meta = meta

@@ -91,35 +91,10 @@ async def serve_generation(
     stream: bool,
     model_label: str,
 ) -> Response:
-    core: CoreClient = request.app.state.core
-    metrics: GatewayMetrics = request.app.state.metrics
-    timer = RequestTimer(metrics, model_label)
-    call = core.generate(generate)
-    disconnect = _Disconnect(request, call)
-    streaming = False
-    try:
-        first = await call.read()
-        if stream:
-            streaming = True
-            return StreamingResponse(
-                _sse(call, _prompt_param(generate), first, formatter, disconnect, timer),
-                media_type="text/event-stream",
-                headers=SSE_HEADERS,
-            )
-        return JSONResponse(await _whole(call, first, formatter, timer))
-    except grpc.aio.AioRpcError as error:
-        raise _logged(error_from_grpc(error, _prompt_param(generate)), error) from None
-    except MissingFinishReason as error:
-        log.error(str(error))
-        raise internal_error() from None
-    except asyncio.CancelledError:
-        if _cancelled_by_us(disconnect):
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        raise
-    finally:
-        if not streaming:  # the stream generator owns call and watcher from here on
-            disconnect.stop()
-            call.cancel()
+    """One Generate call for one request, answered whole or streamed."""
+    return await serve_generations(
+        request, [generate], [formatter], n=1, stream=stream, model_label=model_label
+    )
 
 
 async def serve_generations(
@@ -131,10 +106,10 @@ async def serve_generations(
     stream: bool,
     model_label: str,
 ) -> Response:
-    """Several Generate calls for one request (`n` choices, a batch of prompts; choices.py), one
-    per formatter, each formatter rendering its choice. They run at once, so core batches them.
-    Answered whole, or streamed as their chunks come, interleaved. Until every call's first chunk
-    is in, a failure is a plain HTTP error; the first call that fails fails the request and
+    """Generate calls for one request, one per formatter; several for `n` choices or a batch of
+    prompts (choices.py), each formatter rendering its choice. They run at once, so core batches
+    them. Answered whole, or streamed as their chunks come, interleaved. Until every call's first
+    chunk is in, a failure is a plain HTTP error; the first call that fails fails the request and
     cancels the others, as a client that goes away does."""
     core: CoreClient = request.app.state.core
     metrics: GatewayMetrics = request.app.state.metrics
@@ -148,7 +123,10 @@ async def serve_generations(
         firsts = await asyncio.gather(*(call.read() for call in calls))
         if stream:
             streaming = True
-            frames = _interleaved_sse(calls, firsts, formatters, timers, n, disconnect, prompt_param)
+            if len(calls) == 1:
+                frames = _sse(calls[0], prompt_param, firsts[0], formatters[0], disconnect, timers[0])
+            else:
+                frames = _interleaved_sse(calls, firsts, formatters, timers, n, disconnect, prompt_param)
             return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
         tasks = [
             asyncio.create_task(_whole(*parts))
@@ -158,7 +136,8 @@ async def serve_generations(
         for task in tasks:
             if task in done and not task.cancelled() and task.exception() is not None:
                 raise task.exception()
-        return JSONResponse(merged_choices([task.result() for task in tasks], n))
+        results = [task.result() for task in tasks]
+        return JSONResponse(results[0] if len(results) == 1 else merged_choices(results, n))
     except grpc.aio.AioRpcError as error:
         raise _logged(error_from_grpc(error, prompt_param), error) from None
     except MissingFinishReason as error:
@@ -212,7 +191,9 @@ async def _interleaved_sse(
         except Exception as error:  # noqa: BLE001 - handed to the stream, which reports it
             frames.put_nowait(error)
 
-    tasks = [asyncio.create_task(pump(*parts)) for parts in zip(calls, firsts, formatters, timers, strict=True)]
+    tasks = [
+        asyncio.create_task(pump(*parts)) for parts in zip(calls, firsts, formatters, timers, strict=True)
+    ]
     try:
         finished = 0
         while finished < len(tasks):
@@ -288,8 +269,7 @@ async def _sse(
         log.exception("stream failed")
         yield formatter.error_event(internal_error())
     finally:
-        disconnect.stop()
-        call.cancel()  # no-op when finished; frees the sequence in core when the client left early
+        _cancel(disconnect, [call], [])
 
 
 def _logged(error: OpenAIError, cause: grpc.aio.AioRpcError) -> OpenAIError:

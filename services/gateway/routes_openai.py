@@ -37,13 +37,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     meta = CompletionMeta(id=response_id("chatcmpl-", request_id), created=int(time.time()), model=model)
     parts = one_per_choice([body], body.n)
     usage, logprobs = body.include_usage_in_stream(), body.logprobs
-    formatters = [ChatFormatter(meta, include_usage=usage, with_logprobs=logprobs, index=i) for i in range(len(parts))]
+    formatters = [
+        ChatFormatter(meta, include_usage=usage, with_logprobs=logprobs, index=i) for i in range(len(parts))
+    ]
     loader: ImageLoader = request.app.state.images
     sources = chat_image_sources(body)
     async with loader.load(sources, await image_refusal(request, sources)) as images:
         if len(parts) == 1:
             generate = build_chat_request(body, request_id, images)
-            return await serve_generation(request, generate, formatters[0], stream=body.stream, model_label=model)
+            return await serve_generation(
+                request, generate, formatters[0], stream=body.stream, model_label=model
+            )
         generates = [build_chat_request(part, f"{request_id}-{i}", images) for i, part in enumerate(parts)]
         return await serve_generations(
             request, generates, formatters, n=body.n, stream=body.stream, model_label=model
@@ -59,10 +63,13 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     parts = one_per_choice(body.one_per_prompt(), body.n)
     usage, logprobs = body.include_usage_in_stream(), body.logprobs is not None
     formatters = [
-        CompletionFormatter(meta, include_usage=usage, with_logprobs=logprobs, index=i) for i in range(len(parts))
+        CompletionFormatter(meta, include_usage=usage, with_logprobs=logprobs, index=i)
+        for i in range(len(parts))
     ]
     if len(parts) == 1:
         generate = build_completion_request(body, request_id)
         return await serve_generation(request, generate, formatters[0], stream=body.stream, model_label=model)
     generates = [build_completion_request(part, f"{request_id}-{i}") for i, part in enumerate(parts)]
-    return await serve_generations(request, generates, formatters, n=body.n, stream=body.stream, model_label=model)
+    return await serve_generations(
+        request, generates, formatters, n=body.n, stream=body.stream, model_label=model
+    )
