@@ -190,6 +190,9 @@ async def _interleaved_sse(
             frames.put_nowait(_CHOICE_DONE)
         except Exception as error:  # noqa: BLE001 - handed to the stream, which reports it
             frames.put_nowait(error)
+        except asyncio.CancelledError as cancelled:  # its call was cancelled: the stream ends too
+            frames.put_nowait(cancelled)
+            raise
 
     tasks = [
         asyncio.create_task(pump(*parts)) for parts in zip(calls, firsts, formatters, timers, strict=True)
@@ -200,7 +203,7 @@ async def _interleaved_sse(
             item = await frames.get()
             if item is _CHOICE_DONE:
                 finished += 1
-            elif isinstance(item, Exception):
+            elif isinstance(item, BaseException):
                 raise item
             elif item:
                 yield item

@@ -66,3 +66,20 @@ def test_disconnect_cancels_every_call_of_a_batch_of_prompts(gateway_url: str, c
     while core.running and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(core.requests) == 3 and core.running == 0  # all three cancelled, none left running
+
+
+def test_disconnect_mid_stream_cancels_every_choice(gateway_url: str, core: CoreDouble) -> None:
+    core.script.words = SLOW_WORDS
+    core.script.delay_per_chunk_s = 0.05
+    body = {**BODY, "n": 3, "stream": True}
+    seen = 0
+    with httpx.Client(timeout=10) as client, client.stream("POST", gateway_url + CHAT, json=body) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            seen += line.startswith("data: ")
+            if seen == 6:
+                break  # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 5
+    while core.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(core.requests) == 3 and core.running == 0
