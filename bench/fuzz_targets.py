@@ -269,7 +269,7 @@ def mapper_targets() -> list[Target]:
     from services.gateway.anthropic_schema import MessagesRequest
     from services.gateway.completions_schema import CompletionRequest
     from services.gateway.errors import OpenAIError
-    from services.gateway.generate_mapping import build_chat_request, build_completion_request
+    from services.gateway.generate_mapping import build_chat_requests, build_completion_requests
     from services.gateway.openai_schema import ChatCompletionRequest
 
     def mapper(schema, build, before=lambda body: None):
@@ -281,21 +281,22 @@ def mapper_targets() -> list[Target]:
             body = schema.model_validate(parsed)
             try:
                 before(body)
-                request = build(body, "req-1")
+                requests = build(body, "req-1")
             except OpenAIError as error:
                 if error.status >= 500:
                     raise Finding(f"{error.status}: {error.message}") from error
                 raise
-            request.SerializeToString()  # what goes to core: every field must encode
+            for request in requests if isinstance(requests, list) else [requests]:
+                request.SerializeToString()  # what goes to core: every field must encode
             return "accepted"
 
         return run
 
     refusals = (ValidationError, OpenAIError)
-    chat = mapper(ChatCompletionRequest, build_chat_request, lambda b: b.include_usage_in_stream())
+    chat = mapper(ChatCompletionRequest, build_chat_requests, lambda b: b.include_usage_in_stream())
     completion = mapper(
         CompletionRequest,
-        build_completion_request,
+        build_completion_requests,
         lambda b: (b.check_max_tokens(), b.include_usage_in_stream()),
     )
     messages = mapper(MessagesRequest, build_messages_request)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
+from services.gateway.choices import one_per_choice
 from services.gateway.completions_schema import CompletionRequest
 from services.gateway.openai_schema import (
     ChatCompletionRequest,
@@ -178,3 +179,24 @@ def build_completion_request(request: CompletionRequest, request_id: str) -> cor
     else:
         generate.token_ids.ids.extend(request.prompt_token_ids())
     return generate
+
+
+def build_chat_requests(
+    request: ChatCompletionRequest, request_id: str, images: Images | None = None
+) -> list[core_pb2.GenerateRequest]:
+    """One GenerateRequest per choice (`n`; choices.py)."""
+    parts = one_per_choice([request], request.n)
+    return _per_choice(parts, request_id, lambda part, rid: build_chat_request(part, rid, images))
+
+
+def build_completion_requests(request: CompletionRequest, request_id: str) -> list[core_pb2.GenerateRequest]:
+    """One GenerateRequest per choice: per prompt of a batch, `n` each (choices.py)."""
+    parts = one_per_choice(request.one_per_prompt(), request.n)
+    return _per_choice(parts, request_id, build_completion_request)
+
+
+def _per_choice(parts: list, request_id: str, build) -> list[core_pb2.GenerateRequest]:
+    """Each part built; several get request ids of their own (`<id>-<choice>`) for core's logs."""
+    if len(parts) == 1:
+        return [build(parts[0], request_id)]
+    return [build(part, f"{request_id}-{i}") for i, part in enumerate(parts)]

@@ -1,8 +1,8 @@
 """OpenAI routes: `POST /v1/chat/completions` and `POST /v1/completions`.
 
 Thin: validate (pydantic, 400 on failure), load the chat's images (image_parts, 400 for a bad one),
-map to a `GenerateRequest`, hand to `serve_generation` with the API's formatter. The response id
-embeds the request id, so a client's id finds the logs.
+map to `GenerateRequest`s (one per choice), hand to `serve_generations` with the API's formatters.
+The response id embeds the request id, so a client's id finds the logs.
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from services.gateway.chat_format import ChatFormatter
-from services.gateway.choices import one_per_choice
 from services.gateway.completions_format import CompletionFormatter
 from services.gateway.completions_schema import CompletionRequest
-from services.gateway.generate_mapping import build_chat_request, build_completion_request
-from services.gateway.generation import serve_generation, serve_generations
+from services.gateway.generate_mapping import build_chat_requests, build_completion_requests
+from services.gateway.generation import serve_generations
 from services.gateway.generation_state import CompletionMeta
 from services.gateway.image_parts import ImageLoader, chat_image_sources
 from services.gateway.openai_schema import ChatCompletionRequest
@@ -35,20 +34,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     request_id: str = request.state.request_id
     model = body.model or await served_model_name(request)
     meta = CompletionMeta(id=response_id("chatcmpl-", request_id), created=int(time.time()), model=model)
-    parts = one_per_choice([body], body.n)
-    usage, logprobs = body.include_usage_in_stream(), body.logprobs
-    formatters = [
-        ChatFormatter(meta, include_usage=usage, with_logprobs=logprobs, index=i) for i in range(len(parts))
-    ]
     loader: ImageLoader = request.app.state.images
     sources = chat_image_sources(body)
     async with loader.load(sources, await image_refusal(request, sources)) as images:
-        if len(parts) == 1:
-            generate = build_chat_request(body, request_id, images)
-            return await serve_generation(
-                request, generate, formatters[0], stream=body.stream, model_label=model
-            )
-        generates = [build_chat_request(part, f"{request_id}-{i}", images) for i, part in enumerate(parts)]
+        generates = build_chat_requests(body, request_id, images)
+        usage, logprobs = body.include_usage_in_stream(), body.logprobs
+        formatters = [
+            ChatFormatter(meta, include_usage=usage, with_logprobs=logprobs, index=i)
+            for i in range(len(generates))
+        ]
         return await serve_generations(
             request, generates, formatters, n=body.n, stream=body.stream, model_label=model
         )
@@ -60,16 +54,12 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     request_id: str = request.state.request_id
     model = body.model or await served_model_name(request)
     meta = CompletionMeta(id=response_id("cmpl-", request_id), created=int(time.time()), model=model)
-    parts = one_per_choice(body.one_per_prompt(), body.n)
+    generates = build_completion_requests(body, request_id)
     usage, logprobs = body.include_usage_in_stream(), body.logprobs is not None
     formatters = [
         CompletionFormatter(meta, include_usage=usage, with_logprobs=logprobs, index=i)
-        for i in range(len(parts))
+        for i in range(len(generates))
     ]
-    if len(parts) == 1:
-        generate = build_completion_request(body, request_id)
-        return await serve_generation(request, generate, formatters[0], stream=body.stream, model_label=model)
-    generates = [build_completion_request(part, f"{request_id}-{i}") for i, part in enumerate(parts)]
     return await serve_generations(
         request, generates, formatters, n=body.n, stream=body.stream, model_label=model
     )
