@@ -11,15 +11,15 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 from services.gateway.errors import OpenAIError
-from services.gateway.openai_schema import UINT64_MAX
+from services.gateway.openai_schema import MAX_CHOICES
 
-MAX_CHOICES = 256
 Request = TypeVar("Request")
 
 
 def one_per_choice(requests: list[Request], n: int) -> list[Request]:
     """`n` copies of each request, choice j seeded `seed + j` where a seed is given, so seeded
-    choices differ and stay reproducible. More than MAX_CHOICES choices are refused."""
+    choices differ and stay reproducible (the mapping wraps it to core's uint64). More than
+    MAX_CHOICES choices in all are refused."""
     total = len(requests) * n
     if total > MAX_CHOICES:
         raise OpenAIError(
@@ -31,7 +31,7 @@ def one_per_choice(requests: list[Request], n: int) -> list[Request]:
     for request in requests:
         seed = request.seed  # type: ignore[attr-defined]
         for j in range(n):
-            update = {} if seed is None else {"seed": (seed + j) & UINT64_MAX}
+            update = {} if seed is None else {"seed": seed + j}
             copies.append(request.model_copy(update=update))  # type: ignore[attr-defined]
     return copies
 

@@ -1,6 +1,6 @@
 """Pydantic model for the OpenAI (legacy) Completions request body, `POST /v1/completions`.
 
-Contract: `prompt` is a string or a list of token ids, or a list of up to `MAX_PROMPTS` of either
+Contract: `prompt` is a string or a list of token ids, or a list of up to `MAX_CHOICES` of either
 (evaluation harnesses send batches): each prompt is its own sequence in core, answered as
 `choices[i]` for prompt i (choices.py). `best_of` > 1 and `suffix` are
 refused with a 400 naming the field: core samples one sequence per prompt and has no
@@ -19,12 +19,11 @@ from typing import Annotated
 from pydantic import Field, StrictBool, field_validator
 
 from services.gateway.errors import OpenAIError
-from services.gateway.openai_schema import UINT32_MAX, GenerationOptions
+from services.gateway.openai_schema import MAX_CHOICES, UINT32_MAX, GenerationOptions
 
 TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_COMPLETION_LOGPROBS = 20
-MAX_PROMPTS = 256
 
 
 class CompletionRequest(GenerationOptions):
@@ -43,8 +42,8 @@ class CompletionRequest(GenerationOptions):
         cls, prompt: str | list[int] | list[str] | list[list[int]]
     ) -> str | list[int] | list[str] | list[list[int]]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) > MAX_PROMPTS:
-                raise ValueError(f"{len(prompt)} prompts given; at most {MAX_PROMPTS} per request")
+            if len(prompt) > MAX_CHOICES:
+                raise ValueError(f"{len(prompt)} prompts given; at most {MAX_CHOICES} per request")
             if any(len(one) == 0 for one in prompt):
                 raise ValueError("prompt must not be empty")
             return prompt[0] if len(prompt) == 1 else prompt

@@ -30,6 +30,7 @@ from pydantic import (
 
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
+MAX_CHOICES = 256  # choices per request (`n`, times the prompts of a completions batch)
 
 
 class ApiModel(BaseModel):
@@ -270,7 +271,7 @@ class GenerationOptions(ApiModel):
     # moe-mesh extension: false decodes this request without drafted tokens where core speculates
     speculative: StrictBool | None = None
 
-    n: int = Field(default=1, ge=1, le=256)  # choices: each its own sequence (choices.py)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)  # choices: each its own sequence (choices.py)
     user: str | None = None
 
     @field_validator("stop")
