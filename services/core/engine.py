@@ -336,7 +336,10 @@ class Engine:
             self._release(sequence)
             sequence.send(EngineError(code, message))
         self._active.clear()
-        release_idle_memory(self.batches)
+        try:
+            release_idle_memory(self.batches)
+        except RuntimeError as error:  # the failed work's error, raised again where MLX next waits
+            log.warning("release_after_failed_step", error=str(error))
         self.kv_cache_bytes = 0
         self._in_batch = 0
         self._probe()

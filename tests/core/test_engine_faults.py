@@ -9,6 +9,7 @@ import threading
 import time
 
 import grpc
+import mlx.core as mx
 import pytest
 
 from services.core.engine_config import EngineConfig
@@ -83,6 +84,23 @@ def test_a_fault_outside_the_forwards_fails_its_requests_and_core_serves_on(serv
     failed = generate(engine, preparer)
     assert isinstance(failed, EngineError), failed
     assert failed.code == grpc.StatusCode.INTERNAL and "a broken read" in failed.message
+    assert generate(engine, preparer) == want
+    assert engine.running == 0 and engine.waiting == 0
+
+
+def test_a_failed_steps_error_raised_again_while_freeing_memory_leaves_core_serving(served, monkeypatch):
+    """MLX re-raises a failed evaluation's error where it next waits on the stream (a ring
+    collective that lost a member raises again from `mx.clear_cache`): the request still ends with
+    the step's error, and core serves the next one as before."""
+    engine, preparer = served
+    want = generate(engine, preparer)
+    engine.output.deliver = FailsOnce(
+        engine.output.deliver, RuntimeError("[ring] connection to a peer was lost")
+    )
+    monkeypatch.setattr(mx, "clear_cache", FailsOnce(mx.clear_cache, RuntimeError("[ring] the same, again")))
+    failed = generate(engine, preparer)
+    assert isinstance(failed, EngineError) and "connection to a peer was lost" in failed.message, failed
+    assert mx.clear_cache.raised
     assert generate(engine, preparer) == want
     assert engine.running == 0 and engine.waiting == 0
 
