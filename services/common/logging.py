@@ -20,6 +20,18 @@ REQUEST_ID_METADATA_KEY = "x-request-id"
 LOG_FORMATS = ("auto", "console", "json")
 
 
+class CurrentStderr:
+    """Writes to `sys.stderr` as it is at each write, not as it was when logging was configured:
+    a caller that swaps stderr (a test's capture, an embedding host) and closes the old one
+    leaves every logger writing on, including those cached on first use."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def renders_console(log_format: str) -> bool:
     """Whether `log_format` means structlog's console renderer here (else JSON lines)."""
     if log_format not in LOG_FORMATS:
@@ -34,7 +46,7 @@ def configure_logging(service: str, level: str = "info", log_format: str = "auto
         if console
         else structlog.processors.JSONRenderer()
     )
-    logging.basicConfig(format="%(message)s", stream=sys.stderr, level=level.upper())
+    logging.basicConfig(format="%(message)s", stream=CurrentStderr(), level=level.upper())
 
     def add_service(_, __, event: dict) -> dict:
         # A processor, not a contextvar: threads (the engine) start with empty contexts.
@@ -51,7 +63,7 @@ def configure_logging(service: str, level: str = "info", log_format: str = "auto
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=CurrentStderr()),
         cache_logger_on_first_use=True,
     )
 

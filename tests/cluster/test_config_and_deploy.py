@@ -288,7 +288,8 @@ def test_data_plane_comes_from_the_file_with_each_service_rank(tmp_path, tiny_mo
     """[data_plane] makes every service join one MLX group: core rank 0, the workers (not the
     local one) in file order, with [environment] (MLX's own variables) in each process."""
     for name in ("MLX_RANK", "MLX_WORLD_SIZE", "MLX_HOSTFILE"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # so that what the services set is undone after the test
+        monkeypatch.delenv(name)
     split = tiny_models.split("qwen3_moe", None)
     path = tmp_path / "cluster.toml"
     path.write_text(

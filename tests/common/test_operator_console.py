@@ -142,6 +142,21 @@ def test_log_format_follows_the_terminal_unless_told():
     assert "hello" in console and "n=1" in console and not console.lstrip().startswith("{")
 
 
+@pytest.mark.slow
+def test_logs_follow_stderr_when_it_is_swapped_and_the_old_one_closed():
+    """A host that swaps stderr (pytest's capture does, test by test) and closes the old one:
+    a logger cached on first use writes to the new stderr instead of failing on a closed file."""
+    code = (
+        "import io, sys; from services.common.logging import configure_logging, get_logger; "
+        "configure_logging('t', 'info', 'json'); log = get_logger(); "
+        "first = sys.stderr = io.StringIO(); log.info('one'); first.close(); "
+        "second = sys.stderr = io.StringIO(); log.info('two'); sys.__stderr__.write(second.getvalue())"
+    )
+    run = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stderr)["event"] == "two"
+
+
 def canned_status(state: str = "not_serving") -> dict:
     worker = {
         "name": "expert-1", "address": "10.0.0.2:50061", "host": "10.0.0.2", "up": False,
