@@ -27,6 +27,7 @@ from services.core.expert_link.dispatcher import ExpertDispatcher, LayerCallTimi
 from services.core.expert_link.distributed import DataPlane, DistributedExperts
 from services.core.expert_link.local import LocalExperts
 from services.core.expert_link.local_spec import LocalExpertsSpec
+from services.core.kv.factory import turboquant_unsupported_layers
 from services.core.kv.kernel_select import kernel_backend
 from services.core.model_loader import load_core_model, load_core_tokenizer
 from services.core.request_prep import RequestPreparer
@@ -176,6 +177,9 @@ def build_engine(
                 seconds=round(time.monotonic() - started, 2),
             )
         load_stage_done("kernels_ready", time.monotonic() - started, kv_cache=engine_config.kv_cache)
+        plain = turboquant_unsupported_layers(model)
+        if plain:  # requests asking for TurboQuant still get it wherever it applies
+            log.info("turboquant_layers", plain_cache_layers=len(plain), reason="MLA or attention sinks")
         if dispatcher is None:  # every layer local: nothing to probe, no layer calls to time
             return model, list, LayerCallTimings()
         return model, plane.probe if plane else dispatcher.discover, dispatcher.timings
