@@ -44,12 +44,15 @@ def _from_checkpoint(path: Path) -> dict:
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model
 
+    from services.common.checkpoint_layouts import model_classes
     from services.common.model_build import UnsupportedModelError, expert_modules, read_checkpoint_config
 
     if not (path / "config.json").is_file():
         raise ValueError(f"{path}: neither a split (manifest.json) nor a checkpoint (config.json)")
     read_checkpoint_config(path)
-    model, config = load_model(path, lazy=True)  # shapes only: nothing is evaluated
+    model, config = load_model(
+        path, lazy=True, get_model_classes=model_classes
+    )  # shapes only: nothing is evaluated
     total = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
     layers = []
     for order, (_, module) in enumerate(expert_modules(model)):

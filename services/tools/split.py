@@ -25,6 +25,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 
 from services.common import tensor_codec
+from services.common.checkpoint_layouts import model_classes
 from services.common.logging import get_logger
 from services.common.manifest import Manifest, ManifestError, MoeLayer, record_layout
 from services.common.model_build import (
@@ -89,7 +90,7 @@ def split_checkpoint(model_path: Path, out_dir: Path, progress: bool = True) -> 
     needed = check_free_space(model_path, out_dir)
     log.info("split_start", model=str(model_path), out=str(out_dir), needs_gb=round(needed / GB, 2))
 
-    model, config = load_model(model_path, lazy=True)
+    model, config = load_model(model_path, lazy=True, get_model_classes=model_classes)
     experts = list(expert_modules(model))
     if not experts:
         raise UnsupportedModelError(

@@ -1,9 +1,11 @@
-"""A tiny random Qwen3-VL-MoE checkpoint, built with mlx-vlm, in the layout mlx-vlm saves.
+"""Tiny random MoE vision-language checkpoints, built with mlx-vlm, in the layout mlx-vlm saves.
 
-It has everything a real one has at toy sizes: a vision tower with DeepStack outputs, a 4-layer
-MoE language model (layer 0 dense), interleaved 3-D rotary positions, the Qwen3 tokenizer, an image
-processor config, and a chat template that renders image parts. Tests and benches compare
-moe-mesh's answers on it with `mlx_vlm.generate`'s.
+Qwen3-VL-MoE has everything a real one has at toy sizes: a vision tower with DeepStack outputs, a
+4-layer MoE language model (layer 0 dense), interleaved 3-D rotary positions, the Qwen3 tokenizer,
+an image processor config, and a chat template that renders image parts. Qwen3.5-MoE adds Gated
+DeltaNet layers. Kimi-VL has a MoonViT tower and DeepSeek-V3's language model (MLA attention,
+sigmoid routing, a shared expert) with plain positions; its tokenizer is Qwen3's with Kimi's media
+tokens added. Tests and benches compare moe-mesh's answers on them with `mlx_vlm.generate`'s.
 """
 
 from __future__ import annotations
@@ -85,7 +87,59 @@ QWEN3_5_CONFIG = {
     "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"],
     "tie_word_embeddings": False,
 }
-FAMILIES = {"qwen3_vl_moe": CONFIG, "qwen3_5_moe": QWEN3_5_CONFIG}
+# Kimi-VL's media tokens, added to the Qwen3 tokenizer (Kimi's own is tiktoken remote code)
+KIMI_MEDIA_TOKENS = ("<|media_start|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>")
+KIMI_VL_CONFIG = {
+    "model_type": "kimi_vl",
+    "text_config": {
+        "model_type": "deepseek_v3",
+        "vocab_size": 151936,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_shared_experts": 1,
+        "n_routed_experts": 8,
+        "routed_scaling_factor": 2.446,
+        "kv_lora_rank": 32,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "qk_nope_head_dim": 16,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "n_group": 1,
+        "topk_group": 1,
+        "num_experts_per_tok": 2,
+        "moe_layer_freq": 1,
+        "first_k_dense_replace": 1,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+    },
+    "vision_config": {
+        "model_type": "moonvit",
+        "depth": 2,
+        "embed_dim": 32,
+        "hidden_size": 32,
+        "num_heads": 2,
+        "patch_size": 14,
+        "intermediate_size": 64,
+        "init_pos_emb_height": 16,
+        "init_pos_emb_width": 16,
+        "merge_kernel_size": [2, 2],
+    },
+    "media_placeholder_token_id": 151672,  # <|media_pad|> once KIMI_MEDIA_TOKENS are added
+    "vocab_size": 151936,
+    "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"],
+    "tie_word_embeddings": False,
+}
+FAMILIES = {"qwen3_vl_moe": CONFIG, "qwen3_5_moe": QWEN3_5_CONFIG, "kimi_vl": KIMI_VL_CONFIG}
 # 64 x 64 pixels (4 merged image tokens) up to 256 x 256 (64)
 PREPROCESSOR = {
     "image_processor_type": "Qwen2VLImageProcessor",
@@ -98,18 +152,23 @@ PREPROCESSOR = {
     "image_mean": [0.5, 0.5, 0.5],
     "image_std": [0.5, 0.5, 0.5],
 }
-# Qwen-VL's convention: an image part renders as one image token between the vision markers.
+# Qwen-VL's convention: an image part renders as one image token between the vision markers (Kimi-VL:
+# one media pad between its media markers); the processor's count of positions replaces it.
 CHAT_TEMPLATE = """{%- for message in messages %}
 {{- '<|im_start|>' + message['role'] + '\\n' }}
 {%- if message['content'] is string %}{{- message['content'] }}
 {%- else %}{%- for part in message['content'] %}
-{%- if part['type'] == 'image' or 'image' in part or 'image_url' in part %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}
+{%- if part['type'] == 'image' or 'image' in part or 'image_url' in part %}{{- 'IMAGE' }}
 {%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}
 {%- endfor %}{%- endif %}
 {{- '<|im_end|>\\n' }}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
 """
+IMAGE_MARKUP = {
+    "kimi_vl": "<|media_start|>image<|media_content|><|media_pad|><|media_end|>",
+    None: "<|vision_start|><|image_pad|><|vision_end|>",
+}
 
 
 # A larger one for benches: a vision tower whose cost shows beside the language model's
@@ -167,28 +226,41 @@ def build_tiny_vlm(
 ) -> Path:
     """Write the checkpoint of `family` (FAMILIES) to `out_dir` (float32: MLX's CPU expert kernel
     takes float32); `sizes`: {"text": ..., "vision": ..., "preprocessor": ...} overrides (BENCH_SIZES)."""
-    from mlx_vlm.utils import get_model_and_args
+    from services.core.vision.tower import build_vision_model
 
     sizes = sizes or {}
     config = json.loads(json.dumps(FAMILIES[family]))
-    module, _ = get_model_and_args(config=dict(config))
-    Model, ModelConfig = module.Model, module.ModelConfig
     config["text_config"].update(sizes.get("text", {}))
     config["vision_config"].update(sizes.get("vision", {}))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     mx.random.seed(seed)
-    model = Model(ModelConfig.from_dict(json.loads(json.dumps(config))))
+    model = build_vision_model(json.loads(json.dumps(config)))
     # doubled weights keep activations lively through random layers (as synthetic_model does)
     model.update(nn.utils.tree_map(lambda p: p * 2.0 if p.ndim > 1 else p, model.parameters()))
     weights = dict(tree_flatten(model.parameters()))
+    for key, value in weights.items():  # routers mlx-vlm starts at zero would tie every expert
+        if key.endswith(("mlp.gate.weight", "e_score_correction_bias")) and not mx.any(value).item():
+            weights[key] = mx.random.normal(value.shape) * 0.5
     mx.eval(weights)
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=1))
-    preprocessor = {**PREPROCESSOR, **sizes.get("preprocessor", {})}
-    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=1))
+    if family != "kimi_vl":  # Kimi-VL's processor takes its sizes from config.json
+        preprocessor = {**PREPROCESSOR, **sizes.get("preprocessor", {})}
+        (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=1))
     for path in qwen3_tokenizer_dir().iterdir():
         if path.is_file():
             shutil.copy(path, out_dir / path.name)
-    (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    if family == "kimi_vl":
+        _add_special_tokens(qwen3_tokenizer_dir(), out_dir, KIMI_MEDIA_TOKENS)
+    markup = IMAGE_MARKUP.get(family, IMAGE_MARKUP[None])
+    (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE.replace("'IMAGE'", repr(markup)))
     return out_dir
+
+
+def _add_special_tokens(source: Path, out_dir: Path, tokens: tuple[str, ...]) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(source))
+    tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
+    tokenizer.save_pretrained(str(out_dir))

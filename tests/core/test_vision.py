@@ -1,5 +1,5 @@
-"""Images through core: tiny random Qwen3-VL-MoE and Qwen3.5-MoE checkpoints, split, served with
-their experts in core's process, against mlx-vlm's own `generate` on the original checkpoint."""
+"""Images through core: tiny random Qwen3-VL-MoE, Qwen3.5-MoE and Kimi-VL checkpoints, split, served
+with their experts in core's process, against mlx-vlm's own `generate` on the original checkpoint."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 import io
 
 import grpc
+import mlx.core as mx
 import numpy as np
 import pytest
 from PIL import Image
@@ -54,6 +55,15 @@ def hybrid(tmp_path_factory):
     """A Qwen3.5-MoE checkpoint with vision weights: Gated DeltaNet and attention layers."""
     root = tmp_path_factory.mktemp("vlm35")
     build_tiny_vlm(root / "ckpt", family="qwen3_5_moe")
+    split_checkpoint(root / "ckpt", root / "split", progress=False)
+    return root
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory):
+    """A Kimi-VL checkpoint as mlx-vlm saves it: MoonViT, DeepSeek-V3 language model, 1-D positions."""
+    root = tmp_path_factory.mktemp("kimivl")
+    build_tiny_vlm(root / "ckpt", family="kimi_vl")
     split_checkpoint(root / "ckpt", root / "split", progress=False)
     return root
 
@@ -130,12 +140,16 @@ def mlx_vlm_greedy(path, text: str, images: list[Image.Image]) -> list[int]:
 
 
 @pytest.mark.parametrize("kind", ["fp16", "turboquant"])
-@pytest.mark.parametrize("family", ["checkpoint", "hybrid"], ids=["qwen3_vl_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize(
+    "family", ["checkpoint", "hybrid", "kimi"], ids=["qwen3_vl_moe", "qwen3_5_moe", "kimi_vl"]
+)
 def test_greedy_tokens_equal_mlx_vlm(request, family, kind):
     root = request.getfixturevalue(family)
     server = Served(root / "split", kv_cache=kind)
+    # the order mlx-vlm's chat template puts them in: Kimi's text first, Qwen's image first
+    parts = ("Describe the image.", png(picture()))
     try:
-        ((ids, _),) = server.generate(chat(user(png(picture()), "Describe the image.")))
+        ((ids, _),) = server.generate(chat(user(*(parts if family == "kimi" else parts[::-1]))))
     finally:
         server.stop()
     assert ids == mlx_vlm_greedy(root / "ckpt", "Describe the image.", [picture()])
@@ -173,6 +187,43 @@ def test_image_after_a_new_prefix_reuses_its_vision_features(served, checkpoint)
     finally:
         fresh.stop()
     assert ids == want
+
+
+def test_kimi_vl_two_images_and_a_repeated_turn_equal_mlx_vlm(kimi):
+    """Kimi-VL runs core's own language model from embeddings: several images in one message give
+    mlx-vlm's tokens, and the same turn again comes from the prefix cache with the same answer."""
+    first, second = picture(seed=1), picture(96, 64, seed=2)
+    request = chat(user("Compare them.", png(first), png(second)))
+    server = Served(kimi / "split")
+    try:
+        ((ids, _),) = server.generate(request)
+        encoded = server.features.misses
+        ((again, cached),) = server.generate(request)
+    finally:
+        server.stop()
+    assert ids == mlx_vlm_greedy(kimi / "ckpt", "Compare them.", [first, second])
+    assert again == ids and cached > 10 and server.features.misses == encoded == 2
+
+
+def test_a_kimi_vl_checkpoint_as_published_loads_in_mlx_lm_with_mlx_vlms_logits(kimi):
+    """Kimi-VL checkpoints keep MLA's up-projection as `kv_b_proj`, which mlx-lm's own `kimi_vl`
+    cannot load; `checkpoint_layouts` converts it, and the language model then computes what
+    mlx-vlm's does."""
+    from mlx_lm.utils import load_model
+    from mlx_vlm import load
+
+    from services.common.checkpoint_layouts import model_classes
+
+    weights = mx.load(str(kimi / "ckpt" / "model.safetensors"))
+    assert any(".kv_b_proj." in key for key in weights)
+    with pytest.raises(ValueError, match="kv_b_proj"):
+        load_model(kimi / "ckpt", lazy=True)
+    text_model, _ = load_model(kimi / "ckpt", get_model_classes=model_classes)
+    vision_model, _ = load(str(kimi / "ckpt"))
+    ids = mx.array([list(range(1000, 1012))])
+    want = vision_model.language_model(ids)
+    want = getattr(want, "logits", want)
+    assert mx.allclose(text_model(ids), want, atol=1e-4).item()
 
 
 def test_a_changed_pixel_is_another_image(served):

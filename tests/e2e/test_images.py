@@ -1,4 +1,4 @@
-"""Images through `moe-mesh up --experts 3`: tiny random Qwen3-VL-MoE and Qwen3.5-MoE checkpoints,
+"""Images through `moe-mesh up --experts 3`: tiny random Qwen3-VL-MoE, Qwen3.5-MoE and Kimi-VL checkpoints,
 asked about an image with the official `openai` and `anthropic` clients, answers what `mlx_vlm.generate` answers on
 the same checkpoint, image and prompt; a repeated image is served from the caches."""
 
@@ -58,20 +58,14 @@ def served(tmp_path_factory):
         proc.wait(timeout=60)
 
 
-def ask_openai(url: str, image: bytes):
+def ask_openai(url: str, image: bytes, text_first: bool = False):
+    """`text_first`: the question before the image, where mlx-vlm's chat template puts it (Kimi-VL)."""
     client = openai.OpenAI(base_url=url, api_key="unused")
     data_url = "data:image/png;base64," + base64.b64encode(image).decode()
+    parts = [{"type": "image_url", "image_url": {"url": data_url}}, {"type": "text", "text": QUESTION}]
     return client.chat.completions.create(
         model=client.models.list().data[0].id,
-        messages=[
-            {
-                "role": "user",
-                "content": [
-                    {"type": "image_url", "image_url": {"url": data_url}},
-                    {"type": "text", "text": QUESTION},
-                ],
-            }
-        ],
+        messages=[{"role": "user", "content": parts[::-1] if text_first else parts}],
         temperature=0,
         max_tokens=TOKENS,
     )
@@ -142,20 +136,27 @@ def test_a_corrupt_image_is_a_400_naming_the_field(served):
     assert "messages[0].content[0]" in str(raised.value)
 
 
-def test_qwen3_5_moe_through_up_answers_as_mlx_vlm(tmp_path):
-    """A Qwen3.5-MoE checkpoint with vision weights (Gated DeltaNet and attention layers), its
-    experts on 3 workers: the openai client's answer about an image is mlx_vlm.generate's, and
-    asking again reuses the prompt's kept prefill."""
-    checkpoint = build_tiny_vlm(tmp_path / "tiny-qwen3-5-moe", family="qwen3_5_moe")
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "kimi_vl"])
+def test_another_family_through_up_answers_as_mlx_vlm(tmp_path, family):
+    """A Qwen3.5-MoE checkpoint with vision weights (Gated DeltaNet and attention layers), or a
+    Kimi-VL one (MoonViT, DeepSeek-V3's MLA language model, plain positions), its experts on 3
+    workers: the openai client's answer about an image is mlx_vlm.generate's, and asking again
+    reuses the prompt's prefill (Kimi-VL's image ends at position 12 of 18)."""
+    checkpoint = build_tiny_vlm(tmp_path / f"tiny-{family}", family=family)
     proc, url = launch_up(
-        tmp_path / "cache", short_dir("mm-img35-"), "--model", str(checkpoint), "--experts", "3"
+        tmp_path / "cache", short_dir("mm-img-"), "--model", str(checkpoint), "--experts", "3"
     )
+    text_first = family == "kimi_vl"
     try:
         want = mlx_vlm_answer(checkpoint, image_bytes(2))
         wait_serving(proc)
-        first, again = ask_openai(url, image_bytes(2)), ask_openai(url, image_bytes(2))
+        first, again = (ask_openai(url, image_bytes(2), text_first) for _ in range(2))
     finally:
         proc.terminate()
         proc.wait(timeout=60)
     assert first.choices[0].message.content == again.choices[0].message.content == want
-    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    if family == "qwen3_5_moe":  # recurrent state: the prefilled cache itself is kept, whole
+        assert cached == again.usage.prompt_tokens - 1
+    else:  # attention caches: the prefix cache's longest match, past the image's positions
+        assert 12 <= cached < again.usage.prompt_tokens

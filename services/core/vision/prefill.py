@@ -4,6 +4,12 @@ The vision tower encodes each image once (its features are kept by pixel hash, `
 the prompt's embeddings get those features at the image positions, and mlx-vlm's language model
 runs the prompt, bar its last token, into the cache the engine then decodes from.
 
+Two ways to run the prompt. Qwen-VL models run mlx-vlm's language model (its 3-D positions and
+DeepStack inputs), made of core's own modules. Families with plain 1-D positions run core's own
+language model: its token embeddings are replaced, for that one call, by the prompt's embeddings with
+the image features in place (`EmbeddingsOnce`), so the prompt goes through the very code that
+decodes it.
+
 Positions. Qwen-VL models give image positions 3-D rotary positions that advance less than one per
 token, so decoding continues from `cache offset + delta` (delta <= 0), where mlx-lm's text model,
 which decodes here, rotates at the cache offset. Rotary attention depends only on position
@@ -58,22 +64,65 @@ class VisionFeatures:
         return key in self._entries
 
 
+class EmbeddingsOnce(nn.Module):
+    """Stands in for a language model's `embed_tokens` for one call: returns `embeds` for `ids`,
+    and puts the real module back as it is called, before anything else can embed."""
+
+    def __init__(self, owner: nn.Module, ids: mx.array, embeds: mx.array):
+        super().__init__()
+        self._owner, self._ids, self._embeds = owner, ids, embeds
+        self._real = owner.embed_tokens
+
+    def __enter__(self):
+        self._owner.embed_tokens = self
+        return self
+
+    def __exit__(self, *_):
+        self._owner.embed_tokens = self._real
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        self._owner.embed_tokens = self._real
+        if ids is not self._ids:
+            raise RuntimeError("the language model embedded other tokens than the prompt's")
+        return self._embeds
+
+
+def embeddings_owner(model: nn.Module) -> nn.Module:
+    """The module of `model` that embeds the prompt (holds `embed_tokens`) and runs the layers."""
+    modules = dict(model.named_modules())
+    for path in modules:
+        if path == "embed_tokens" or path.endswith(".embed_tokens"):
+            return modules[path.rpartition(".")[0]] if "." in path else model
+    raise ValueError("the language model has no embed_tokens")
+
+
 class VisionPrefill:
-    def __init__(self, model: nn.Module, cache_bytes: int):
-        """`model`: mlx-vlm's model sharing core's language modules (tower.share_language_modules)."""
+    def __init__(self, model: nn.Module, cache_bytes: int, text_model: nn.Module | None = None):
+        """`model`: mlx-vlm's model. Without `text_model` its language model is made of core's
+        modules (tower.share_language_modules) and runs the prompt; with it, only its embeddings
+        are core's (tower.share_embeddings) and `text_model`, core's own, runs the prompt."""
         self.model = model
         self.language = model.language_model
         self.features = VisionFeatures(cache_bytes)
+        self.own_model = None if text_model is None else embeddings_owner(text_model)
         install_turboquant_attention(model)  # attention over TurboQuant caches, as in core's model
 
-    def _encode(self, image) -> tuple[mx.array, list[mx.array] | None]:
+    def _encode(self, image, token_id: int) -> tuple[mx.array, list[mx.array] | None]:
         found = self.features.get(image.hash)
         if found is not None:
             return found
-        dtype = self.model.vision_tower.patch_embed.proj.weight.dtype
-        out = self.model.vision_tower(mx.array(image.pixel_values).astype(dtype), mx.array([image.grid_thw]))
-        hidden, deep = out if isinstance(out, tuple) else (out, None)
-        deep = deep or None  # a tower without DeepStack outputs may give an empty list
+        if self.own_model is None:
+            dtype = self.model.vision_tower.patch_embed.proj.weight.dtype
+            pixels = mx.array(image.pixel_values).astype(dtype)
+            out = self.model.vision_tower(pixels, mx.array([image.grid_thw]))
+            hidden, deep = out if isinstance(out, tuple) else (out, None)
+            deep = deep or None  # a tower without DeepStack outputs may give an empty list
+        else:  # the family's own merge of features into image positions, over image positions only
+            ids = mx.array([[token_id] * image.tokens])
+            merged = self.model.get_input_embeddings(
+                ids, mx.array(image.pixel_values), image_token_id=token_id, **image.tower_inputs
+            )
+            hidden, deep = merged.inputs_embeds[0], None
         mx.eval(hidden, deep)
         nbytes = hidden.nbytes + sum(d.nbytes for d in deep or [])
         self.features.put(image.hash, (hidden, deep), nbytes)
@@ -105,19 +154,25 @@ class VisionPrefill:
         if start >= end:
             return end
         ids = mx.array([prompt[start:end]])
-        embeds = self.language.model.embed_tokens(ids)
+        owner = self.language.model if self.own_model is None else self.own_model
+        embeds = owner.embed_tokens(ids)
         where, rows, deep_rows = [], [], []
         for first, image in image_spans(prompt, images):
             a, b = max(first, start), min(first + image.tokens, end)
             if a >= b:
                 continue
-            hidden, deep = self._encode(image)
+            hidden, deep = self._encode(image, images.token_id)
             where += range(a - start, b - start)
             rows.append(hidden[a - first : b - first])
             if deep is not None:
                 deep_rows.append([level[a - first : b - first] for level in deep])
         if where:
             embeds[0, mx.array(where, dtype=mx.uint32)] = mx.concatenate(rows).astype(embeds.dtype)
+        if self.own_model is not None:
+            with EmbeddingsOnce(owner, ids, embeds):
+                owner(ids, cache=cache)
+            mx.eval([c.state for c in cache])
+            return end
         kwargs = {"inputs_embeds": embeds, "cache": cache}
         if positions is not None:
             kwargs["position_ids"] = positions[..., start:end]

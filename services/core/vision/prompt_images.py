@@ -9,7 +9,9 @@ would expand it in text.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from math import prod
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +28,8 @@ class PromptImage:
     pixel_values: np.ndarray  # the image processor's patches
     grid_thw: tuple[int, int, int]  # patches in time, height and width, before merging
     tokens: int  # prompt positions it fills
+    # the processor's other outputs, as the family's `get_input_embeddings` takes them
+    tower_inputs: Mapping = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,7 @@ class ImagePreparer:
 
         get_model_and_args(config=dict(config))  # the family's processor registers on import
         self.processor = load_processor(str(processor_dir), add_detokenizer=False).image_processor
-        self.merge = int(getattr(self.processor, "merge_size", 1) or 1)
+        self.merge_area = merge_area(self.processor)
         self.token_id = token_id
 
     def prepare(
@@ -92,6 +96,25 @@ class ImagePreparer:
             out = self.processor(images=[picture])
         except Exception as error:  # noqa: BLE001 - a processor refuses odd sizes in its own words
             raise ImageError(field, f"the model's image processor refused it: {error}") from None
-        grid = tuple(int(v) for v in np.asarray(out["image_grid_thw"]).reshape(-1)[:3])
-        tokens = grid[0] * grid[1] * grid[2] // (self.merge * self.merge)
-        return PromptImage(pixel_hash(picture), np.asarray(out["pixel_values"]), grid, tokens)
+        out = dict(out)
+        pixels = np.asarray(out.pop("pixel_values"))
+        grid = _grid_thw(out)
+        return PromptImage(pixel_hash(picture), pixels, grid, prod(grid) // self.merge_area, out)
+
+
+def merge_area(processor) -> int:
+    """Patches the vision tower merges into one prompt position: a Qwen-style `merge_size`
+    squared, or the product of a Kimi-style `merge_kernel_size`."""
+    kernel = getattr(processor, "merge_kernel_size", None)
+    if kernel:
+        return int(prod(kernel))
+    return int(getattr(processor, "merge_size", 1) or 1) ** 2
+
+
+def _grid_thw(out: dict) -> tuple[int, int, int]:
+    """An image's patch grid (time, height, width) from its processor's outputs: Qwen-style
+    `image_grid_thw`, or Kimi-style `image_grid_hws` (one frame)."""
+    if "image_grid_thw" in out:
+        return tuple(int(v) for v in np.asarray(out["image_grid_thw"]).reshape(-1)[:3])
+    height, width = (int(v) for v in np.asarray(out["image_grid_hws"]).reshape(-1)[:2])
+    return 1, height, width

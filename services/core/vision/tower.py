@@ -20,9 +20,11 @@ from services.common.model_shape import text_config, vision_model_type
 
 VISION_FILE = "vision.safetensors"
 LANGUAGE = "language_model"
-# Families whose images core serves: their language model runs on core's own (mlx-lm) caches with
-# 3-D positions passed in. Others' vision-language checkpoints are split and served for text only.
-IMAGE_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe")
+# Families whose images core serves. Qwen's run mlx-vlm's language model (3-D positions, DeepStack)
+# on core's modules and caches; the others, with plain 1-D positions, run core's own language model
+# from embeddings (vision/prefill.py). Others' vision-language checkpoints are split and served for
+# text only.
+IMAGE_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe", "kimi_vl")
 # Sequence mixers that keep recurrent state and take no positions (Gated DeltaNet): core's own
 # module runs in their place, on the cache kind the engine made for it.
 RECURRENT_MIXERS = ("linear_attn",)
@@ -153,6 +155,19 @@ def share_language_modules(vision_model: nn.Module, text_model: nn.Module, exper
         )
 
 
+def share_embeddings(vision_model: nn.Module, text_model: nn.Module) -> None:
+    """Put `text_model`'s token embeddings into `vision_model` at the same path: mlx-vlm's
+    `get_input_embeddings` embeds with them, and the rest of its language model is never run."""
+    paths = [
+        path
+        for path, _ in text_model.named_modules()
+        if path.rsplit(".", 1)[-1] == "embed_tokens" and _has_module(vision_model, path)
+    ]
+    if not paths:
+        raise VisionUnsupported("mlx-vlm's language model keeps its token embeddings elsewhere than core's")
+    replace_modules(vision_model, {path: find_module(text_model, path) for path in paths})
+
+
 def _holds_module(value) -> bool:
     if isinstance(value, nn.Module):
         return True
@@ -172,7 +187,7 @@ def _has_module(root: nn.Module, path: str) -> bool:
 
 def image_token_id(config: dict) -> int:
     """The token that stands for one image position in the prompt."""
-    for key in ("image_token_id", "image_token_index"):
+    for key in ("image_token_id", "image_token_index", "media_placeholder_token_id"):
         if isinstance(config.get(key), int):
             return config[key]
     value = text_config(config).get("image_token_id")
@@ -198,6 +213,10 @@ def load_vision(split_dir: Path, manifest, text_model: nn.Module, cache_bytes: i
     config = manifest.config
     model = build_vision_model(config)
     load_vision_weights(model, config, Path(split_dir) / "core" / VISION_FILE)
-    share_language_modules(model, text_model, [layer.module for layer in manifest.layers])
+    if hasattr(getattr(model, LANGUAGE), "get_rope_index"):
+        share_language_modules(model, text_model, [layer.module for layer in manifest.layers])
+        model.eval()
+        return VisionPrefill(model, cache_bytes)
+    share_embeddings(model, text_model)
     model.eval()
-    return VisionPrefill(model, cache_bytes)
+    return VisionPrefill(model, cache_bytes, text_model=text_model)

@@ -1,0 +1,45 @@
+"""Checkpoint layouts mlx-lm's own `sanitize` leaves unconverted, converted before the weights load.
+
+mlx-lm's `kimi_vl` runs DeepSeek-V3's language model, whose attention keeps the MLA up-projection
+as two per-head matrices (`embed_q`, `unembed_out`). DeepSeek-V3's `sanitize` makes them from the
+checkpoint's `kv_b_proj`, but `kimi_vl`'s does not call it, so a Kimi-VL checkpoint as published
+(and as mlx-vlm saves it) fails to load. `model_classes` hands `mlx_lm.utils.load_model` a Model
+whose `sanitize` also runs DeepSeek-V3's over the language model's weights.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from services.common.mlx_lm_adapter import classes_for_config
+
+LANGUAGE_PREFIX = "language_model."
+
+
+def _with_deepseek_v3_language(model_class):
+    from mlx_lm.models import deepseek_v3
+
+    class Model(model_class):
+        def sanitize(self, weights):
+            weights = super().sanitize(weights)
+            language = {
+                k[len(LANGUAGE_PREFIX) :]: v for k, v in weights.items() if k.startswith(LANGUAGE_PREFIX)
+            }
+            rest = {k: v for k, v in weights.items() if not k.startswith(LANGUAGE_PREFIX)}
+            converted = deepseek_v3.Model.sanitize(SimpleNamespace(args=self.args.text_config), language)
+            return {**rest, **{LANGUAGE_PREFIX + k: v for k, v in converted.items()}}
+
+    Model.__name__ = Model.__qualname__ = model_class.__name__
+    return Model
+
+
+# model_type -> what its mlx-lm Model class needs around it
+_MENDED = {"kimi_vl": _with_deepseek_v3_language}
+
+
+def model_classes(config: dict):
+    """(Model, ModelArgs) for `config`, as `mlx_lm.utils.load_model`'s `get_model_classes` takes
+    them: mlx-lm's own, with the layout conversions above where its family needs one."""
+    model_class, args_class = classes_for_config(config)
+    mend = _MENDED.get(config.get("model_type"))
+    return (mend(model_class) if mend else model_class), args_class
