@@ -218,7 +218,37 @@ BENCH_SIZES_QWEN3_5 = {
     "vision": {**BENCH_SIZES["vision"], "deepstack_visual_indexes": []},
     "preprocessor": BENCH_SIZES["preprocessor"],
 }
-FAMILY_BENCH_SIZES = {"qwen3_vl_moe": BENCH_SIZES, "qwen3_5_moe": BENCH_SIZES_QWEN3_5}
+# Kimi-VL at bench sizes: MLA attention over a 256-wide latent, a 12-block MoonViT tower
+BENCH_SIZES_KIMI_VL = {
+    "text": {
+        "num_hidden_layers": 8,
+        "hidden_size": 1024,
+        "intermediate_size": 2048,
+        "moe_intermediate_size": 512,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "n_routed_experts": 32,
+        "num_experts_per_tok": 4,
+        "kv_lora_rank": 256,
+        "qk_rope_head_dim": 32,
+        "qk_nope_head_dim": 64,
+        "v_head_dim": 64,
+    },
+    "vision": {
+        "depth": 12,
+        "embed_dim": 768,
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_heads": 12,
+        "init_pos_emb_height": 64,
+        "init_pos_emb_width": 64,
+    },
+}
+FAMILY_BENCH_SIZES = {
+    "qwen3_vl_moe": BENCH_SIZES,
+    "qwen3_5_moe": BENCH_SIZES_QWEN3_5,
+    "kimi_vl": BENCH_SIZES_KIMI_VL,
+}
 
 
 def build_tiny_vlm(

@@ -14,9 +14,8 @@ from services.common.model_build import build_skeleton
 from services.core.kv import TurboQuantKVCache, make_kv_cache
 from services.core.kv.factory import turboquant_unsupported_layers
 from services.tools.moe_families import mlx_lm_moe_families, tiny_config
+from tests.e2e.test_every_family import REFUSED  # split refuses them: never served
 
-# Families whose split is refused (tests/e2e/test_every_family.py says why): never served.
-REFUSED = {"muse_spark", "deepseek_v41", "llama4"}
 PROMPT = mx.array([list(range(1000, 1009))])
 
 

@@ -64,9 +64,11 @@ class VisionFeatures:
         return key in self._entries
 
 
-class EmbeddingsOnce(nn.Module):
+class EmbeddingsOnce(dict):
     """Stands in for a language model's `embed_tokens` for one call: returns `embeds` for `ids`,
-    and puts the real module back as it is called, before anything else can embed."""
+    and puts the real module back as it is called, before anything else can embed. An empty dict
+    to MLX's module tree (it holds its arrays as plain attributes), which takes it in the real
+    module's place, in order, and finds no parameters in it."""
 
     def __init__(self, owner: nn.Module, ids: mx.array, embeds: mx.array):
         super().__init__()
