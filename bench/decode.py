@@ -31,7 +31,9 @@ hop it could time.
 Greedy tokens are compared with monolithic mlx-lm (`tokens_match_monolithic`) and with mlx-lm's
 own BatchGenerator on one sequence (`tokens_match_mlx_lm_batched`), the engine path core drives.
 `first_differences` says where each run parts from monolithic and how close the top two logits
-were there, `mlx_lm_batched` among them.
+were there, `mlx_lm_batched` among them. That BatchGenerator run is timed too (`mlx_lm_batched_tok_s`,
+every round): mlx-lm's own server path at one sequence, the reference for core's engine, which
+drives the same batch classes (`ratio_vs_mlx_lm_batched`).
 """
 
 from __future__ import annotations
@@ -369,15 +371,16 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str, variants: list[
     else:  # random weights: the prompt's meaning is irrelevant, its length is what counts
         prompt = list(range(1000, 1000 + 24))
     workdir = bench_workdir("mm-bench-")
-    results: dict = {"monolithic": [], **{variant: [] for variant in variants}}
+    results: dict = {"monolithic": [], "mlx_lm_batched": [], **{variant: [] for variant in variants}}
     reference = None
     for round_index in range(rounds):  # interleaved, so drift in machine speed hits every variant alike
         step = f"{name}: round {round_index + 1}/{rounds}"
         log(f"{step} monolithic")
         tok_s, reference = monolithic(path, prompt, tokens)
         results["monolithic"].append(tok_s)
-        if round_index == 0:
-            batched = batched_reference(path, prompt, tokens)
+        log(f"{step} mlx-lm's BatchGenerator, one sequence")
+        batched_tok_s, batched = batched_reference(path, prompt, tokens)
+        results["mlx_lm_batched"].append(batched_tok_s)
         if "synced_local" in variants:
             log(f"{step} mlx-lm with experts synced per layer, in-process")
             results["synced_local"].append(monolithic(path, prompt, tokens, synced="mlx")[0])
@@ -421,6 +424,9 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str, variants: list[
         report["kernel_local_tokens_match_monolithic"] = all(
             r["tokens_match_monolithic"] for r in results["kernel_local"]
         )
+    batched_best = max(results["mlx_lm_batched"])
+    report["mlx_lm_batched_tok_s"] = round(batched_best, 3)
+    report["mlx_lm_batched_ratio_vs_monolithic"] = round(batched_best / mono, 3)
     report["mlx_lm_batched_tokens_match_monolithic"] = batched == reference
     report["first_differences"] = first_differences(
         path,
@@ -431,7 +437,11 @@ def bench_model(name: str, tokens: int, rounds: int, dtype: str, variants: list[
     for key in (v for v in variants if v in SPLIT_VARIANTS):
         best = max(results[key], key=lambda r: r["tok_s"])
         entry = {"tok_s": round(best["tok_s"], 3), "ratio_vs_monolithic": round(best["tok_s"] / mono, 3)}
-        for base_name, base in (("synced_local", synced), ("kernel_local", kernel)):
+        for base_name, base in (
+            ("synced_local", synced),
+            ("kernel_local", kernel),
+            ("mlx_lm_batched", batched_best),
+        ):
             if base is not None:
                 entry[f"ratio_vs_{base_name}"] = round(best["tok_s"] / base, 3)
         entry["tokens_match_monolithic"] = all(r["tokens_match_monolithic"] for r in results[key])

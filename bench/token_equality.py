@@ -6,27 +6,32 @@ says which by the logit gap where it parts."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
 
 
-def batched_reference(path: Path, prompt: list[int], tokens: int) -> list[int]:
-    """mlx-lm's greedy tokens through its own BatchGenerator, one sequence: the path core's engine
-    drives (batched KV cache and attention), with mlx-lm's own expert module and no split. Where
-    monolithic `generate_step` and this part, mlx-lm's two paths part by themselves."""
+def batched_reference(path: Path, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
+    """mlx-lm's greedy decode through its own BatchGenerator, one sequence: the path core's engine
+    drives (batched KV cache and attention), with mlx-lm's own expert module and no split. Returns
+    (tokens per second after the first token, the tokens). Where monolithic `generate_step` and
+    this part, mlx-lm's two paths part by themselves."""
     from mlx_lm.generate import BatchGenerator
 
     model, _ = mlx_lm.load(str(path))
     generator = BatchGenerator(model, sampler=lambda logprobs: mx.argmax(logprobs, axis=-1))
     generator.insert([prompt], [tokens])
     out: list[int] = []
+    stamps: list[float] = []
     while len(out) < tokens:
-        out.extend(int(response.token) for response in generator.next_generated())
+        fresh = [int(response.token) for response in generator.next_generated()]
+        out.extend(fresh)
+        stamps += [time.perf_counter()] * len(fresh)
     generator.close()
     del model
-    return out[:tokens]
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0]), out[:tokens]
 
 
 def first_differences(path: Path, prompt: list[int], reference: list[int], runs: dict) -> dict:
