@@ -271,6 +271,22 @@ def test_unusable_images_are_invalid_arguments(served, data, media_type, says):
     assert "chat.messages[0].parts[1].image" in str(raised.value) and says in str(raised.value)
 
 
+@pytest.mark.parametrize("size", [(1, 1), (27, 60), (2000, 20)])
+def test_an_image_kimi_vl_leaves_no_patch_of_is_an_invalid_argument(kimi, size):
+    """Kimi-VL's processor crops to whole 28-pixel cells: a thinner image would silently vanish
+    from the prompt. It is refused, naming the field."""
+    server = Served(kimi / "split")
+    try:
+        with pytest.raises(RequestError) as raised:
+            server.preparer.prepare(chat(user("Look:", png(picture(*size)))), None)
+        assert raised.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "chat.messages[0].parts[1].image" in str(raised.value) and "too small" in str(raised.value)
+        ((ids, _),) = server.generate(chat(user("Look:", png(picture(28, 28)))))
+        assert len(ids) == TOKENS
+    finally:
+        server.stop()
+
+
 def test_a_text_only_model_refuses_images(served):
     images, served.preparer.images = served.preparer.images, None
     try:

@@ -99,7 +99,14 @@ class ImagePreparer:
         out = dict(out)
         pixels = np.asarray(out.pop("pixel_values"))
         grid = _grid_thw(out)
-        return PromptImage(pixel_hash(picture), pixels, grid, prod(grid) // self.merge_area, out)
+        tokens = prod(grid) // self.merge_area
+        if tokens == 0:  # a processor that crops to whole patches may leave nothing of a tiny image
+            raise ImageError(
+                field,
+                f"{picture.width}x{picture.height} pixels are too small for this model: its image "
+                "processor leaves no patch of them",
+            )
+        return PromptImage(pixel_hash(picture), pixels, grid, tokens, out)
 
 
 def merge_area(processor) -> int:
