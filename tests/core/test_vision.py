@@ -42,30 +42,28 @@ def png(image: Image.Image) -> bytes:
     return out.getvalue()
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vlm")
-    build_tiny_vlm(root / "ckpt")
+def built_and_split(tmp_path_factory, family: str):
+    root = tmp_path_factory.mktemp(family)
+    build_tiny_vlm(root / "ckpt", family=family)
     split_checkpoint(root / "ckpt", root / "split", progress=False)
     return root
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return built_and_split(tmp_path_factory, "qwen3_vl_moe")
 
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
     """A Qwen3.5-MoE checkpoint with vision weights: Gated DeltaNet and attention layers."""
-    root = tmp_path_factory.mktemp("vlm35")
-    build_tiny_vlm(root / "ckpt", family="qwen3_5_moe")
-    split_checkpoint(root / "ckpt", root / "split", progress=False)
-    return root
+    return built_and_split(tmp_path_factory, "qwen3_5_moe")
 
 
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory):
     """A Kimi-VL checkpoint as mlx-vlm saves it: MoonViT, DeepSeek-V3 language model, 1-D positions."""
-    root = tmp_path_factory.mktemp("kimivl")
-    build_tiny_vlm(root / "ckpt", family="kimi_vl")
-    split_checkpoint(root / "ckpt", root / "split", progress=False)
-    return root
+    return built_and_split(tmp_path_factory, "kimi_vl")
 
 
 class Served:
