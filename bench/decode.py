@@ -363,7 +363,8 @@ VARIANTS = (*IN_PROCESS_VARIANTS, *SPLIT_VARIANTS)
 
 
 def bench_model(name: str, tokens: int, rounds: int, dtype: str, variants: list[str]) -> dict:
-    path = checkpoint(name, dtype)
+    with contextlib.redirect_stdout(sys.stderr):  # mlx-lm prints while quantizing; stdout is the JSON
+        path = checkpoint(name, dtype)
     split = resolve_split(str(path))
     if name == "demo":
         _, tokenizer = mlx_lm.load(str(path), lazy=True)
