@@ -134,7 +134,7 @@ KIMI_VL_CONFIG = {
         "init_pos_emb_width": 16,
         "merge_kernel_size": [2, 2],
     },
-    "media_placeholder_token_id": 151672,  # <|media_pad|> once KIMI_MEDIA_TOKENS are added
+    "media_placeholder_token_id": 151672,  # nosec B105  # a token id: <|media_pad|> once KIMI_MEDIA_TOKENS are added
     "vocab_size": 151936,
     "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"],
     "tie_word_embeddings": False,
@@ -291,6 +291,6 @@ def build_tiny_vlm(
 def _add_special_tokens(source: Path, out_dir: Path, tokens: tuple[str, ...]) -> None:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(source))
+    tokenizer = AutoTokenizer.from_pretrained(str(source))  # nosec B615  # a local folder: nothing downloads
     tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
     tokenizer.save_pretrained(str(out_dir))
