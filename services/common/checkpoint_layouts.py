@@ -4,7 +4,7 @@ mlx-lm's `kimi_vl` runs DeepSeek-V3's language model, whose attention keeps the 
 as two per-head matrices (`embed_q`, `unembed_out`). DeepSeek-V3's `sanitize` makes them from the
 checkpoint's `kv_b_proj`, but `kimi_vl`'s does not call it, so a Kimi-VL checkpoint as published
 (and as mlx-vlm saves it) fails to load. `model_classes` hands `mlx_lm.utils.load_model` a Model
-whose `sanitize` also runs DeepSeek-V3's over the language model's weights.
+whose `sanitize` also runs DeepSeek-V3's over the language model's `kv_b_proj` weights.
 """
 
 from __future__ import annotations
@@ -22,12 +22,14 @@ def _with_deepseek_v3_language(model_class):
     class Model(model_class):
         def sanitize(self, weights):
             weights = super().sanitize(weights)
-            language = {
-                k[len(LANGUAGE_PREFIX) :]: v for k, v in weights.items() if k.startswith(LANGUAGE_PREFIX)
-            }
-            rest = {k: v for k, v in weights.items() if not k.startswith(LANGUAGE_PREFIX)}
+            # Only the up-projections go through DeepSeek-V3's sanitize: it also drops what it
+            # takes for DeepSeek-V3's MTP layer (`model.layers.61`), which a deeper model would need.
+            up = {k: weights.pop(k) for k in [k for k in weights if ".kv_b_proj." in k]}
+            if not up:  # already in mlx-lm's layout
+                return weights
+            language = {k.removeprefix(LANGUAGE_PREFIX): v for k, v in up.items()}
             converted = deepseek_v3.Model.sanitize(SimpleNamespace(args=self.args.text_config), language)
-            return {**rest, **{LANGUAGE_PREFIX + k: v for k, v in converted.items()}}
+            return {**weights, **{LANGUAGE_PREFIX + k: v for k, v in converted.items()}}
 
     Model.__name__ = Model.__qualname__ = model_class.__name__
     return Model

@@ -173,17 +173,16 @@ class VisionPrefill:
         if self.own_model is not None:
             with EmbeddingsOnce(owner, ids, embeds):
                 owner(ids, cache=cache)
-            mx.eval([c.state for c in cache])
-            return end
-        kwargs = {"inputs_embeds": embeds, "cache": cache}
-        if positions is not None:
-            kwargs["position_ids"] = positions[..., start:end]
-        if deep_rows:  # the window's image positions, and their DeepStack rows in the same order
-            kwargs["visual_pos_masks"] = ids == images.token_id
-            kwargs["deepstack_visual_embeds"] = [
-                mx.concatenate(level) for level in zip(*deep_rows, strict=True)
-            ]
-        self.language.model(ids, **kwargs)
+        else:
+            kwargs = {"inputs_embeds": embeds, "cache": cache}
+            if positions is not None:
+                kwargs["position_ids"] = positions[..., start:end]
+            if deep_rows:  # the window's image positions, and their DeepStack rows in the same order
+                kwargs["visual_pos_masks"] = ids == images.token_id
+                kwargs["deepstack_visual_embeds"] = [
+                    mx.concatenate(level) for level in zip(*deep_rows, strict=True)
+                ]
+            owner(ids, **kwargs)
         mx.eval([c.state for c in cache])
         return end
 

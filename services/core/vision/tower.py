@@ -213,10 +213,10 @@ def load_vision(split_dir: Path, manifest, text_model: nn.Module, cache_bytes: i
     config = manifest.config
     model = build_vision_model(config)
     load_vision_weights(model, config, Path(split_dir) / "core" / VISION_FILE)
-    if hasattr(getattr(model, LANGUAGE), "get_rope_index"):
+    runs_own_language = not hasattr(getattr(model, LANGUAGE), "get_rope_index")  # 1-D positions
+    if runs_own_language:
+        share_embeddings(model, text_model)
+    else:
         share_language_modules(model, text_model, [layer.module for layer in manifest.layers])
-        model.eval()
-        return VisionPrefill(model, cache_bytes)
-    share_embeddings(model, text_model)
     model.eval()
-    return VisionPrefill(model, cache_bytes, text_model=text_model)
+    return VisionPrefill(model, cache_bytes, text_model=text_model if runs_own_language else None)
