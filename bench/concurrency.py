@@ -43,7 +43,8 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.decode import checkpoint, log, spin_as_up, split_system
+from bench.decode import spin_as_up, split_system
+from bench.models import checkpoint, log
 from bench.workdir import bench_workdir
 from services.ops.up import resolve_split
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc

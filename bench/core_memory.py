@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.decode import log
+from bench.models import log
 from bench.workdir import bench_workdir
 from tests.e2e.test_memory_bound import chat_client, rss_mb
 from tests.e2e.test_up import service_pids, start_up

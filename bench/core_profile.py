@@ -31,7 +31,8 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.decode import PROMPT, checkpoint, spin_as_up, split_system, timed_decode
+from bench.decode import PROMPT, spin_as_up, split_system, timed_decode
+from bench.models import checkpoint
 from bench.workdir import bench_workdir
 from services.ops.up import resolve_split
 

@@ -43,7 +43,6 @@ import contextlib
 import json
 import os
 import platform
-import re
 import sys
 import time
 from pathlib import Path
@@ -56,6 +55,7 @@ import numpy as np
 from mlx_lm.generate import generate_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.models import checkpoint, log, synthetic_name
 from bench.token_equality import batched_reference, first_differences
 from bench.workdir import bench_workdir
 from metal.experts_cpu import SwitchGLUKernel
@@ -65,7 +65,6 @@ from services.common.model_build import expert_modules, replace_modules
 from services.common.tensor_codec import numpy_view, to_mlx
 from services.ops.gpu_sharing import mps_for_cluster
 from services.ops.up import (
-    cache_root,
     data_plane_envs,
     expert_ranges,
     gpu_count,
@@ -73,52 +72,9 @@ from services.ops.up import (
     worker_compute_threads,
 )
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
-from services.tools.synthetic_model import QWEN3_30B_A3B_SHAPE, TINY_CONFIGS, build_random_checkpoint
 from tests.helpers import Workers, spawn, stop, wait_serving
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-
-
-def log(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
-
-
-SYNTHETIC_SHAPE = re.compile(r"qwen3-30b-a3b-(\d+)layer")
-# Random models with a multi-token-prediction layer, for `--speculative mtp`: DeepSeek-V3's layout,
-# and Qwen3.5's (a hybrid of linear and full attention)
-TINY_BENCH_MODELS = {"deepseek-v3-mtp-tiny": "deepseek_v3_mtp", "qwen3.5-mtp-tiny": "qwen3_5_moe_mtp"}
-
-
-def synthetic_name(layers: int) -> str:
-    """The bench's name for the Qwen3-30B-A3B shape (hidden 2048, 128 experts, top-8, 4-bit)
-    cut to `layers` layers."""
-    return f"qwen3-30b-a3b-{layers}layer"
-
-
-def checkpoint(name: str, dtype: str) -> Path:
-    if name == "demo":
-        from services.tools.demo_model import ensure_demo_model
-
-        return ensure_demo_model()
-    if name in TINY_BENCH_MODELS:  # a tiny random model of an architecture the Qwen3 shape lacks
-        path = cache_root() / "bench" / f"{name}-{dtype}"
-        if not (path / "config.json").exists():
-            build_random_checkpoint(path, TINY_CONFIGS[TINY_BENCH_MODELS[name]], dtype=getattr(mx, dtype))
-        return path
-    shape = SYNTHETIC_SHAPE.fullmatch(name)
-    if shape:
-        path = cache_root() / "bench" / f"{name}-q4-{dtype}"
-        if not (path / "config.json").exists():
-            log(f"building the synthetic 4-bit {name} model in {path} (once)")
-            build_random_checkpoint(
-                path,
-                {**QWEN3_30B_A3B_SHAPE, "num_hidden_layers": int(shape.group(1))},
-                bits=4,
-                group_size=64,
-                dtype=getattr(mx, dtype),
-            )
-        return path
-    return Path(name)
 
 
 class SyncedLocalExperts(nn.Module):

@@ -24,8 +24,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.decode import checkpoint
 from bench.layer_call import interleaved
+from bench.models import checkpoint
 from bench.timing import percentiles
 from bench.workdir import bench_workdir
 from services.common.manifest import Manifest

@@ -26,8 +26,8 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.decode import log
 from bench.gateway import wait_http
+from bench.models import log
 from bench.soak import percentile, soak
 from bench.soak_chaos import DELAY_MS, DELAY_S
 from bench.soak_traffic import EXPECTED

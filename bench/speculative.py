@@ -36,7 +36,8 @@ import mlx.core as mx
 import mlx_lm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.decode import checkpoint, greedy_token_request, log, spin_as_up, split_system
+from bench.decode import greedy_token_request, spin_as_up, split_system
+from bench.models import checkpoint, log
 from bench.workdir import bench_workdir
 from services.common.manifest import Manifest
 from services.ops.up import resolve_split

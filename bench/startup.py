@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx
 
-from bench.decode import checkpoint
+from bench.models import checkpoint
 from bench.workdir import bench_workdir
 from services.common.manifest import Manifest
 from services.ops.up import resolve_split

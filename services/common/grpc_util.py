@@ -211,7 +211,7 @@ class RunningServer:
         its engine there)."""
 
         async def draining() -> None:
-            log.info("draining", address=self.address, grace_s=grace_s)
+            log.info("draining", address=self.address, grace_s=grace_s, drain_s=drain_delay_s)
             await self.set_serving(False)
             if drain_delay_s > 0:
                 await asyncio.sleep(drain_delay_s)

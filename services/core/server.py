@@ -214,8 +214,10 @@ async def serve_core(
     distributed: str | None = None,
     served_model_names: Sequence[str] = (),
     quiet: bool = False,
+    drain_s: float = 1.0,
 ) -> None:
-    """`quiet`: no periodic stats lines (stats_line.py); `tls`: mTLS for the Core server and the
+    """`quiet`: no periodic stats lines (stats_line.py); `drain_s`: how long health says
+    NOT_SERVING on SIGTERM before new requests are refused, so health checkers move away; `tls`: mTLS for the Core server and the
     links to workers; `metrics`: host:port of the Prometheus endpoint (None = none); `expert_frames`: use same-host workers' frame sockets;
     `frame_spin_s`: how long reading their answers polls before it sleeps; `expert_overlap`:
     build the next layer while a layer's experts compute (ExpertDispatcher.call); `dense_kernel`:
@@ -278,8 +280,8 @@ async def serve_core(
             stats_lines.cancel()
         await loop.run_in_executor(None, engine.stop)
 
-    # In-flight generations get 10 s after health has said NOT_SERVING for 1 s.
-    await running.serve_until_signal(on_stop, grace_s=10.0, drain_delay_s=1.0)
+    # In-flight generations get 10 s after health has said NOT_SERVING for drain_s.
+    await running.serve_until_signal(on_stop, grace_s=10.0, drain_delay_s=drain_s)
 
 
 def run_core(mlx_cache_bytes: int | None = None, **kwargs) -> None:

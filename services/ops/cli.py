@@ -56,6 +56,7 @@ def _core(args) -> None:
         distributed=args.distributed,
         served_model_names=args.served_model_name or (),
         quiet=args.quiet,
+        drain_s=args.drain_s,
         mlx_cache_bytes=int(args.mlx_cache_gb * (1 << 30)),
         engine_config=EngineConfig(
             max_num_seqs=args.max_num_seqs,
@@ -375,6 +376,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="quantized projections (attention, shared experts, lm_head at decode) on the CPU: "
         "auto = moe-mesh's C kernel where MLX runs on the CPU, mlx = MLX's own op",
+    )
+    p.add_argument(
+        "--drain-s",
+        type=non_negative_float,
+        default=1.0,
+        help="on SIGTERM, seconds health says NOT_SERVING before new requests are refused, so "
+        "health checkers and gateways move away (0 when nothing watches core)",
     )
     add_spin_flag(p)
     add_data_plane_flag(p, "form")

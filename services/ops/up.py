@@ -340,6 +340,9 @@ def run_up(
             "core",
             "--config",
             str(config),
+            # stop() takes the gateway down before core: nothing is left to watch core drain
+            "--drain-s",
+            "0",
             *core_args,
             *local_budget,
             *spin,

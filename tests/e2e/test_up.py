@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -275,6 +276,9 @@ def test_sigterm_stops_everything_and_removes_sockets(up):
         time.sleep(0.1)
     assert not [pid for pid in children if alive(pid)], "orphan processes left behind"
     assert not list(workdir.glob("*.sock*"))
+    # the gateway went first, so core refused new calls at once rather than after a drain
+    draining = [line for line in (workdir / "core.log").read_text().splitlines() if '"draining"' in line]
+    assert len(draining) == 1 and json.loads(draining[0])["drain_s"] == 0, draining
 
 
 def test_without_a_workdir_progress_shows_and_the_logs_outlive_the_run(up):

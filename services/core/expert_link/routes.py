@@ -6,8 +6,13 @@ from __future__ import annotations
 import grpc
 import numpy as np
 
+from services.common.logging import get_logger
 from services.common.ranges import format_ranges
-from services.core.expert_link.links import ExpertCallError
+from services.core.expert_link.frame_link import FrameLink
+from services.core.expert_link.links import ExpertCallError, WorkerLink
+from services.proto.moemesh.v1 import expert_pb2
+
+log = get_logger(__name__)
 
 
 class CallPart:
@@ -22,7 +27,47 @@ class CallPart:
 class RoutingMixin:
     """ExpertDispatcher's routing: `routes[layer]` = (replicas [E, R] link indices padded with -1,
     live replica count [E]), swapped whole (never mutated) so the engine thread always reads a
-    consistent table; `_sole_owner[layer]` = the one live link holding all of a layer."""
+    consistent table; `_sole_owner[layer]` = the one live link holding all of a layer. A link's
+    state follows its worker's Describe answers, and the routes follow every change of it."""
+
+    async def _describe(self, link: WorkerLink, timeout_s: float) -> None:
+        """Describe one link and mark it up or down; raises a readable error when down."""
+        try:
+            reply = await link.stub.Describe(self.describe_request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as error:
+            link.last_error = f"unreachable ({error.code().name}): {error.details()}"
+            self._set_link(link, None)
+            raise RuntimeError(f"expert worker {link.address} is unreachable: {error.details()}") from None
+        if reply.model_fingerprint != self.manifest.fingerprint:
+            link.last_error = f"serves another model ({reply.model_fingerprint})"
+            self._set_link(link, None)
+            raise RuntimeError(
+                f"expert worker {link.address} serves model {reply.model_fingerprint}, core has {self.manifest.fingerprint}"
+            )
+        self._set_link(link, reply)
+
+    def _set_link(self, link: WorkerLink, describe: expert_pb2.DescribeResponse | None) -> None:
+        """Runs on the I/O loop. A link going down gets a background reconnect with backoff, and
+        the routes follow every change of a link's state here, whoever noticed it: a Describe
+        that timed out once marked a SIGSTOPped replica down without rebuilding them, and every
+        later layer call kept waiting half its deadline on it."""
+        was_up = link.up
+        link.describe = describe
+        if describe is not None:
+            link.last_describe = describe
+        if describe is not None and describe.frames_path and self.use_frames:
+            if link.frames is None or link.frames.path != describe.frames_path:
+                link.frames = FrameLink(describe.frames_path, self._max_message_bytes, self.frame_spin_s)
+        link.set_up(describe is not None)
+        if was_up and not link.up:
+            link.reset()
+            log.warning("expert_worker_down", worker=link.address)
+        elif link.up and not was_up and describe is not None:
+            log.info("expert_worker_up", worker=link.address, worker_id=describe.worker_id)
+        if not link.up and not self._closing and (link.reconnecting is None or link.reconnecting.done()):
+            link.reconnecting = self.loop.create_task(self._reconnect(link))
+        if link.up != was_up:
+            self._rebuild_routes()
 
     def _rebuild_routes(self) -> None:
         held: dict[int, list[list[int]]] = {
