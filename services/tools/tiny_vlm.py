@@ -5,7 +5,9 @@ Qwen3-VL-MoE has everything a real one has at toy sizes: a vision tower with Dee
 an image processor config, and a chat template that renders image parts. Qwen3.5-MoE adds Gated
 DeltaNet layers. Kimi-VL has a MoonViT tower and DeepSeek-V3's language model (MLA attention,
 sigmoid routing, a shared expert) with plain positions; its tokenizer is Qwen3's with Kimi's media
-tokens added. Tests and benches compare moe-mesh's answers on them with `mlx_vlm.generate`'s.
+tokens added. MiniMax-M3-VL has a CLIP tower and MiniMax-M3's language model (block-sparse
+attention, sigmoid routing with its shared expert packed into the expert bank); its processor wraps
+each image in start and end markers. Tests and benches compare moe-mesh's answers on them with `mlx_vlm.generate`'s.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten
 
+from services.tools.moe_families import tiny_config
 from services.tools.synthetic_model import TINY_CONFIGS, qwen3_tokenizer_dir
 from services.tools.tiny_families_mi_z import QWEN_TOKEN_IDS
 
@@ -139,7 +142,54 @@ KIMI_VL_CONFIG = {
     "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"],
     "tie_word_embeddings": False,
 }
-FAMILIES = {"qwen3_vl_moe": CONFIG, "qwen3_5_moe": QWEN3_5_CONFIG, "kimi_vl": KIMI_VL_CONFIG}
+# MiniMax-M3-VL's image markers, added to the Qwen3 tokenizer after Qwen's own tokens
+MINIMAX_MEDIA_TOKENS = ("]<]image[>[", "]<]video[>[", "]<]start of image[>[", "]<]end of image[>[")
+MINIMAX_M3_VL_CONFIG = {
+    "model_type": "minimax_m3_vl",
+    # mlx-lm's tiny MiniMax-M3 (dense layer 0, block-sparse attention on alternate layers), its
+    # blocks wide enough that every test prompt attends to all of itself: mlx-lm and mlx-vlm pick
+    # different blocks once a prompt outgrows them
+    "text_config": {
+        **tiny_config("minimax_m3_vl")["text_config"],
+        "model_type": "minimax_m3",
+        "sparse_attention_config": {
+            "sparse_num_index_heads": 2,
+            "sparse_index_dim": 16,
+            "sparse_block_size": 128,
+            "sparse_topk_blocks": 2,
+            "sparse_local_block": 1,
+        },
+    },
+    "vision_config": {
+        "model_type": "clip_vision_model",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "num_hidden_layers": 2,
+        "patch_size": 14,
+        "image_size": 224,
+        "projection_dim": 64,
+    },
+    "projector_hidden_size": 64,
+    "img_token_compression_config": {"spatial_merge_size": 2, "temporal_patch_size": 2},
+    # token ids of MINIMAX_MEDIA_TOKENS once added
+    **{
+        "image_token_index": 151669,
+        "video_token_index": 151670,
+        "vision_start_token_id": 151671,
+        "vision_end_token_id": 151672,
+    },  # nosec B105  # fmt: skip
+    "vocab_size": 151936,
+    "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"],
+    "tie_word_embeddings": False,
+}
+FAMILIES = {
+    "qwen3_vl_moe": CONFIG,
+    "qwen3_5_moe": QWEN3_5_CONFIG,
+    "kimi_vl": KIMI_VL_CONFIG,
+    "minimax_m3_vl": MINIMAX_M3_VL_CONFIG,
+}
+ADDED_TOKENS = {"kimi_vl": KIMI_MEDIA_TOKENS, "minimax_m3_vl": MINIMAX_MEDIA_TOKENS}
 # 64 x 64 pixels (4 merged image tokens) up to 256 x 256 (64)
 PREPROCESSOR = {
     "image_processor_type": "Qwen2VLImageProcessor",
@@ -152,6 +202,9 @@ PREPROCESSOR = {
     "image_mean": [0.5, 0.5, 0.5],
     "image_std": [0.5, 0.5, 0.5],
 }
+# MiniMax-M3-VL's processor is mlx-vlm's own, named by the model type: 56 x 56 (4 merged tokens) up
+# to 224 x 224 (64)
+MINIMAX_PREPROCESSOR = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 3136, "max_pixels": 50176}  # fmt: skip
 # Qwen-VL's convention: an image part renders as one image token between the vision markers (Kimi-VL:
 # one media pad between its media markers); the processor's count of positions replaces it.
 CHAT_TEMPLATE = """{%- for message in messages %}
@@ -167,6 +220,7 @@ CHAT_TEMPLATE = """{%- for message in messages %}
 """
 IMAGE_MARKUP = {
     "kimi_vl": "<|media_start|>image<|media_content|><|media_pad|><|media_end|>",
+    "minimax_m3_vl": "]<]image[>[",  # its processor adds the start and end markers
     None: "<|vision_start|><|image_pad|><|vision_end|>",
 }
 
@@ -276,13 +330,14 @@ def build_tiny_vlm(
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=1))
     if family != "kimi_vl":  # Kimi-VL's processor takes its sizes from config.json
-        preprocessor = {**PREPROCESSOR, **sizes.get("preprocessor", {})}
+        base = MINIMAX_PREPROCESSOR if family == "minimax_m3_vl" else PREPROCESSOR
+        preprocessor = {**base, **sizes.get("preprocessor", {})}
         (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=1))
     for path in qwen3_tokenizer_dir().iterdir():
         if path.is_file():
             shutil.copy(path, out_dir / path.name)
-    if family == "kimi_vl":
-        _add_special_tokens(qwen3_tokenizer_dir(), out_dir, KIMI_MEDIA_TOKENS)
+    if family in ADDED_TOKENS:
+        _add_special_tokens(qwen3_tokenizer_dir(), out_dir, ADDED_TOKENS[family])
     markup = IMAGE_MARKUP.get(family, IMAGE_MARKUP[None])
     (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE.replace("'IMAGE'", repr(markup)))
     return out_dir

@@ -34,7 +34,9 @@ class RecordingVision:
 
 
 def prefill_of(prompt: list[int], hashes: list[str], tokens: int, done: int = 0) -> ImagePrefill:
-    images = PromptImages(tuple(PromptImage(h, np.zeros(1), (1, 2, 2), tokens) for h in hashes), IMAGE)
+    images = PromptImages(
+        tuple(PromptImage(h, np.zeros(1), (1, 2, 2), tokens, (IMAGE,) * tokens) for h in hashes), IMAGE
+    )
     request = SimpleNamespace(prompt=prompt, images=images, request_id="r")
     return ImagePrefill(SimpleNamespace(request=request), [], done, done, None)
 

@@ -66,6 +66,12 @@ def kimi(tmp_path_factory):
     return built_and_split(tmp_path_factory, "kimi_vl")
 
 
+@pytest.fixture(scope="module")
+def minimax(tmp_path_factory):
+    """A MiniMax-M3-VL checkpoint: a CLIP tower, block-sparse attention layers, 1-D positions."""
+    return built_and_split(tmp_path_factory, "minimax_m3_vl")
+
+
 class Served:
     """An engine on the split, its experts in core's process."""
 
@@ -139,7 +145,9 @@ def mlx_vlm_greedy(path, text: str, images: list[Image.Image]) -> list[int]:
 
 @pytest.mark.parametrize("kind", ["fp16", "turboquant"])
 @pytest.mark.parametrize(
-    "family", ["checkpoint", "hybrid", "kimi"], ids=["qwen3_vl_moe", "qwen3_5_moe", "kimi_vl"]
+    "family",
+    ["checkpoint", "hybrid", "kimi", "minimax"],
+    ids=["qwen3_vl_moe", "qwen3_5_moe", "kimi_vl", "minimax_m3_vl"],
 )
 def test_greedy_tokens_equal_mlx_vlm(request, family, kind):
     root = request.getfixturevalue(family)
@@ -298,7 +306,10 @@ def test_a_text_only_model_refuses_images(served):
 
 def test_prefix_key_names_image_positions_by_their_pixels():
     images = PromptImages(
-        (PromptImage("a" * 64, np.zeros(1), (1, 2, 2), 2), PromptImage("b" * 64, np.zeros(1), (1, 2, 2), 2)),
+        (
+            PromptImage("a" * 64, np.zeros(1), (1, 2, 2), 2, (9, 9)),
+            PromptImage("b" * 64, np.zeros(1), (1, 2, 2), 2, (9, 9)),
+        ),
         token_id=9,
     )
     kind, key = prefix_key("fp16", [1, 9, 9, 2, 9, 9, 3, 4], images, -2)

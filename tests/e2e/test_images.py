@@ -136,12 +136,13 @@ def test_a_corrupt_image_is_a_400_naming_the_field(served):
     assert "messages[0].content[0]" in str(raised.value)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "kimi_vl"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "kimi_vl", "minimax_m3_vl"])
 def test_another_family_through_up_answers_as_mlx_vlm(tmp_path, family):
-    """A Qwen3.5-MoE checkpoint with vision weights (Gated DeltaNet and attention layers), or a
-    Kimi-VL one (MoonViT, DeepSeek-V3's MLA language model, plain positions), its experts on 3
+    """A Qwen3.5-MoE checkpoint with vision weights (Gated DeltaNet and attention layers), a
+    Kimi-VL one (MoonViT, DeepSeek-V3's MLA language model, plain positions) or a MiniMax-M3-VL
+    one (a CLIP tower, block-sparse attention, markers its processor adds), its experts on 3
     workers: the openai client's answer about an image is mlx_vlm.generate's, and asking again
-    reuses the prompt's prefill (Kimi-VL's image ends at position 12 of 18)."""
+    reuses the prompt's prefill past the image (Kimi-VL's ends at position 12 of 18)."""
     checkpoint = build_tiny_vlm(tmp_path / f"tiny-{family}", family=family)
     proc, url = launch_up(
         tmp_path / "cache", short_dir("mm-img-"), "--model", str(checkpoint), "--experts", "3"

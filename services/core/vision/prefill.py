@@ -122,7 +122,7 @@ class VisionPrefill:
         else:  # the family's own merge of features into image positions, over image positions only
             ids = mx.array([[token_id] * image.tokens])
             merged = self.model.get_input_embeddings(
-                ids, mx.array(image.pixel_values), image_token_id=token_id, **image.tower_inputs
+                ids, mx.array(image.pixel_values), **{**image.tower_inputs, "image_token_id": token_id}
             )
             hidden, deep = merged.inputs_embeds[0], None
         mx.eval(hidden, deep)
@@ -133,7 +133,7 @@ class VisionPrefill:
     def positions(self, prompt: list[int], images: PromptImages) -> tuple[mx.array | None, int]:
         """The prompt's rotary positions shifted to end at len(prompt) - 1 ([3, 1, L] for 3-D
         positions; None where the model has plain 1-D ones), and the shift."""
-        if not hasattr(self.language, "get_rope_index"):
+        if self.own_model is not None:  # plain positions (tower.plain_positions)
             return None, 0
         grids = mx.array([image.grid_thw for image in images.images], dtype=mx.int32)
         position_ids, deltas = self.language.get_rope_index(mx.array([prompt]), grids)

@@ -1,17 +1,16 @@
 """A chat's images, made ready on the request thread: decoded, named, preprocessed, given positions.
 
-The chat template renders each image part as one image token (inside the model's vision markers).
-Each image is decoded and checked (services/common/images.py), named by the hash of its pixels,
-and run through the checkpoint's own image processor (mlx-vlm's, as `mlx_vlm.generate` uses
-it); its one token then becomes as many as the vision tower gives it, as the model's processor
-would expand it in text.
+The chat template renders each image part as one image token. Each image is decoded and checked
+(services/common/images.py), named by the hash of its pixels, and run with that one token through
+the checkpoint's own processor, as `mlx_vlm.generate` runs it (`mlx_vlm.utils.prepare_inputs`): the
+token becomes what the processor makes of it in text (as many image tokens as the vision tower
+gives, and the vision markers of a family whose processor adds them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from math import prod
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +27,7 @@ class PromptImage:
     pixel_values: np.ndarray  # the image processor's patches
     grid_thw: tuple[int, int, int]  # patches in time, height and width, before merging
     tokens: int  # prompt positions it fills
+    expansion: tuple[int, ...]  # what its one token becomes in the prompt: its positions and markers
     # the processor's other outputs, as the family's `get_input_embeddings` takes them
     tower_inputs: Mapping = field(default_factory=dict)
 
@@ -63,9 +63,9 @@ class ImagePreparer:
         from mlx_vlm.utils import get_model_and_args, load_processor
 
         get_model_and_args(config=dict(config))  # the family's processor registers on import
-        self.processor = load_processor(str(processor_dir), add_detokenizer=False).image_processor
-        self.merge_area = merge_area(self.processor)
+        self.processor = load_processor(str(processor_dir), add_detokenizer=False)
         self.token_id = token_id
+        self.token_text = self.processor.tokenizer.convert_ids_to_tokens(token_id)
 
     def prepare(
         self, parts: list[tuple[str, core_pb2.ImageInput]], prompt: list[int]
@@ -85,37 +85,31 @@ class ImagePreparer:
         expanded: list[int] = []
         start = 0
         for at, image in zip(placed, images, strict=True):
-            expanded += prompt[start:at] + [self.token_id] * image.tokens
+            expanded += prompt[start:at] + list(image.expansion)
             start = at + 1
         expanded += prompt[start:]
         return expanded, PromptImages(images, self.token_id)
 
     def _one(self, field: str, image: core_pb2.ImageInput) -> PromptImage:
+        from mlx_vlm.utils import prepare_inputs
+
         picture = decode_image(image.data, field, image.media_type)
         try:
-            out = self.processor(images=[picture])
+            out = dict(prepare_inputs(self.processor, images=[picture], prompts=[self.token_text]))
         except Exception as error:  # noqa: BLE001 - a processor refuses odd sizes in its own words
             raise ImageError(field, f"the model's image processor refused it: {error}") from None
-        out = dict(out)
+        expansion = tuple(int(t) for t in np.asarray(out.pop("input_ids")).reshape(-1))
+        out.pop("attention_mask", None)
         pixels = np.asarray(out.pop("pixel_values"))
         grid = _grid_thw(out)
-        tokens = prod(grid) // self.merge_area
+        tokens = expansion.count(self.token_id)
         if tokens == 0:  # a processor that crops to whole patches may leave nothing of a tiny image
             raise ImageError(
                 field,
                 f"{picture.width}x{picture.height} pixels are too small for this model: its image "
                 "processor leaves no patch of them",
             )
-        return PromptImage(pixel_hash(picture), pixels, grid, tokens, out)
-
-
-def merge_area(processor) -> int:
-    """Patches the vision tower merges into one prompt position: a Qwen-style `merge_size`
-    squared, or the product of a Kimi-style `merge_kernel_size`."""
-    kernel = getattr(processor, "merge_kernel_size", None)
-    if kernel:
-        return int(prod(kernel))
-    return int(getattr(processor, "merge_size", 1) or 1) ** 2
+        return PromptImage(pixel_hash(picture), pixels, grid, tokens, expansion, out)
 
 
 def _grid_thw(out: dict) -> tuple[int, int, int]:

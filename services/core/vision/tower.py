@@ -24,7 +24,7 @@ LANGUAGE = "language_model"
 # on core's modules and caches; the others, with plain 1-D positions, run core's own language model
 # from embeddings (vision/prefill.py). Others' vision-language checkpoints are split and served for
 # text only.
-IMAGE_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe", "kimi_vl")
+IMAGE_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe", "kimi_vl", "minimax_m3_vl")
 # Sequence mixers that keep recurrent state and take no positions (Gated DeltaNet): core's own
 # module runs in their place, on the cache kind the engine made for it.
 RECURRENT_MIXERS = ("linear_attn",)
@@ -196,6 +196,24 @@ def image_token_id(config: dict) -> int:
     raise VisionUnsupported(f"{config.get('model_type')}: the config names no image token")
 
 
+def plain_positions(language_model: nn.Module, config: dict) -> bool:
+    """Whether the family places image tokens at plain 1-D positions, as text: no
+    `get_rope_index`, or one that gives a prompt with an image one position per token (Qwen's
+    give three, over time, height and width). A probe that fails counts as not plain."""
+    if not hasattr(language_model, "get_rope_index"):
+        return True
+    # one merged image token between the vision markers, where the family has them
+    markers = [config.get(key) for key in ("vision_start_token_id", "vision_end_token_id")]
+    start, end = (m if isinstance(m, int) else 0 for m in markers)
+    try:
+        positions, _ = language_model.get_rope_index(
+            mx.array([[0, start, image_token_id(config), end, 1]]), image_grid_thw=mx.array([[1, 2, 2]])
+        )
+    except Exception:  # noqa: BLE001 - another family's signature: take the shared-modules path
+        return False
+    return positions.ndim == 2
+
+
 def image_preparer(split_dir: Path, manifest):
     """The request side of images for a split with a vision tower (its processor), else None."""
     if not (Path(split_dir) / "core" / VISION_FILE).exists():
@@ -213,7 +231,7 @@ def load_vision(split_dir: Path, manifest, text_model: nn.Module, cache_bytes: i
     config = manifest.config
     model = build_vision_model(config)
     load_vision_weights(model, config, Path(split_dir) / "core" / VISION_FILE)
-    runs_own_language = not hasattr(getattr(model, LANGUAGE), "get_rope_index")  # 1-D positions
+    runs_own_language = plain_positions(getattr(model, LANGUAGE), config)
     if runs_own_language:
         share_embeddings(model, text_model)
     else:
