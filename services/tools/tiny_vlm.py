@@ -298,10 +298,39 @@ BENCH_SIZES_KIMI_VL = {
         "init_pos_emb_width": 64,
     },
 }
+# MiniMax-M3-VL at bench sizes: a 12-layer CLIP tower, block-sparse attention on alternate layers
+# (128-token blocks: a bench prompt fills two, so each attends to all of itself)
+BENCH_SIZES_MINIMAX_M3_VL = {
+    "text": {
+        "num_hidden_layers": 8,
+        "hidden_size": 1024,
+        "intermediate_size": 512,
+        "shared_intermediate_size": 512,
+        "dense_intermediate_size": 2048,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "rotary_dim": 32,
+        "num_local_experts": 32,
+        "num_experts_per_tok": 4,
+        "mlp_layer_types": ["dense"] + ["sparse"] * 7,
+        "layer_types": ["full_attention", "minimax_m3_sparse"] * 4,
+    },
+    "vision": {
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_attention_heads": 12,
+        "num_hidden_layers": 12,
+        "projection_dim": 1024,
+    },
+    "config": {"projector_hidden_size": 1024},
+    "preprocessor": {"max_pixels": 448 * 448},
+}
 FAMILY_BENCH_SIZES = {
     "qwen3_vl_moe": BENCH_SIZES,
     "qwen3_5_moe": BENCH_SIZES_QWEN3_5,
     "kimi_vl": BENCH_SIZES_KIMI_VL,
+    "minimax_m3_vl": BENCH_SIZES_MINIMAX_M3_VL,
 }
 
 
@@ -309,13 +338,14 @@ def build_tiny_vlm(
     out_dir: Path, seed: int = 0, sizes: dict | None = None, family: str = "qwen3_vl_moe"
 ) -> Path:
     """Write the checkpoint of `family` (FAMILIES) to `out_dir` (float32: MLX's CPU expert kernel
-    takes float32); `sizes`: {"text": ..., "vision": ..., "preprocessor": ...} overrides (BENCH_SIZES)."""
+    takes float32); `sizes`: {"text": ..., "vision": ..., "config": ..., "preprocessor": ...} overrides (BENCH_SIZES)."""
     from services.core.vision.tower import build_vision_model
 
     sizes = sizes or {}
     config = json.loads(json.dumps(FAMILIES[family]))
     config["text_config"].update(sizes.get("text", {}))
     config["vision_config"].update(sizes.get("vision", {}))
+    config.update(sizes.get("config", {}))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     mx.random.seed(seed)
