@@ -7,7 +7,8 @@ DeltaNet layers. Kimi-VL has a MoonViT tower and DeepSeek-V3's language model (M
 sigmoid routing, a shared expert) with plain positions; its tokenizer is Qwen3's with Kimi's media
 tokens added. MiniMax-M3-VL has a CLIP tower and MiniMax-M3's language model (block-sparse
 attention, sigmoid routing with its shared expert packed into the expert bank); its processor wraps
-each image in start and end markers. Tests and benches compare moe-mesh's answers on them with `mlx_vlm.generate`'s.
+each image in start and end markers. Tests and benches compare moe-mesh's answers on them with
+`mlx_vlm.generate`'s.
 """
 
 from __future__ import annotations
@@ -144,6 +145,8 @@ KIMI_VL_CONFIG = {
 }
 # MiniMax-M3-VL's image markers, added to the Qwen3 tokenizer after Qwen's own tokens
 MINIMAX_MEDIA_TOKENS = ("]<]image[>[", "]<]video[>[", "]<]start of image[>[", "]<]end of image[>[")
+# their ids once added
+MINIMAX_TOKEN_IDS = {"image_token_index": 151669, "video_token_index": 151670, "vision_start_token_id": 151671, "vision_end_token_id": 151672}  # nosec B105  # fmt: skip
 MINIMAX_M3_VL_CONFIG = {
     "model_type": "minimax_m3_vl",
     # mlx-lm's tiny MiniMax-M3 (dense layer 0, block-sparse attention on alternate layers), its
@@ -172,13 +175,7 @@ MINIMAX_M3_VL_CONFIG = {
     },
     "projector_hidden_size": 64,
     "img_token_compression_config": {"spatial_merge_size": 2, "temporal_patch_size": 2},
-    # token ids of MINIMAX_MEDIA_TOKENS once added
-    **{
-        "image_token_index": 151669,
-        "video_token_index": 151670,
-        "vision_start_token_id": 151671,
-        "vision_end_token_id": 151672,
-    },  # nosec B105  # fmt: skip
+    **MINIMAX_TOKEN_IDS,
     "vocab_size": 151936,
     "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"],
     "tie_word_embeddings": False,
@@ -205,6 +202,12 @@ PREPROCESSOR = {
 # MiniMax-M3-VL's processor is mlx-vlm's own, named by the model type: 56 x 56 (4 merged tokens) up
 # to 224 x 224 (64)
 MINIMAX_PREPROCESSOR = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 3136, "max_pixels": 50176}  # fmt: skip
+# Kimi-VL's processor takes its sizes from config.json
+PREPROCESSORS = {
+    "qwen3_vl_moe": PREPROCESSOR,
+    "qwen3_5_moe": PREPROCESSOR,
+    "minimax_m3_vl": MINIMAX_PREPROCESSOR,
+}
 # Qwen-VL's convention: an image part renders as one image token between the vision markers (Kimi-VL:
 # one media pad between its media markers); the processor's count of positions replaces it.
 CHAT_TEMPLATE = """{%- for message in messages %}
@@ -359,9 +362,8 @@ def build_tiny_vlm(
     mx.eval(weights)
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=1))
-    if family != "kimi_vl":  # Kimi-VL's processor takes its sizes from config.json
-        base = MINIMAX_PREPROCESSOR if family == "minimax_m3_vl" else PREPROCESSOR
-        preprocessor = {**base, **sizes.get("preprocessor", {})}
+    if family in PREPROCESSORS:
+        preprocessor = {**PREPROCESSORS[family], **sizes.get("preprocessor", {})}
         (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=1))
     for path in qwen3_tokenizer_dir().iterdir():
         if path.is_file():

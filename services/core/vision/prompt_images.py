@@ -60,12 +60,13 @@ class ImagePreparer:
     """Turns a chat's images and its rendered prompt into the prompt the vision path runs."""
 
     def __init__(self, processor_dir: Path, config: dict, token_id: int):
-        from mlx_vlm.utils import get_model_and_args, load_processor
+        from mlx_vlm.utils import get_model_and_args, load_processor, prepare_inputs
 
         get_model_and_args(config=dict(config))  # the family's processor registers on import
         self.processor = load_processor(str(processor_dir), add_detokenizer=False)
         self.token_id = token_id
         self.token_text = self.processor.tokenizer.convert_ids_to_tokens(token_id)
+        self._prepare_inputs = prepare_inputs  # mlx-vlm is imported only where images are served
 
     def prepare(
         self, parts: list[tuple[str, core_pb2.ImageInput]], prompt: list[int]
@@ -91,11 +92,9 @@ class ImagePreparer:
         return expanded, PromptImages(images, self.token_id)
 
     def _one(self, field: str, image: core_pb2.ImageInput) -> PromptImage:
-        from mlx_vlm.utils import prepare_inputs
-
         picture = decode_image(image.data, field, image.media_type)
         try:
-            out = dict(prepare_inputs(self.processor, images=[picture], prompts=[self.token_text]))
+            out = dict(self._prepare_inputs(self.processor, images=[picture], prompts=[self.token_text]))
         except Exception as error:  # noqa: BLE001 - a processor refuses odd sizes in its own words
             raise ImageError(field, f"the model's image processor refused it: {error}") from None
         expansion = tuple(int(t) for t in np.asarray(out.pop("input_ids")).reshape(-1))
