@@ -1,4 +1,7 @@
-"""Checkpoint layouts mlx-lm's own `sanitize` leaves unconverted, converted before the weights load.
+"""What some families' mlx-lm Model classes need around them before moe-mesh can load and serve them.
+
+Llama 4 runs with caches core's engine can batch (chunked_attention.py). Kimi-VL's checkpoint
+layout, which mlx-lm's own `sanitize` leaves unconverted, is converted before the weights load:
 
 mlx-lm's `kimi_vl` runs DeepSeek-V3's language model, whose attention keeps the MLA up-projection
 as two per-head matrices (`embed_q`, `unembed_out`). DeepSeek-V3's `sanitize` makes them from the
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from services.common.chunked_attention import with_batch_chunked_attention
 from services.common.mlx_lm_adapter import classes_for_config
 
 LANGUAGE_PREFIX = "language_model."
@@ -36,7 +40,7 @@ def _with_deepseek_v3_language(model_class):
 
 
 # model_type -> what its mlx-lm Model class needs around it
-_MENDED = {"kimi_vl": _with_deepseek_v3_language}
+_MENDED = {"kimi_vl": _with_deepseek_v3_language, "llama4": with_batch_chunked_attention}
 
 
 def model_classes(config: dict):

@@ -19,7 +19,7 @@ from mlx import nn
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import infer_quant_config
 
-from services.common.mlx_lm_adapter import classes_for_config
+from services.common.checkpoint_layouts import model_classes as mended_classes
 
 EXPERT_MODULE_TYPES = (SwitchGLU, SwitchMLP)
 
@@ -75,7 +75,7 @@ def model_classes(config: Mapping[str, Any]):
     if not model_type:
         raise UnsupportedModelError("config.json has no model_type: not an mlx-lm / Hugging Face checkpoint")
     try:
-        return classes_for_config(dict(config))
+        return mended_classes(dict(config))
     except ValueError as error:
         raise UnsupportedModelError(f"model_type {model_type!r} is not an mlx-lm architecture") from error
 

@@ -173,6 +173,26 @@ TINY_CONFIGS.update(
         },
     }
 )
+# Llama 4: chunked attention on three layers in four (chunks of 16 positions, so prompts cross
+# them), a global NoPE layer whose attention temperature grows every 8 positions, top-1 experts.
+TINY_CONFIGS["llama4"] = {
+    "model_type": "llama4",
+    "text_config": {
+        **_COMMON,
+        "model_type": "llama4_text",
+        "head_dim": 16,
+        "attention_bias": False,
+        "attention_chunk_size": 16,
+        "floor_scale": 8,
+        "interleave_moe_layer_step": 2,
+        "intermediate_size": 32,
+        "intermediate_size_mlp": 64,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 1,
+        "rope_scaling": None,
+        "use_qk_norm": True,
+    },
+}
 # DeepSeek-V3 with the multi-token-prediction layer its checkpoints ship (`--speculative mtp`).
 TINY_CONFIGS["deepseek_v3_mtp"] = {**TINY_CONFIGS["deepseek_v3"], "num_nextn_predict_layers": 1}
 # Qwen3.5 with its MTP layer (`mtp.*`), as Qwen3.5-397B-A17B ships it.

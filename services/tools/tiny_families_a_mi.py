@@ -271,6 +271,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
             "model_type": "llama4_text",
             "attention_bias": False,
             "attention_chunk_size": 8,
+            "floor_scale": 4,
             "interleave_moe_layer_step": 2,
             "intermediate_size": 32,
             "intermediate_size_mlp": 64,

@@ -1,6 +1,7 @@
 """The served engine (continuous batching, chunked prefill, prefix cache, step-merged expert
 calls) on architectures whose caches are not plain KV: qwen3_5_moe (Gated DeltaNet recurrent
-state beside attention), gpt_oss (sliding-window layers), deepseek_v3 (MLA). Every request,
+state beside attention), gpt_oss (sliding-window layers), deepseek_v3 (MLA), llama4 (chunked
+attention, whose prompts here cross chunks and prefill chunks alike). Every request,
 batched with others and reusing a cached prefix, gives mlx-lm's own greedy tokens on the
 original checkpoint, and requests that share a system prompt start from its cached state."""
 
@@ -49,7 +50,7 @@ async def generate(stub, req) -> tuple[list[int], core_pb2.Usage]:
     return tokens, usage
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5_moe", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "gpt_oss", "deepseek_v3", "llama4"])
 def test_batched_and_prefix_cached_requests_match_mlx_lm(tiny_models, arch):
     checkpoint, split = tiny_models.checkpoint(arch, 4), tiny_models.split(arch, 4)
     model, tokenizer = mlx_lm.load(str(checkpoint))

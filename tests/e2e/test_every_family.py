@@ -28,7 +28,6 @@ PROMPT = list(range(1000, 1012))
 REFUSED = {
     "muse_spark": "post_expert_norm",  # a norm shared by the layer's experts, inside their module
     "deepseek_v41": "LayerCache",  # caches mlx-lm's BatchGenerator cannot merge
-    "llama4": "ChunkedKVCache",
 }
 TOKENS = 8
 

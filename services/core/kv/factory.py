@@ -47,14 +47,18 @@ def turboquant_unsupported_layers(model) -> frozenset[int]:
       its attention derives the keys from the latent and passes the rotary scores as the mask.
       The latent is already a compression of the keys and values.
     - Attention with learned sinks (gpt-oss; the module holds a `sinks` array), which
-      TurboQuant's attention does not compute."""
+      TurboQuant's attention does not compute.
+    - Chunked attention (Llama 4's RoPE layers; `attends_in_chunks`), whose mask hides earlier
+      chunks: TurboQuant's attention is plain causal."""
     found = getattr(model, _UNSUPPORTED_MARK, None)
     if found is None:
         found = frozenset(
             i
             for i, layer in enumerate(getattr(model, "layers", ()))
             if any(
-                hasattr(module, "kv_lora_rank") or isinstance(module.get("sinks"), mx.array)
+                hasattr(module, "kv_lora_rank")
+                or isinstance(module.get("sinks"), mx.array)
+                or getattr(module, "attends_in_chunks", False)
                 for module in layer.modules()
             )
         )
