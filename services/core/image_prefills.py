@@ -37,7 +37,7 @@ class ImagePrefill:
         just past the last image, for a new question about the same images, and at the end."""
         request = self.sequence.request
         spans = image_spans(request.prompt, request.images)
-        last = spans[-1][0] + spans[-1][1].tokens if spans else 0
+        last = spans[-1][0] + spans[-1][1].span if spans else 0
         return tuple(sorted({p for p in (last, self.end) if self.done < p <= self.end}))
 
 
@@ -66,7 +66,7 @@ class ImagePrefills:
         to_encode = [
             first
             for first, image in image_spans(request.prompt, request.images)
-            if first + image.tokens > head.done and first < stop and image.hash not in features
+            if first + image.span > head.done and first < stop and image.hash not in features
         ]
         if len(to_encode) > 1:
             stop = max(to_encode[1], head.done + 1)

@@ -179,7 +179,11 @@ def build_engine(
         load_stage_done("kernels_ready", time.monotonic() - started, kv_cache=engine_config.kv_cache)
         plain = turboquant_unsupported_layers(model)
         if plain:  # requests asking for TurboQuant still get it wherever it applies
-            log.info("turboquant_layers", plain_cache_layers=len(plain), reason="MLA or attention sinks")
+            log.info(
+                "turboquant_layers",
+                plain_cache_layers=len(plain),
+                reason="MLA, attention sinks or chunked attention",
+            )
         if dispatcher is None:  # every layer local: nothing to probe, no layer calls to time
             return model, list, LayerCallTimings()
         return model, plane.probe if plane else dispatcher.discover, dispatcher.timings

@@ -180,13 +180,50 @@ MINIMAX_M3_VL_CONFIG = {
     "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"],
     "tie_word_embeddings": False,
 }
+# Llama 4's image tokens, added to the Qwen3 tokenizer after Qwen's own; an image's positions are
+# its `<|patch|>` tokens
+LLAMA4_MEDIA_TOKENS = ("<|image_start|>", "<|image|>", "<|patch|>", "<|tile_x_separator|>", "<|tile_y_separator|>", "<|image_end|>")  # nosec B105  # fmt: skip
+LLAMA4_VL_CONFIG = {
+    "model_type": "llama4",
+    "text_config": {**TINY_CONFIGS["llama4"]["text_config"], "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"]},
+    # 56 x 56 tiles of 14-pixel patches, four patches to a position after the pixel shuffle
+    "vision_config": {
+        "model_type": "llama4_vision_model",
+        "hidden_size": 32,
+        "image_size": 56,
+        "initializer_range": 0.02,
+        "intermediate_size": 128,  # the pixel shuffle's width: four patches of 32
+        "norm_eps": 1e-5,
+        "num_attention_heads": 2,
+        "num_channels": 3,
+        "num_hidden_layers": 2,
+        "patch_size": 14,
+        "pixel_shuffle_ratio": 0.5,
+        "projector_dropout": 0.0,
+        "projector_input_dim": 64,
+        "projector_output_dim": 64,
+        "rope_theta": 10000,
+        "vision_feature_layer": -1,
+        "vision_feature_select_strategy": "default",
+        "vision_output_dim": 64,
+    },
+    "image_token_index": 151671,  # nosec B105  # a token id: <|patch|> once LLAMA4_MEDIA_TOKENS are added
+    "vocab_size": 151936,
+    "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"],
+    "tie_word_embeddings": False,
+}
 FAMILIES = {
     "qwen3_vl_moe": CONFIG,
     "qwen3_5_moe": QWEN3_5_CONFIG,
     "kimi_vl": KIMI_VL_CONFIG,
     "minimax_m3_vl": MINIMAX_M3_VL_CONFIG,
+    "llama4": LLAMA4_VL_CONFIG,
 }
-ADDED_TOKENS = {"kimi_vl": KIMI_MEDIA_TOKENS, "minimax_m3_vl": MINIMAX_MEDIA_TOKENS}
+ADDED_TOKENS = {
+    "kimi_vl": KIMI_MEDIA_TOKENS,
+    "minimax_m3_vl": MINIMAX_MEDIA_TOKENS,
+    "llama4": LLAMA4_MEDIA_TOKENS,
+}
 # 64 x 64 pixels (4 merged image tokens) up to 256 x 256 (64)
 PREPROCESSOR = {
     "image_processor_type": "Qwen2VLImageProcessor",
@@ -207,6 +244,13 @@ PREPROCESSORS = {
     "qwen3_vl_moe": PREPROCESSOR,
     "qwen3_5_moe": PREPROCESSOR,
     "minimax_m3_vl": MINIMAX_PREPROCESSOR,
+    # mlx-vlm's own Llama 4 processor: up to four 56 x 56 tiles and the whole image
+    "llama4": {
+        "size": {"height": 56, "width": 56},
+        "max_patches": 4,
+        "image_mean": [0.5] * 3,
+        "image_std": [0.5] * 3,
+    },
 }
 # Qwen-VL's convention: an image part renders as one image token between the vision markers (Kimi-VL:
 # one media pad between its media markers); the processor's count of positions replaces it.
@@ -224,6 +268,7 @@ CHAT_TEMPLATE = """{%- for message in messages %}
 IMAGE_MARKUP = {
     "kimi_vl": "<|media_start|>image<|media_content|><|media_pad|><|media_end|>",
     "minimax_m3_vl": "]<]image[>[",  # its processor adds the start and end markers
+    "llama4": "<|image|>",  # its processor writes the markers, tiles and separators
     None: "<|vision_start|><|image_pad|><|vision_end|>",
 }
 

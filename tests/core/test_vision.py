@@ -19,6 +19,7 @@ from services.core.request_prep import RequestError
 from services.core.server import build_engine
 from services.core.speculative.config import SpeculativeConfig
 from services.core.vision.prefill import image_spans, prefix_key
+from services.core.vision.processor_mends import mend_processor
 from services.core.vision.prompt_images import PromptImage, PromptImages
 from services.core.vision.tower import IMAGE_FAMILIES, images_refused, mlx_vlm_families
 from services.proto.moemesh.v1 import core_pb2
@@ -70,6 +71,13 @@ def kimi(tmp_path_factory):
 def minimax(tmp_path_factory):
     """A MiniMax-M3-VL checkpoint: a CLIP tower, block-sparse attention layers, 1-D positions."""
     return built_and_split(tmp_path_factory, "minimax_m3_vl")
+
+
+@pytest.fixture(scope="module")
+def llama4(tmp_path_factory):
+    """A Llama 4 checkpoint: chunked attention, top-1 experts, images cut into tiles whose
+    positions the processor separates with markers."""
+    return built_and_split(tmp_path_factory, "llama4")
 
 
 class Served:
@@ -138,6 +146,7 @@ def mlx_vlm_greedy(path, text: str, images: list[Image.Image]) -> list[int]:
     from mlx_vlm.prompt_utils import apply_chat_template
 
     model, processor = load(str(path))
+    mend_processor(processor)  # mlx-vlm's Llama 4 processor makes no global tile (processor_mends.py)
     prompt = apply_chat_template(processor, model.config, text, num_images=len(images))
     result = generate(model, processor, prompt, images, max_tokens=TOKENS, temperature=0.0, verbose=False)
     return list(result.token_ids)
@@ -146,16 +155,16 @@ def mlx_vlm_greedy(path, text: str, images: list[Image.Image]) -> list[int]:
 @pytest.mark.parametrize("kind", ["fp16", "turboquant"])
 @pytest.mark.parametrize(
     "family",
-    ["checkpoint", "hybrid", "kimi", "minimax"],
-    ids=["qwen3_vl_moe", "qwen3_5_moe", "kimi_vl", "minimax_m3_vl"],
+    ["checkpoint", "hybrid", "kimi", "minimax", "llama4"],
+    ids=["qwen3_vl_moe", "qwen3_5_moe", "kimi_vl", "minimax_m3_vl", "llama4"],
 )
 def test_greedy_tokens_equal_mlx_vlm(request, family, kind):
     root = request.getfixturevalue(family)
     server = Served(root / "split", kv_cache=kind)
-    # the order mlx-vlm's chat template puts them in: Kimi's text first, Qwen's image first
+    # the order mlx-vlm's chat template puts them in: Kimi's and Llama's text first, Qwen's image first
     parts = ("Describe the image.", png(picture()))
     try:
-        ((ids, _),) = server.generate(chat(user(*(parts if family == "kimi" else parts[::-1]))))
+        ((ids, _),) = server.generate(chat(user(*(parts if family in ("kimi", "llama4") else parts[::-1]))))
     finally:
         server.stop()
     assert ids == mlx_vlm_greedy(root / "ckpt", "Describe the image.", [picture()])
@@ -209,6 +218,33 @@ def test_kimi_vl_two_images_and_a_repeated_turn_equal_mlx_vlm(kimi):
         server.stop()
     assert ids == mlx_vlm_greedy(kimi / "ckpt", "Compare them.", [first, second])
     assert again == ids and cached > 10 and server.features.misses == encoded == 2
+
+
+def test_llama4_tiled_images_and_a_repeated_turn_equal_mlx_vlm(llama4):
+    """Llama 4's processor cuts a wide image into tiles, their positions split by tile markers, and
+    adds the whole image after them: a tiled image beside a one-tile one gives mlx-vlm's tokens, and
+    the same turn again comes from the prefix cache with the same answer."""
+    wide, square = picture(150, 40, seed=5), picture(56, 56, seed=6)
+    request = chat(user("Compare them.", png(wide), png(square)))
+    server = Served(llama4 / "split")
+    try:
+        ((ids, _),) = server.generate(request)
+        encoded = server.features.misses
+        ((again, cached),) = server.generate(request)
+        prompt = server.preparer.prepare(request, None)
+    finally:
+        server.stop()
+    tiled = prompt.images.images[0]
+    assert tiled.tokens == 16 and tiled.span > tiled.tokens  # 3 tiles and the whole, 4 positions each
+    assert ids == mlx_vlm_greedy(llama4 / "ckpt", "Compare them.", [wide, square])
+    assert again == ids and cached > tiled.span and server.features.misses == encoded == 2
+    # prefilled 5 positions a step: windows end between a tile's positions and on its markers
+    stepped = Served(llama4 / "split", max_num_batched_tokens=5, prefix_cache_bytes=0)
+    try:
+        ((ids_stepped, _),) = stepped.generate(request)
+    finally:
+        stepped.stop()
+    assert ids_stepped == ids
 
 
 def test_a_kimi_vl_checkpoint_as_published_loads_in_mlx_lm_with_mlx_vlms_logits(kimi):
@@ -317,6 +353,20 @@ def test_prefix_key_names_image_positions_by_their_pixels():
     assert key[0] == 1 and key[3] == 2 and key[6:] == [3, 4]
     assert key[1] == key[2] < 0 and key[4] == key[5] < 0 and key[1] != key[4]
     assert prefix_key("fp16", [1, 9, 9, 2], images, -2)[1] == key[:4]
+
+
+def test_a_tiled_images_positions_skip_its_markers():
+    """Llama 4's tiles: an image's positions split by marker tokens (7) are its own, the markers
+    stay text, and the next image is found past the last of them."""
+    tiled = PromptImage("a" * 64, np.zeros(1), None, 4, (9, 9, 7, 9, 9), offsets=(0, 1, 3, 4))
+    plain = PromptImage("b" * 64, np.zeros(1), None, 2, (9, 9))
+    images = PromptImages((tiled, plain), token_id=9)
+    prompt = [1, 9, 9, 7, 9, 9, 2, 9, 9, 3]
+    assert [(first, image.hash[0]) for first, image in image_spans(prompt, images)] == [(1, "a"), (7, "b")]
+    _, key = prefix_key("fp16", prompt, images, 0)
+    assert key[3] == 7 and key[6] == 2 and key[1] == key[2] == key[4] == key[5] < 0
+    assert key[7] == key[8] < 0 and key[7] != key[1]
+    assert prefix_key("fp16", prompt[:4], images, 0)[1] == key[:4]  # a prompt ending inside it
 
 
 def test_vision_families_come_from_mlx_vlm_and_the_unserved_are_named():

@@ -14,6 +14,7 @@ import openai
 import pytest
 from PIL import Image
 
+from services.core.vision.processor_mends import mend_processor
 from services.tools.tiny_vlm import build_tiny_vlm
 from tests.e2e.test_up import launch_up, wait_serving
 from tests.helpers import short_dir
@@ -37,6 +38,7 @@ def mlx_vlm_answer(checkpoint, image: bytes) -> str:
     from mlx_vlm.prompt_utils import apply_chat_template
 
     model, processor = load(str(checkpoint))
+    mend_processor(processor)  # mlx-vlm's Llama 4 processor makes no global tile (processor_mends.py)
     prompt = apply_chat_template(processor, model.config, QUESTION, num_images=1)
     picture = Image.open(io.BytesIO(image)).convert("RGB")
     result = generate(model, processor, prompt, [picture], max_tokens=TOKENS, temperature=0.0, verbose=False)
@@ -136,18 +138,19 @@ def test_a_corrupt_image_is_a_400_naming_the_field(served):
     assert "messages[0].content[0]" in str(raised.value)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "kimi_vl", "minimax_m3_vl"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "kimi_vl", "minimax_m3_vl", "llama4"])
 def test_another_family_through_up_answers_as_mlx_vlm(tmp_path, family):
     """A Qwen3.5-MoE checkpoint with vision weights (Gated DeltaNet and attention layers), a
     Kimi-VL one (MoonViT, DeepSeek-V3's MLA language model, plain positions) or a MiniMax-M3-VL
-    one (a CLIP tower, block-sparse attention, markers its processor adds), its experts on 3
+    one (a CLIP tower, block-sparse attention, markers its processor adds) or a Llama 4 one
+    (chunked attention, top-1 experts, tiles), its experts on 3
     workers: the openai client's answer about an image is mlx_vlm.generate's, and asking again
     reuses the prompt's prefill past the image (Kimi-VL's ends at position 12 of 18)."""
     checkpoint = build_tiny_vlm(tmp_path / f"tiny-{family}", family=family)
     proc, url = launch_up(
         tmp_path / "cache", short_dir("mm-img-"), "--model", str(checkpoint), "--experts", "3"
     )
-    text_first = family == "kimi_vl"
+    text_first = family in ("kimi_vl", "llama4")
     try:
         want = mlx_vlm_answer(checkpoint, image_bytes(2))
         wait_serving(proc)

@@ -19,6 +19,7 @@ own, and decoding at the cache offset continues exactly where the prompt left of
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import OrderedDict
 
 import mlx.core as mx
@@ -160,14 +161,16 @@ class VisionPrefill:
         embeds = owner.embed_tokens(ids)
         where, rows, deep_rows = [], [], []
         for first, image in image_spans(prompt, images):
-            a, b = max(first, start), min(first + image.tokens, end)
+            layout = image.layout
+            # the image's rows whose positions fall in the window
+            a, b = bisect_left(layout, start - first), bisect_left(layout, end - first)
             if a >= b:
                 continue
             hidden, deep = self._encode(image, images.token_id)
-            where += range(a - start, b - start)
-            rows.append(hidden[a - first : b - first])
+            where += [first + offset - start for offset in layout[a:b]]
+            rows.append(hidden[a:b])
             if deep is not None:
-                deep_rows.append([level[a - first : b - first] for level in deep])
+                deep_rows.append([level[a:b] for level in deep])
         if where:
             embeds[0, mx.array(where, dtype=mx.uint32)] = mx.concatenate(rows).astype(embeds.dtype)
         if self.own_model is not None:
@@ -196,7 +199,7 @@ def image_spans(prompt: list[int], images: PromptImages) -> list[tuple[int, obje
             i += 1
             continue
         spans.append((i, image))
-        i += image.tokens
+        i += image.span
     return spans
 
 
@@ -206,5 +209,7 @@ def prefix_key(kind: str, tokens: list[int], images: PromptImages, shift: int) -
     carries the position shift (a cache prefilled at another shift is not reusable)."""
     key = list(tokens)
     for first, image in image_spans(key, images):
-        key[first : first + image.tokens] = [-1 - int(image.hash[:12], 16)] * image.tokens
-    return f"{kind}@images{shift}", key[: len(tokens)]
+        for offset in image.layout:
+            if first + offset < len(key):  # `tokens` may end inside an image
+                key[first + offset] = -1 - int(image.hash[:12], 16)
+    return f"{kind}@images{shift}", key

@@ -1,10 +1,11 @@
 """A chat's images, made ready on the request thread: decoded, named, preprocessed, given positions.
 
-The chat template renders each image part as one image token. Each image is decoded and checked
+The chat template renders each image part as one placeholder token: the processor's `image_token`
+(Llama 4's `<|image|>`), else the model's image token. Each image is decoded and checked
 (services/common/images.py), named by the hash of its pixels, and run with that one token through
 the checkpoint's own processor, as `mlx_vlm.generate` runs it (`mlx_vlm.utils.prepare_inputs`): the
-token becomes what the processor makes of it in text (as many image tokens as the vision tower
-gives, and the vision markers of a family whose processor adds them).
+placeholder becomes what the processor makes of it in text (as many image tokens as the vision
+tower gives, and the vision markers of a family whose processor adds them, between tiles too).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from services.common.images import ImageError, decode_image, pixel_hash
+from services.core.vision.processor_mends import mend_processor
 from services.proto.moemesh.v1 import core_pb2
 
 MAX_IMAGES_PER_REQUEST = 32
@@ -25,11 +27,24 @@ MAX_IMAGES_PER_REQUEST = 32
 class PromptImage:
     hash: str  # of the decoded pixels: the vision cache's and the prefix cache's key
     pixel_values: np.ndarray  # the image processor's patches
-    grid_thw: tuple[int, int, int]  # patches in time, height and width, before merging
+    grid_thw: tuple[int, int, int] | None  # patches in time, height and width, before merging
     tokens: int  # prompt positions it fills
     expansion: tuple[int, ...]  # what its one token becomes in the prompt: its positions and markers
     # the processor's other outputs, as the family's `get_input_embeddings` takes them
     tower_inputs: Mapping = field(default_factory=dict)
+    # where its positions lie, counted from the first (a tiled image's tiles are split by markers);
+    # empty: `tokens` positions in a row
+    offsets: tuple[int, ...] = ()
+
+    @property
+    def layout(self) -> tuple[int, ...]:
+        """Its positions, counted from the first."""
+        return self.offsets or tuple(range(self.tokens))
+
+    @property
+    def span(self) -> int:
+        """Prompt positions from its first to just past its last."""
+        return self.layout[-1] + 1
 
 
 @dataclass(frozen=True)
@@ -63,9 +78,12 @@ class ImagePreparer:
         from mlx_vlm.utils import get_model_and_args, load_processor, prepare_inputs
 
         get_model_and_args(config=dict(config))  # the family's processor registers on import
-        self.processor = load_processor(str(processor_dir), add_detokenizer=False)
+        self.processor = mend_processor(load_processor(str(processor_dir), add_detokenizer=False))
         self.token_id = token_id
-        self.token_text = self.processor.tokenizer.convert_ids_to_tokens(token_id)
+        tokenizer = self.processor.tokenizer
+        named = getattr(self.processor, "image_token", None)
+        self.placeholder = named if isinstance(named, str) else tokenizer.convert_ids_to_tokens(token_id)
+        self.placeholder_id = tokenizer.convert_tokens_to_ids(self.placeholder)
         self._prepare_inputs = prepare_inputs  # mlx-vlm is imported only where images are served
 
     def prepare(
@@ -77,11 +95,11 @@ class ImagePreparer:
         if len(parts) > MAX_IMAGES_PER_REQUEST:
             raise ImageError("images", f"{len(parts)} images; at most {MAX_IMAGES_PER_REQUEST} per request")
         images = tuple(self._one(field, image) for field, image in parts)
-        placed = [i for i, token in enumerate(prompt) if token == self.token_id]
+        placed = [i for i, token in enumerate(prompt) if token == self.placeholder_id]
         if len(placed) != len(images):
             raise ImageError(
                 "images",
-                f"the chat template placed {len(placed)} image tokens for {len(images)} images",
+                f"the chat template placed {len(placed)} image placeholders for {len(images)} images",
             )
         expanded: list[int] = []
         start = 0
@@ -94,27 +112,35 @@ class ImagePreparer:
     def _one(self, field: str, image: core_pb2.ImageInput) -> PromptImage:
         picture = decode_image(image.data, field, image.media_type)
         try:
-            out = dict(self._prepare_inputs(self.processor, images=[picture], prompts=[self.token_text]))
+            out = dict(self._prepare_inputs(self.processor, images=[picture], prompts=[self.placeholder]))
         except Exception as error:  # noqa: BLE001 - a processor refuses odd sizes in its own words
             raise ImageError(field, f"the model's image processor refused it: {error}") from None
         expansion = tuple(int(t) for t in np.asarray(out.pop("input_ids")).reshape(-1))
         out.pop("attention_mask", None)
         pixels = np.asarray(out.pop("pixel_values"))
         grid = _grid_thw(out)
-        tokens = expansion.count(self.token_id)
+        at = [i for i, token in enumerate(expansion) if token == self.token_id]
+        tokens = len(at)
         if tokens == 0:  # a processor that crops to whole patches may leave nothing of a tiny image
             raise ImageError(
                 field,
                 f"{picture.width}x{picture.height} pixels are too small for this model: its image "
                 "processor leaves no patch of them",
             )
-        return PromptImage(pixel_hash(picture), pixels, grid, tokens, expansion, out)
+        offsets = tuple(i - at[0] for i in at)
+        contiguous = offsets[-1] == tokens - 1
+        return PromptImage(
+            pixel_hash(picture), pixels, grid, tokens, expansion, out, () if contiguous else offsets
+        )
 
 
-def _grid_thw(out: dict) -> tuple[int, int, int]:
+def _grid_thw(out: dict) -> tuple[int, int, int] | None:
     """An image's patch grid (time, height, width) from its processor's outputs: Qwen-style
-    `image_grid_thw`, or Kimi-style `image_grid_hws` (one frame)."""
+    `image_grid_thw`, or Kimi-style `image_grid_hws` (one frame); None from a processor that gives
+    none (Llama 4's fixed-size tiles)."""
     if "image_grid_thw" in out:
         return tuple(int(v) for v in np.asarray(out["image_grid_thw"]).reshape(-1)[:3])
-    height, width = (int(v) for v in np.asarray(out["image_grid_hws"]).reshape(-1)[:2])
-    return 1, height, width
+    if "image_grid_hws" in out:
+        height, width = (int(v) for v in np.asarray(out["image_grid_hws"]).reshape(-1)[:2])
+        return 1, height, width
+    return None
