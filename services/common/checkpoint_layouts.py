@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 from services.common.chunked_attention import with_batch_chunked_attention
 from services.common.mlx_lm_adapter import classes_for_config
+from services.common.vl_text_models import VL_TEXT_CLASSES
 
 LANGUAGE_PREFIX = "language_model."
 
@@ -45,7 +46,11 @@ _MENDED = {"kimi_vl": _with_deepseek_v3_language, "llama4": with_batch_chunked_a
 
 def model_classes(config: dict):
     """(Model, ModelArgs) for `config`, as `mlx_lm.utils.load_model`'s `get_model_classes` takes
-    them: mlx-lm's own, with the layout conversions above where its family needs one."""
+    them: mlx-lm's own, with the layout conversions above where its family needs one, or one made
+    of mlx-lm's for a vision-language family it lacks (vl_text_models.py)."""
+    own = VL_TEXT_CLASSES.get(config.get("model_type"))
+    if own is not None:
+        return own
     model_class, args_class = classes_for_config(config)
     mend = _MENDED.get(config.get("model_type"))
     return (mend(model_class) if mend else model_class), args_class

@@ -212,17 +212,71 @@ LLAMA4_VL_CONFIG = {
     "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"],
     "tie_word_embeddings": False,
 }
+# GLM-4.5V's image tokens, added to the Qwen3 tokenizer after Qwen's own
+GLM4V_MEDIA_TOKENS = ("<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|video|>")  # nosec B105
+GLM4V_TOKEN_IDS = {"vision_start_token_id": 151669, "vision_end_token_id": 151670, "image_token_id": 151671, "image_token_index": 151671, "video_token_id": 151672, "video_token_index": 151672}  # nosec B105  # fmt: skip
+GLM4V_MOE_CONFIG = {
+    "model_type": "glm4v_moe",
+    # GLM-4.5's language model: a dense first layer, sigmoid routing with a shared expert, biased
+    # attention, half of each head rotated over three position axes
+    "text_config": {
+        "model_type": "glm4v_moe_text",
+        "vocab_size": 151936,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "max_position_embeddings": 4096,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "n_group": 1,
+        "topk_group": 1,
+        "n_shared_experts": 1,
+        "n_routed_experts": 8,
+        "routed_scaling_factor": 1.0,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "num_hidden_layers": 3,
+        "rms_norm_eps": 1e-5,
+        "use_qk_norm": False,
+        "attention_bias": True,
+        "partial_rotary_factor": 0.5,
+        "rope_theta": 10000.0,
+        "rope_scaling": {"type": "default", "mrope_section": [2, 1, 1]},
+        "tie_word_embeddings": False,
+    },
+    "vision_config": {
+        "model_type": "glm4v_moe",
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "patch_size": 14,
+        "image_size": 56,
+        "out_hidden_size": 64,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    },
+    **GLM4V_TOKEN_IDS,
+    "vocab_size": 151936,
+    "hidden_size": 64,
+    "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"],
+    "tie_word_embeddings": False,
+}
 FAMILIES = {
     "qwen3_vl_moe": CONFIG,
     "qwen3_5_moe": QWEN3_5_CONFIG,
     "kimi_vl": KIMI_VL_CONFIG,
     "minimax_m3_vl": MINIMAX_M3_VL_CONFIG,
     "llama4": LLAMA4_VL_CONFIG,
+    "glm4v_moe": GLM4V_MOE_CONFIG,
 }
 ADDED_TOKENS = {
     "kimi_vl": KIMI_MEDIA_TOKENS,
     "minimax_m3_vl": MINIMAX_MEDIA_TOKENS,
     "llama4": LLAMA4_MEDIA_TOKENS,
+    "glm4v_moe": GLM4V_MEDIA_TOKENS,
 }
 # 64 x 64 pixels (4 merged image tokens) up to 256 x 256 (64)
 PREPROCESSOR = {
@@ -244,6 +298,16 @@ PREPROCESSORS = {
     "qwen3_vl_moe": PREPROCESSOR,
     "qwen3_5_moe": PREPROCESSOR,
     "minimax_m3_vl": MINIMAX_PREPROCESSOR,
+    # Hugging Face's GLM-4V image processor (14-pixel patches, merged 2 x 2): 56 x 56 up to 224 x 224
+    "glm4v_moe": {
+        "image_processor_type": "Glm4vImageProcessor",
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "size": {"shortest_edge": 3136, "longest_edge": 50176},
+        "image_mean": [0.5] * 3,
+        "image_std": [0.5] * 3,
+    },
     # mlx-vlm's own Llama 4 processor: up to four 56 x 56 tiles and the whole image
     "llama4": {
         "size": {"height": 56, "width": 56},
@@ -269,6 +333,7 @@ IMAGE_MARKUP = {
     "kimi_vl": "<|media_start|>image<|media_content|><|media_pad|><|media_end|>",
     "minimax_m3_vl": "]<]image[>[",  # its processor adds the start and end markers
     "llama4": "<|image|>",  # its processor writes the markers, tiles and separators
+    "glm4v_moe": "<|begin_of_image|><|image|><|end_of_image|>",
     None: "<|vision_start|><|image_pad|><|vision_end|>",
 }
 

@@ -80,6 +80,12 @@ def llama4(tmp_path_factory):
     return built_and_split(tmp_path_factory, "llama4")
 
 
+@pytest.fixture(scope="module")
+def glm4v(tmp_path_factory):
+    """A GLM-4.5V checkpoint: GLM-4.5's language model (no mlx-lm class of its own), 3-D positions."""
+    return built_and_split(tmp_path_factory, "glm4v_moe")
+
+
 class Served:
     """An engine on the split, its experts in core's process."""
 
@@ -155,8 +161,8 @@ def mlx_vlm_greedy(path, text: str, images: list[Image.Image]) -> list[int]:
 @pytest.mark.parametrize("kind", ["fp16", "turboquant"])
 @pytest.mark.parametrize(
     "family",
-    ["checkpoint", "hybrid", "kimi", "minimax", "llama4"],
-    ids=["qwen3_vl_moe", "qwen3_5_moe", "kimi_vl", "minimax_m3_vl", "llama4"],
+    ["checkpoint", "hybrid", "kimi", "minimax", "llama4", "glm4v"],
+    ids=["qwen3_vl_moe", "qwen3_5_moe", "kimi_vl", "minimax_m3_vl", "llama4", "glm4v_moe"],
 )
 def test_greedy_tokens_equal_mlx_vlm(request, family, kind):
     root = request.getfixturevalue(family)
@@ -245,6 +251,47 @@ def test_llama4_tiled_images_and_a_repeated_turn_equal_mlx_vlm(llama4):
     finally:
         stepped.stop()
     assert ids_stepped == ids
+
+
+def test_glm4v_two_images_and_a_repeated_turn_equal_mlx_vlm(glm4v):
+    """GLM-4.5V's 3-D positions over two images of different sizes give mlx-vlm's tokens, and the
+    same turn again comes from the prefix cache with the same answer."""
+    first, second = picture(seed=1), picture(96, 64, seed=2)
+    request = chat(user(png(first), png(second), "Compare them."))
+    server = Served(glm4v / "split")
+    try:
+        ((ids, _),) = server.generate(request)
+        ((again, cached),) = server.generate(request)
+    finally:
+        server.stop()
+    assert ids == mlx_vlm_greedy(glm4v / "ckpt", "Compare them.", [first, second])
+    assert again == ids and cached > 10
+
+
+def test_glm4v_language_weights_load_from_hugging_faces_layout_too(glm4v):
+    """Hugging Face's GLM-4.5V keeps the language model under `model.language_model`, `lm_head` at
+    the top and one tensor per expert; core's glm4_moe reads them as it reads mlx-vlm's layout."""
+    from services.common.model_build import build_skeleton
+    from services.tools.tiny_vlm import GLM4V_MOE_CONFIG
+
+    model = build_skeleton(GLM4V_MOE_CONFIG)
+    saved = mx.load(str(glm4v / "ckpt" / "model.safetensors"))
+    published = {"model.visual.patch_embed.proj.weight": mx.zeros((1,))}
+    for key, value in saved.items():
+        if ".switch_mlp." in key:  # [experts, ...] -> one tensor per expert
+            head, tail = key.removeprefix("language_model.").split(".switch_mlp.")
+            for expert in range(value.shape[0]):
+                published[f"{head}.experts.{expert}.{tail}".replace("model.", "model.language_model.", 1)] = (
+                    value[expert]
+                )
+        elif key.startswith("language_model.model."):
+            published["model.language_model." + key.removeprefix("language_model.model.")] = value
+        elif key.startswith("language_model.lm_head."):
+            published[key.removeprefix("language_model.")] = value
+    want = model.sanitize({k: v for k, v in saved.items() if k.startswith("language_model.")})
+    got = model.sanitize(published)
+    assert sorted(got) == sorted(want)
+    assert all(mx.array_equal(got[k], want[k]).item() for k in want)
 
 
 def test_a_kimi_vl_checkpoint_as_published_loads_in_mlx_lm_with_mlx_vlms_logits(kimi):

@@ -4,13 +4,13 @@ The vision tower encodes each image once (its features are kept by pixel hash, `
 the prompt's embeddings get those features at the image positions, and mlx-vlm's language model
 runs the prompt, bar its last token, into the cache the engine then decodes from.
 
-Two ways to run the prompt. Qwen-VL models run mlx-vlm's language model (its 3-D positions and
-DeepStack inputs), made of core's own modules. Families with plain 1-D positions run core's own
+Two ways to run the prompt. Families with 3-D positions (Qwen-VL, GLM-4.5V) run mlx-vlm's language
+model (its 3-D positions, and DeepStack inputs where it has them), made of core's own modules. Families with plain 1-D positions run core's own
 language model: its token embeddings are replaced, for that one call, by the prompt's embeddings with
 the image features in place (`EmbeddingsOnce`), so the prompt goes through the very code that
 decodes it.
 
-Positions. Qwen-VL models give image positions 3-D rotary positions that advance less than one per
+Positions. These families give image positions 3-D rotary positions that advance less than one per
 token, so decoding continues from `cache offset + delta` (delta <= 0), where mlx-lm's text model,
 which decodes here, rotates at the cache offset. Rotary attention depends only on position
 differences, so the prompt is prefilled at its positions minus delta: every score is the model's

@@ -20,11 +20,11 @@ from services.common.model_shape import text_config, vision_model_type
 
 VISION_FILE = "vision.safetensors"
 LANGUAGE = "language_model"
-# Families whose images core serves. Qwen's run mlx-vlm's language model (3-D positions, DeepStack)
-# on core's modules and caches; the others, with plain 1-D positions, run core's own language model
+# Families whose images core serves. Those with 3-D positions (Qwen's, GLM's) run mlx-vlm's language
+# model on core's modules and caches; the others, with plain 1-D positions, run core's own language model
 # from embeddings (vision/prefill.py). Others' vision-language checkpoints are split and served for
 # text only.
-IMAGE_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe", "kimi_vl", "minimax_m3_vl", "llama4")
+IMAGE_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe", "kimi_vl", "minimax_m3_vl", "llama4", "glm4v_moe")
 # Sequence mixers that keep recurrent state and take no positions (Gated DeltaNet): core's own
 # module runs in their place, on the cache kind the engine made for it.
 RECURRENT_MIXERS = ("linear_attn",)
