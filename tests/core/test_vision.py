@@ -272,7 +272,7 @@ def test_glm4v_language_weights_load_from_hugging_faces_layout_too(glm4v):
     """Hugging Face's GLM-4.5V keeps the language model under `model.language_model`, `lm_head` at
     the top and one tensor per expert; core's glm4_moe reads them as it reads mlx-vlm's layout."""
     from services.common.model_build import build_skeleton
-    from services.tools.tiny_vlm import GLM4V_MOE_CONFIG
+    from services.tools.tiny_vlm_families import GLM4V_MOE_CONFIG
 
     model = build_skeleton(GLM4V_MOE_CONFIG)
     saved = mx.load(str(glm4v / "ckpt" / "model.safetensors"))

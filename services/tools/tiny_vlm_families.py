@@ -1,0 +1,184 @@
+"""Tiny random vision-language checkpoints of the families beyond Qwen's, configs only (tiny_vlm.py
+builds them): Kimi-VL, MiniMax-M3-VL, Llama 4 and GLM-4.5V, each at toy sizes with the layout and
+tokens its mlx-vlm model and processor take. Their tokenizer is Qwen3's with the family's image
+tokens added."""
+
+from __future__ import annotations
+
+from services.tools.moe_families import tiny_config
+from services.tools.synthetic_model import TINY_CONFIGS
+from services.tools.tiny_families_mi_z import QWEN_TOKEN_IDS
+
+# Kimi-VL's media tokens, added to the Qwen3 tokenizer (Kimi's own is tiktoken remote code)
+KIMI_MEDIA_TOKENS = ("<|media_start|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>")
+KIMI_VL_CONFIG = {
+    "model_type": "kimi_vl",
+    "text_config": {
+        "model_type": "deepseek_v3",
+        "vocab_size": 151936,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_shared_experts": 1,
+        "n_routed_experts": 8,
+        "routed_scaling_factor": 2.446,
+        "kv_lora_rank": 32,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "qk_nope_head_dim": 16,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "n_group": 1,
+        "topk_group": 1,
+        "num_experts_per_tok": 2,
+        "moe_layer_freq": 1,
+        "first_k_dense_replace": 1,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+    },
+    "vision_config": {
+        "model_type": "moonvit",
+        "depth": 2,
+        "embed_dim": 32,
+        "hidden_size": 32,
+        "num_heads": 2,
+        "patch_size": 14,
+        "intermediate_size": 64,
+        "init_pos_emb_height": 16,
+        "init_pos_emb_width": 16,
+        "merge_kernel_size": [2, 2],
+    },
+    "media_placeholder_token_id": 151672,  # nosec B105  # a token id: <|media_pad|> once KIMI_MEDIA_TOKENS are added
+    "vocab_size": 151936,
+    "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"],
+    "tie_word_embeddings": False,
+}
+# MiniMax-M3-VL's image markers, added to the Qwen3 tokenizer after Qwen's own tokens
+MINIMAX_MEDIA_TOKENS = ("]<]image[>[", "]<]video[>[", "]<]start of image[>[", "]<]end of image[>[")
+# their ids once added
+MINIMAX_TOKEN_IDS = {"image_token_index": 151669, "video_token_index": 151670, "vision_start_token_id": 151671, "vision_end_token_id": 151672}  # nosec B105  # fmt: skip
+MINIMAX_M3_VL_CONFIG = {
+    "model_type": "minimax_m3_vl",
+    # mlx-lm's tiny MiniMax-M3 (dense layer 0, block-sparse attention on alternate layers), its
+    # blocks wide enough that every test prompt attends to all of itself: mlx-lm and mlx-vlm pick
+    # different blocks once a prompt outgrows them
+    "text_config": {
+        **tiny_config("minimax_m3_vl")["text_config"],
+        "model_type": "minimax_m3",
+        "sparse_attention_config": {
+            "sparse_num_index_heads": 2,
+            "sparse_index_dim": 16,
+            "sparse_block_size": 128,
+            "sparse_topk_blocks": 2,
+            "sparse_local_block": 1,
+        },
+    },
+    "vision_config": {
+        "model_type": "clip_vision_model",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "num_hidden_layers": 2,
+        "patch_size": 14,
+        "image_size": 224,
+        "projection_dim": 64,
+    },
+    "projector_hidden_size": 64,
+    "img_token_compression_config": {"spatial_merge_size": 2, "temporal_patch_size": 2},
+    **MINIMAX_TOKEN_IDS,
+    "vocab_size": 151936,
+    "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"],
+    "tie_word_embeddings": False,
+}
+# Llama 4's image tokens, added to the Qwen3 tokenizer after Qwen's own; an image's positions are
+# its `<|patch|>` tokens
+LLAMA4_MEDIA_TOKENS = ("<|image_start|>", "<|image|>", "<|patch|>", "<|tile_x_separator|>", "<|tile_y_separator|>", "<|image_end|>")  # nosec B105  # fmt: skip
+LLAMA4_VL_CONFIG = {
+    "model_type": "llama4",
+    "text_config": {**TINY_CONFIGS["llama4"]["text_config"], "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"]},
+    # 56 x 56 tiles of 14-pixel patches, four patches to a position after the pixel shuffle
+    "vision_config": {
+        "model_type": "llama4_vision_model",
+        "hidden_size": 32,
+        "image_size": 56,
+        "initializer_range": 0.02,
+        "intermediate_size": 128,  # the pixel shuffle's width: four patches of 32
+        "norm_eps": 1e-5,
+        "num_attention_heads": 2,
+        "num_channels": 3,
+        "num_hidden_layers": 2,
+        "patch_size": 14,
+        "pixel_shuffle_ratio": 0.5,
+        "projector_dropout": 0.0,
+        "projector_input_dim": 64,
+        "projector_output_dim": 64,
+        "rope_theta": 10000,
+        "vision_feature_layer": -1,
+        "vision_feature_select_strategy": "default",
+        "vision_output_dim": 64,
+    },
+    "image_token_index": 151671,  # nosec B105  # a token id: <|patch|> once LLAMA4_MEDIA_TOKENS are added
+    "vocab_size": 151936,
+    "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"],
+    "tie_word_embeddings": False,
+}
+# GLM-4.5V's image tokens, added to the Qwen3 tokenizer after Qwen's own
+GLM4V_MEDIA_TOKENS = ("<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|video|>")  # nosec B105
+GLM4V_TOKEN_IDS = {"vision_start_token_id": 151669, "vision_end_token_id": 151670, "image_token_id": 151671, "image_token_index": 151671, "video_token_id": 151672, "video_token_index": 151672}  # nosec B105  # fmt: skip
+GLM4V_MOE_CONFIG = {
+    "model_type": "glm4v_moe",
+    # GLM-4.5's language model: a dense first layer, sigmoid routing with a shared expert, biased
+    # attention, half of each head rotated over three position axes
+    "text_config": {
+        "model_type": "glm4v_moe_text",
+        "vocab_size": 151936,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "max_position_embeddings": 4096,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "n_group": 1,
+        "topk_group": 1,
+        "n_shared_experts": 1,
+        "n_routed_experts": 8,
+        "routed_scaling_factor": 1.0,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "num_hidden_layers": 3,
+        "rms_norm_eps": 1e-5,
+        "use_qk_norm": False,
+        "attention_bias": True,
+        "partial_rotary_factor": 0.5,
+        "rope_theta": 10000.0,
+        "rope_scaling": {"type": "default", "mrope_section": [2, 1, 1]},
+        "tie_word_embeddings": False,
+    },
+    "vision_config": {
+        "model_type": "glm4v_moe",
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "patch_size": 14,
+        "image_size": 56,
+        "out_hidden_size": 64,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    },
+    **GLM4V_TOKEN_IDS,
+    "vocab_size": 151936,
+    "hidden_size": 64,
+    "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"],
+    "tie_word_embeddings": False,
+}
