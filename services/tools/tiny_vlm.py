@@ -8,8 +8,9 @@ sigmoid routing, a shared expert) with plain positions; its tokenizer is Qwen3's
 tokens added. MiniMax-M3-VL has a CLIP tower and MiniMax-M3's language model (block-sparse
 attention, sigmoid routing with its shared expert packed into the expert bank); its processor wraps
 each image in start and end markers. Llama 4 has chunked attention, top-1 experts and images cut
-into tiles; GLM-4.5V has GLM-4.5's language model with 3-D positions. (Those four families' configs
-live in tiny_vlm_families.py.) Tests and benches compare moe-mesh's answers on them with
+into tiles; GLM-4.5V has GLM-4.5's language model with 3-D positions; Step-3.7 has Step-3.5's
+(sliding windows) and cuts large images into crops. (The configs of the families beyond Qwen's live
+in tiny_vlm_families.py.) Tests and benches compare moe-mesh's answers on them with
 `mlx_vlm.generate`'s.
 """
 
@@ -34,6 +35,8 @@ from services.tools.tiny_vlm_families import (
     LLAMA4_VL_CONFIG,
     MINIMAX_M3_VL_CONFIG,
     MINIMAX_MEDIA_TOKENS,
+    STEP3P7_CONFIG,
+    STEP3P7_MEDIA_TOKENS,
 )
 
 # the Qwen3 tokenizer's vision tokens
@@ -109,12 +112,14 @@ FAMILIES = {
     "minimax_m3_vl": MINIMAX_M3_VL_CONFIG,
     "llama4": LLAMA4_VL_CONFIG,
     "glm4v_moe": GLM4V_MOE_CONFIG,
+    "step3p7": STEP3P7_CONFIG,
 }
 ADDED_TOKENS = {
     "kimi_vl": KIMI_MEDIA_TOKENS,
     "minimax_m3_vl": MINIMAX_MEDIA_TOKENS,
     "llama4": LLAMA4_MEDIA_TOKENS,
     "glm4v_moe": GLM4V_MEDIA_TOKENS,
+    "step3p7": STEP3P7_MEDIA_TOKENS,
 }
 # 64 x 64 pixels (4 merged image tokens) up to 256 x 256 (64)
 PREPROCESSOR = {
@@ -172,6 +177,7 @@ IMAGE_MARKUP = {
     "minimax_m3_vl": "]<]image[>[",  # its processor adds the start and end markers
     "llama4": "<|image|>",  # its processor writes the markers, tiles and separators
     "glm4v_moe": "<|begin_of_image|><|image|><|end_of_image|>",
+    "step3p7": "<im_patch>",  # its processor writes the markers and crops
     None: "<|vision_start|><|image_pad|><|vision_end|>",
 }
 

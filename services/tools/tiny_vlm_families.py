@@ -1,5 +1,5 @@
 """Tiny random vision-language checkpoints of the families beyond Qwen's, configs only (tiny_vlm.py
-builds them): Kimi-VL, MiniMax-M3-VL, Llama 4 and GLM-4.5V, each at toy sizes with the layout and
+builds them): Kimi-VL, MiniMax-M3-VL, Llama 4, GLM-4.5V and Step-3.7, each at toy sizes with the layout and
 tokens its mlx-vlm model and processor take. Their tokenizer is Qwen3's with the family's image
 tokens added."""
 
@@ -179,6 +179,29 @@ GLM4V_MOE_CONFIG = {
     **GLM4V_TOKEN_IDS,
     "vocab_size": 151936,
     "hidden_size": 64,
+    "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"],
+    "tie_word_embeddings": False,
+}
+# Step-3.7's image tokens, added to the Qwen3 tokenizer after Qwen's own; an image's positions are
+# its `<im_patch>` tokens, those of its crops between patch markers
+STEP3P7_MEDIA_TOKENS = ("<im_patch>", "<im_start>", "<im_end>", "<patch_start>", "<patch_end>", "<patch_newline>")  # nosec B105  # fmt: skip
+STEP3P7_CONFIG = {
+    "model_type": "step3p7",
+    # Step-3.5's language model: sliding-window layers, head-wise attention gates, sigmoid routing
+    "text_config": tiny_config("step3p5"),
+    # a Perception Encoder at the processor's fixed sizes (728-pixel image, 504-pixel crops, 14-pixel
+    # patches), two 2x downsamplers to the projector
+    "vision_config": {
+        "model_type": "perception_encoder",
+        "width": 32,
+        "layers": 2,
+        "heads": 2,
+        "mlp_ratio": 2.0,
+        "image_size": 728,
+        "patch_size": 14,
+    },
+    "image_token_id": 151669,  # nosec B105  # a token id: <im_patch> once STEP3P7_MEDIA_TOKENS are added
+    "vocab_size": 151936,
     "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"],
     "tie_word_embeddings": False,
 }

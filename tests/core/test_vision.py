@@ -86,6 +86,13 @@ def glm4v(tmp_path_factory):
     return built_and_split(tmp_path_factory, "glm4v_moe")
 
 
+@pytest.fixture(scope="module")
+def step3p7(tmp_path_factory):
+    """A Step-3.7 checkpoint: Step-3.5's language model (no mlx-lm class of its own), sliding-window
+    layers, images of 169 positions and large ones cut into crops between markers."""
+    return built_and_split(tmp_path_factory, "step3p7")
+
+
 class Served:
     """An engine on the split, its experts in core's process."""
 
@@ -161,8 +168,8 @@ def mlx_vlm_greedy(path, text: str, images: list[Image.Image]) -> list[int]:
 @pytest.mark.parametrize("kind", ["fp16", "turboquant"])
 @pytest.mark.parametrize(
     "family",
-    ["checkpoint", "hybrid", "kimi", "minimax", "llama4", "glm4v"],
-    ids=["qwen3_vl_moe", "qwen3_5_moe", "kimi_vl", "minimax_m3_vl", "llama4", "glm4v_moe"],
+    ["checkpoint", "hybrid", "kimi", "minimax", "llama4", "glm4v", "step3p7"],
+    ids=["qwen3_vl_moe", "qwen3_5_moe", "kimi_vl", "minimax_m3_vl", "llama4", "glm4v_moe", "step3p7"],
 )
 def test_greedy_tokens_equal_mlx_vlm(request, family, kind):
     root = request.getfixturevalue(family)
@@ -266,6 +273,25 @@ def test_glm4v_two_images_and_a_repeated_turn_equal_mlx_vlm(glm4v):
         server.stop()
     assert ids == mlx_vlm_greedy(glm4v / "ckpt", "Compare them.", [first, second])
     assert again == ids and cached > 10
+
+
+def test_step3p7_cropped_image_in_small_windows_and_a_repeated_turn_equal_mlx_vlm(step3p7):
+    """Step-3.7's processor cuts a large image into 504-pixel crops, each between patch markers,
+    before the whole image's positions: prefilled 64 positions a step, the answer is mlx-vlm's, and
+    the same turn again comes from the prefix cache with the same answer."""
+    large = picture(1100, 700, seed=3)
+    request = chat(user(png(large), "Describe the image."))
+    server = Served(step3p7 / "split", max_num_batched_tokens=64)
+    try:
+        ((ids, _),) = server.generate(request)
+        ((again, cached),) = server.generate(request)
+        prompt = server.preparer.prepare(request, None)
+    finally:
+        server.stop()
+    image = prompt.images.images[0]
+    assert image.tokens == 169 + 4 * 81 and image.span > image.tokens  # the whole and four crops
+    assert ids == mlx_vlm_greedy(step3p7 / "ckpt", "Describe the image.", [large])
+    assert again == ids and cached == len(prompt.prompt) - 1
 
 
 def test_glm4v_language_weights_load_from_hugging_faces_layout_too(glm4v):

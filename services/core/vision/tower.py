@@ -24,7 +24,7 @@ LANGUAGE = "language_model"
 # model on core's modules and caches; the others, with plain 1-D positions, run core's own language model
 # from embeddings (vision/prefill.py). Others' vision-language checkpoints are split and served for
 # text only.
-IMAGE_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe", "kimi_vl", "minimax_m3_vl", "llama4", "glm4v_moe")
+IMAGE_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe", "kimi_vl", "minimax_m3_vl", "llama4", "glm4v_moe", "step3p7")
 # Sequence mixers that keep recurrent state and take no positions (Gated DeltaNet): core's own
 # module runs in their place, on the cache kind the engine made for it.
 RECURRENT_MIXERS = ("linear_attn",)
