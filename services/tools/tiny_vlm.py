@@ -35,6 +35,7 @@ from services.tools.tiny_vlm_families import (
     LLAMA4_VL_CONFIG,
     MINIMAX_M3_VL_CONFIG,
     MINIMAX_MEDIA_TOKENS,
+    QWEN_VOCAB,
     STEP3P7_CONFIG,
     STEP3P7_MEDIA_TOKENS,
 )
@@ -101,9 +102,7 @@ QWEN3_5_CONFIG = {
     },
     "vision_config": {**VISION, "model_type": "qwen3_5_moe", "deepstack_visual_indexes": []},
     **VISION_TOKEN_IDS,
-    "vocab_size": 151936,
-    "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"],
-    "tie_word_embeddings": False,
+    **QWEN_VOCAB,
 }
 FAMILIES = {
     "qwen3_vl_moe": CONFIG,

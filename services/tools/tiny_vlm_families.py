@@ -9,6 +9,13 @@ from services.tools.moe_families import tiny_config
 from services.tools.synthetic_model import TINY_CONFIGS
 from services.tools.tiny_families_mi_z import QWEN_TOKEN_IDS
 
+# The Qwen3 tokenizer's vocabulary and end of turn, which every tiny vision-language model speaks
+QWEN_VOCAB = {
+    "vocab_size": 151936,
+    "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"],
+    "tie_word_embeddings": False,
+}
+
 # Kimi-VL's media tokens, added to the Qwen3 tokenizer (Kimi's own is tiktoken remote code)
 KIMI_MEDIA_TOKENS = ("<|media_start|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>")
 KIMI_VL_CONFIG = {
@@ -57,9 +64,7 @@ KIMI_VL_CONFIG = {
         "merge_kernel_size": [2, 2],
     },
     "media_placeholder_token_id": 151672,  # nosec B105  # a token id: <|media_pad|> once KIMI_MEDIA_TOKENS are added
-    "vocab_size": 151936,
-    "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"],
-    "tie_word_embeddings": False,
+    **QWEN_VOCAB,
 }
 # MiniMax-M3-VL's image markers, added to the Qwen3 tokenizer after Qwen's own tokens
 MINIMAX_MEDIA_TOKENS = ("]<]image[>[", "]<]video[>[", "]<]start of image[>[", "]<]end of image[>[")
@@ -94,9 +99,7 @@ MINIMAX_M3_VL_CONFIG = {
     "projector_hidden_size": 64,
     "img_token_compression_config": {"spatial_merge_size": 2, "temporal_patch_size": 2},
     **MINIMAX_TOKEN_IDS,
-    "vocab_size": 151936,
-    "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"],
-    "tie_word_embeddings": False,
+    **QWEN_VOCAB,
 }
 # Llama 4's image tokens, added to the Qwen3 tokenizer after Qwen's own; an image's positions are
 # its `<|patch|>` tokens
@@ -126,9 +129,7 @@ LLAMA4_VL_CONFIG = {
         "vision_output_dim": 64,
     },
     "image_token_index": 151671,  # nosec B105  # a token id: <|patch|> once LLAMA4_MEDIA_TOKENS are added
-    "vocab_size": 151936,
-    "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"],
-    "tie_word_embeddings": False,
+    **QWEN_VOCAB,
 }
 # GLM-4.5V's image tokens, added to the Qwen3 tokenizer after Qwen's own
 GLM4V_MEDIA_TOKENS = ("<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|video|>")  # nosec B105
@@ -177,10 +178,8 @@ GLM4V_MOE_CONFIG = {
         "temporal_patch_size": 2,
     },
     **GLM4V_TOKEN_IDS,
-    "vocab_size": 151936,
     "hidden_size": 64,
-    "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"],
-    "tie_word_embeddings": False,
+    **QWEN_VOCAB,
 }
 # Step-3.7's image tokens, added to the Qwen3 tokenizer after Qwen's own; an image's positions are
 # its `<im_patch>` tokens, those of its crops between patch markers
@@ -201,7 +200,5 @@ STEP3P7_CONFIG = {
         "patch_size": 14,
     },
     "image_token_id": 151669,  # nosec B105  # a token id: <im_patch> once STEP3P7_MEDIA_TOKENS are added
-    "vocab_size": 151936,
-    "eos_token_id": QWEN_TOKEN_IDS["eos_token_id"],
-    "tie_word_embeddings": False,
+    **QWEN_VOCAB,
 }

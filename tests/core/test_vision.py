@@ -51,46 +51,22 @@ def built_and_split(tmp_path_factory, family: str):
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return built_and_split(tmp_path_factory, "qwen3_vl_moe")
+def built(tmp_path_factory):
+    """`built(family)`: the family's tiny checkpoint (`ckpt`) and its split (`split`), under one
+    folder, built once per module. Every family's is as mlx-vlm saves it (FAMILIES in tiny_vlm)."""
+    roots = {}
+
+    def get(family: str):
+        if family not in roots:
+            roots[family] = built_and_split(tmp_path_factory, family)
+        return roots[family]
+
+    return get
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-    """A Qwen3.5-MoE checkpoint with vision weights: Gated DeltaNet and attention layers."""
-    return built_and_split(tmp_path_factory, "qwen3_5_moe")
-
-
-@pytest.fixture(scope="module")
-def kimi(tmp_path_factory):
-    """A Kimi-VL checkpoint as mlx-vlm saves it: MoonViT, DeepSeek-V3 language model, 1-D positions."""
-    return built_and_split(tmp_path_factory, "kimi_vl")
-
-
-@pytest.fixture(scope="module")
-def minimax(tmp_path_factory):
-    """A MiniMax-M3-VL checkpoint: a CLIP tower, block-sparse attention layers, 1-D positions."""
-    return built_and_split(tmp_path_factory, "minimax_m3_vl")
-
-
-@pytest.fixture(scope="module")
-def llama4(tmp_path_factory):
-    """A Llama 4 checkpoint: chunked attention, top-1 experts, images cut into tiles whose
-    positions the processor separates with markers."""
-    return built_and_split(tmp_path_factory, "llama4")
-
-
-@pytest.fixture(scope="module")
-def glm4v(tmp_path_factory):
-    """A GLM-4.5V checkpoint: GLM-4.5's language model (no mlx-lm class of its own), 3-D positions."""
-    return built_and_split(tmp_path_factory, "glm4v_moe")
-
-
-@pytest.fixture(scope="module")
-def step3p7(tmp_path_factory):
-    """A Step-3.7 checkpoint: Step-3.5's language model (no mlx-lm class of its own), sliding-window
-    layers, images of 169 positions and large ones cut into crops between markers."""
-    return built_and_split(tmp_path_factory, "step3p7")
+def checkpoint(built):
+    return built("qwen3_vl_moe")
 
 
 class Served:
@@ -166,18 +142,16 @@ def mlx_vlm_greedy(path, text: str, images: list[Image.Image]) -> list[int]:
 
 
 @pytest.mark.parametrize("kind", ["fp16", "turboquant"])
-@pytest.mark.parametrize(
-    "family",
-    ["checkpoint", "hybrid", "kimi", "minimax", "llama4", "glm4v", "step3p7"],
-    ids=["qwen3_vl_moe", "qwen3_5_moe", "kimi_vl", "minimax_m3_vl", "llama4", "glm4v_moe", "step3p7"],
-)
-def test_greedy_tokens_equal_mlx_vlm(request, family, kind):
-    root = request.getfixturevalue(family)
+@pytest.mark.parametrize("family", IMAGE_FAMILIES)
+def test_greedy_tokens_equal_mlx_vlm(built, family, kind):
+    root = built(family)
     server = Served(root / "split", kv_cache=kind)
     # the order mlx-vlm's chat template puts them in: Kimi's and Llama's text first, Qwen's image first
     parts = ("Describe the image.", png(picture()))
     try:
-        ((ids, _),) = server.generate(chat(user(*(parts if family in ("kimi", "llama4") else parts[::-1]))))
+        ((ids, _),) = server.generate(
+            chat(user(*(parts if family in ("kimi_vl", "llama4") else parts[::-1])))
+        )
     finally:
         server.stop()
     assert ids == mlx_vlm_greedy(root / "ckpt", "Describe the image.", [picture()])
@@ -217,9 +191,10 @@ def test_image_after_a_new_prefix_reuses_its_vision_features(served, checkpoint)
     assert ids == want
 
 
-def test_kimi_vl_two_images_and_a_repeated_turn_equal_mlx_vlm(kimi):
+def test_kimi_vl_two_images_and_a_repeated_turn_equal_mlx_vlm(built):
     """Kimi-VL runs core's own language model from embeddings: several images in one message give
     mlx-vlm's tokens, and the same turn again comes from the prefix cache with the same answer."""
+    kimi = built("kimi_vl")
     first, second = picture(seed=1), picture(96, 64, seed=2)
     request = chat(user("Compare them.", png(first), png(second)))
     server = Served(kimi / "split")
@@ -233,10 +208,11 @@ def test_kimi_vl_two_images_and_a_repeated_turn_equal_mlx_vlm(kimi):
     assert again == ids and cached > 10 and server.features.misses == encoded == 2
 
 
-def test_llama4_tiled_images_and_a_repeated_turn_equal_mlx_vlm(llama4):
+def test_llama4_tiled_images_and_a_repeated_turn_equal_mlx_vlm(built):
     """Llama 4's processor cuts a wide image into tiles, their positions split by tile markers, and
     adds the whole image after them: a tiled image beside a one-tile one gives mlx-vlm's tokens, and
     the same turn again comes from the prefix cache with the same answer."""
+    llama4 = built("llama4")
     wide, square = picture(150, 40, seed=5), picture(56, 56, seed=6)
     request = chat(user("Compare them.", png(wide), png(square)))
     server = Served(llama4 / "split")
@@ -260,9 +236,10 @@ def test_llama4_tiled_images_and_a_repeated_turn_equal_mlx_vlm(llama4):
     assert ids_stepped == ids
 
 
-def test_glm4v_two_images_and_a_repeated_turn_equal_mlx_vlm(glm4v):
+def test_glm4v_two_images_and_a_repeated_turn_equal_mlx_vlm(built):
     """GLM-4.5V's 3-D positions over two images of different sizes give mlx-vlm's tokens, and the
     same turn again comes from the prefix cache with the same answer."""
+    glm4v = built("glm4v_moe")
     first, second = picture(seed=1), picture(96, 64, seed=2)
     request = chat(user(png(first), png(second), "Compare them."))
     server = Served(glm4v / "split")
@@ -275,10 +252,11 @@ def test_glm4v_two_images_and_a_repeated_turn_equal_mlx_vlm(glm4v):
     assert again == ids and cached > 10
 
 
-def test_step3p7_cropped_image_in_small_windows_and_a_repeated_turn_equal_mlx_vlm(step3p7):
+def test_step3p7_cropped_image_in_small_windows_and_a_repeated_turn_equal_mlx_vlm(built):
     """Step-3.7's processor cuts a large image into 504-pixel crops, each between patch markers,
     before the whole image's positions: prefilled 64 positions a step, the answer is mlx-vlm's, and
     the same turn again comes from the prefix cache with the same answer."""
+    step3p7 = built("step3p7")
     large = picture(1100, 700, seed=3)
     request = chat(user(png(large), "Describe the image."))
     server = Served(step3p7 / "split", max_num_batched_tokens=64)
@@ -294,9 +272,10 @@ def test_step3p7_cropped_image_in_small_windows_and_a_repeated_turn_equal_mlx_vl
     assert again == ids and cached == len(prompt.prompt) - 1
 
 
-def test_glm4v_language_weights_load_from_hugging_faces_layout_too(glm4v):
+def test_glm4v_language_weights_load_from_hugging_faces_layout_too(built):
     """Hugging Face's GLM-4.5V keeps the language model under `model.language_model`, `lm_head` at
     the top and one tensor per expert; core's glm4_moe reads them as it reads mlx-vlm's layout."""
+    glm4v = built("glm4v_moe")
     from services.common.model_build import build_skeleton
     from services.tools.tiny_vlm_families import GLM4V_MOE_CONFIG
 
@@ -320,10 +299,11 @@ def test_glm4v_language_weights_load_from_hugging_faces_layout_too(glm4v):
     assert all(mx.array_equal(got[k], want[k]).item() for k in want)
 
 
-def test_a_kimi_vl_checkpoint_as_published_loads_in_mlx_lm_with_mlx_vlms_logits(kimi):
+def test_a_kimi_vl_checkpoint_as_published_loads_in_mlx_lm_with_mlx_vlms_logits(built):
     """Kimi-VL checkpoints keep MLA's up-projection as `kv_b_proj`, which mlx-lm's own `kimi_vl`
     cannot load; `checkpoint_layouts` converts it, and the language model then computes what
     mlx-vlm's does."""
+    kimi = built("kimi_vl")
     from mlx_lm.utils import load_model
     from mlx_vlm import load
 
@@ -387,9 +367,10 @@ def test_unusable_images_are_invalid_arguments(served, data, media_type, says):
 
 
 @pytest.mark.parametrize("size", [(1, 1), (27, 60), (2000, 20)])
-def test_an_image_kimi_vl_leaves_no_patch_of_is_an_invalid_argument(kimi, size):
+def test_an_image_kimi_vl_leaves_no_patch_of_is_an_invalid_argument(built, size):
     """Kimi-VL's processor crops to whole 28-pixel cells: a thinner image would silently vanish
     from the prompt. It is refused, naming the field."""
+    kimi = built("kimi_vl")
     server = Served(kimi / "split")
     try:
         with pytest.raises(RequestError) as raised:
@@ -452,10 +433,11 @@ def test_vision_families_come_from_mlx_vlm_and_the_unserved_are_named():
 
 
 @pytest.mark.parametrize("kind", ["fp16", "turboquant"])
-def test_qwen3_5_moe_repeats_an_image_turn_from_its_kept_prefill(hybrid, kind):
+def test_qwen3_5_moe_repeats_an_image_turn_from_its_kept_prefill(built, kind):
     """Recurrent state cannot be trimmed back to a prompt: the prefilled cache itself is kept, past
     the image and at the prompt's end. The same turn again reuses every position but the last, a
     new question about the image reuses the image's, and either batches with text."""
+    hybrid = built("qwen3_5_moe")
     server = Served(hybrid / "split", kv_cache=kind, image_cache_bytes=0)
     image = png(picture(seed=3))
     request, other = chat(user(image, "What is in it?")), chat(user(image, "Which colour leads?"))
