@@ -282,11 +282,40 @@ BENCH_SIZES_MINIMAX_M3_VL = {
     "config": {"projector_hidden_size": 1024},
     "preprocessor": {"max_pixels": 448 * 448},
 }
+# Llama 4 at bench sizes, Scout's layout: every layer MoE (top-1 of 32), chunks of 8,192 positions,
+# a 12-layer vision tower on 336-pixel tiles (144 positions each)
+BENCH_SIZES_LLAMA4 = {
+    "text": {
+        "num_hidden_layers": 8,
+        "hidden_size": 1024,
+        "intermediate_size": 512,
+        "intermediate_size_mlp": 2048,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "num_local_experts": 32,
+        "interleave_moe_layer_step": 1,
+        "attention_chunk_size": 8192,
+        "floor_scale": 8192,
+    },
+    "vision": {
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_attention_heads": 12,
+        "num_hidden_layers": 12,
+        "image_size": 336,
+        "projector_input_dim": 1024,
+        "projector_output_dim": 1024,
+        "vision_output_dim": 1024,
+    },
+    "preprocessor": {"size": {"height": 336, "width": 336}, "max_patches": 16},
+}
 FAMILY_BENCH_SIZES = {
     "qwen3_vl_moe": BENCH_SIZES,
     "qwen3_5_moe": BENCH_SIZES_QWEN3_5,
     "kimi_vl": BENCH_SIZES_KIMI_VL,
     "minimax_m3_vl": BENCH_SIZES_MINIMAX_M3_VL,
+    "llama4": BENCH_SIZES_LLAMA4,
 }
 
 
