@@ -22,7 +22,7 @@ from services.core.speculative.mtp_weights import MTP_FILE, unsupported_reason
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 from tests.core.test_batching import GREEDY, run, running
 from tests.core.test_speculative import PROMPTS, generate
-from tests.core.test_vision import Served
+from tests.core.vision_serving import Served
 
 ARCH = "deepseek_v3_mtp"
 

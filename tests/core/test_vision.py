@@ -1,67 +1,35 @@
-"""Images through core: tiny random Qwen3-VL-MoE, Qwen3.5-MoE and Kimi-VL checkpoints, split, served
-with their experts in core's process, against mlx-vlm's own `generate` on the original checkpoint."""
+"""Images through core: tiny random vision-language checkpoints of every family core serves images
+for, split, served with their experts in core's process, against mlx-vlm's own `generate` on the
+original checkpoint; the image cache, the prefix cache, batching and refusals."""
 
 from __future__ import annotations
 
 import asyncio
-import io
 
 import grpc
-import mlx.core as mx
 import numpy as np
 import pytest
 from PIL import Image
 
 from services.core.cluster_status import fill_core_stats
-from services.core.engine_config import EngineConfig
-from services.core.expert_link.local_spec import LocalExpertsSpec
 from services.core.request_prep import RequestError
-from services.core.server import build_engine
 from services.core.speculative.config import SpeculativeConfig
 from services.core.vision.prefill import image_spans, prefix_key
-from services.core.vision.processor_mends import mend_processor
 from services.core.vision.prompt_images import PromptImage, PromptImages
 from services.core.vision.tower import IMAGE_FAMILIES, images_refused, mlx_vlm_families
 from services.proto.moemesh.v1 import core_pb2
 from services.tools.split import split_checkpoint
 from services.tools.tiny_vlm import build_tiny_vlm
+from tests.core.vision_serving import TOKENS, Served, chat, mlx_vlm_greedy, picture, png, tiny_vlms, user
 
 pytest.importorskip("mlx_vlm")  # installed by the README's test command (requirements-vision.txt)
 pytestmark = pytest.mark.slow  # serves a model and computes for seconds
 
-TOKENS = 12
-
-
-def picture(width: int = 64, height: int = 48, seed: int = 0) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def png(image: Image.Image) -> bytes:
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
-
-
-def built_and_split(tmp_path_factory, family: str):
-    root = tmp_path_factory.mktemp(family)
-    build_tiny_vlm(root / "ckpt", family=family)
-    split_checkpoint(root / "ckpt", root / "split", progress=False)
-    return root
-
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """`built(family)`: the family's tiny checkpoint (`ckpt`) and its split (`split`), under one
-    folder, built once per module. Every family's is as mlx-vlm saves it (FAMILIES in tiny_vlm)."""
-    roots = {}
-
-    def get(family: str):
-        if family not in roots:
-            roots[family] = built_and_split(tmp_path_factory, family)
-        return roots[family]
-
-    return get
+    """`built(family)`: the family's tiny checkpoint and split, built once per module."""
+    return tiny_vlms(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -69,76 +37,11 @@ def checkpoint(built):
     return built("qwen3_vl_moe")
 
 
-class Served:
-    """An engine on the split, its experts in core's process."""
-
-    def __init__(self, split, **config):
-        self.engine, self.preparer, _ = build_engine(
-            split, [], EngineConfig(**config), local_experts=LocalExpertsSpec("all")
-        )
-        self.engine.start()
-        self.engine.loaded.wait()
-        assert self.engine.load_error is None
-
-    async def _run(self, request: core_pb2.GenerateRequest) -> tuple[list[int], int]:
-        loop, out = asyncio.get_running_loop(), asyncio.Queue()
-        self.engine.submit(self.preparer.prepare(request, None), out, loop)
-        ids, cached = [], 0
-        while True:
-            chunk = await out.get()
-            assert isinstance(chunk, core_pb2.GenerateChunk), chunk
-            ids += list(chunk.token_ids)
-            cached = max(cached, chunk.usage.cached_prompt_tokens)
-            if chunk.finish_reason:
-                return ids, cached
-
-    def generate(self, *requests: core_pb2.GenerateRequest) -> list[tuple[list[int], int]]:
-        async def run_all():
-            return await asyncio.gather(*(self._run(r) for r in requests))
-
-        return asyncio.run(run_all())
-
-    @property
-    def features(self):
-        return self.engine.prompt_start.vision.features
-
-    def stop(self):
-        self.engine.stop()
-
-
 @pytest.fixture(scope="module")
 def served(checkpoint):
     server = Served(checkpoint / "split")
     yield server
     server.stop()
-
-
-def chat(*messages: core_pb2.ChatMessage) -> core_pb2.GenerateRequest:
-    request = core_pb2.GenerateRequest(chat=core_pb2.ChatInput(messages=list(messages)))
-    request.stopping.max_tokens = TOKENS
-    request.sampling.temperature = 0.0
-    return request
-
-
-def user(*parts) -> core_pb2.ChatMessage:
-    content = [
-        core_pb2.ContentPart(text=part)
-        if isinstance(part, str)
-        else core_pb2.ContentPart(image=core_pb2.ImageInput(data=part, media_type="image/png"))
-        for part in parts
-    ]
-    return core_pb2.ChatMessage(role="user", parts=content)
-
-
-def mlx_vlm_greedy(path, text: str, images: list[Image.Image]) -> list[int]:
-    from mlx_vlm import generate, load
-    from mlx_vlm.prompt_utils import apply_chat_template
-
-    model, processor = load(str(path))
-    mend_processor(processor)  # mlx-vlm's Llama 4 processor makes no global tile (processor_mends.py)
-    prompt = apply_chat_template(processor, model.config, text, num_images=len(images))
-    result = generate(model, processor, prompt, images, max_tokens=TOKENS, temperature=0.0, verbose=False)
-    return list(result.token_ids)
 
 
 @pytest.mark.parametrize("kind", ["fp16", "turboquant"])
@@ -189,136 +92,6 @@ def test_image_after_a_new_prefix_reuses_its_vision_features(served, checkpoint)
     finally:
         fresh.stop()
     assert ids == want
-
-
-def test_kimi_vl_two_images_and_a_repeated_turn_equal_mlx_vlm(built):
-    """Kimi-VL runs core's own language model from embeddings: several images in one message give
-    mlx-vlm's tokens, and the same turn again comes from the prefix cache with the same answer."""
-    kimi = built("kimi_vl")
-    first, second = picture(seed=1), picture(96, 64, seed=2)
-    request = chat(user("Compare them.", png(first), png(second)))
-    server = Served(kimi / "split")
-    try:
-        ((ids, _),) = server.generate(request)
-        encoded = server.features.misses
-        ((again, cached),) = server.generate(request)
-    finally:
-        server.stop()
-    assert ids == mlx_vlm_greedy(kimi / "ckpt", "Compare them.", [first, second])
-    assert again == ids and cached > 10 and server.features.misses == encoded == 2
-
-
-def test_llama4_tiled_images_and_a_repeated_turn_equal_mlx_vlm(built):
-    """Llama 4's processor cuts a wide image into tiles, their positions split by tile markers, and
-    adds the whole image after them: a tiled image beside a one-tile one gives mlx-vlm's tokens, and
-    the same turn again comes from the prefix cache with the same answer."""
-    llama4 = built("llama4")
-    wide, square = picture(150, 40, seed=5), picture(56, 56, seed=6)
-    request = chat(user("Compare them.", png(wide), png(square)))
-    server = Served(llama4 / "split")
-    try:
-        ((ids, _),) = server.generate(request)
-        encoded = server.features.misses
-        ((again, cached),) = server.generate(request)
-        prompt = server.preparer.prepare(request, None)
-    finally:
-        server.stop()
-    tiled = prompt.images.images[0]
-    assert tiled.tokens == 16 and tiled.span > tiled.tokens  # 3 tiles and the whole, 4 positions each
-    assert ids == mlx_vlm_greedy(llama4 / "ckpt", "Compare them.", [wide, square])
-    assert again == ids and cached > tiled.span and server.features.misses == encoded == 2
-    # prefilled 5 positions a step: windows end between a tile's positions and on its markers
-    stepped = Served(llama4 / "split", max_num_batched_tokens=5, prefix_cache_bytes=0)
-    try:
-        ((ids_stepped, _),) = stepped.generate(request)
-    finally:
-        stepped.stop()
-    assert ids_stepped == ids
-
-
-def test_glm4v_two_images_and_a_repeated_turn_equal_mlx_vlm(built):
-    """GLM-4.5V's 3-D positions over two images of different sizes give mlx-vlm's tokens, and the
-    same turn again comes from the prefix cache with the same answer."""
-    glm4v = built("glm4v_moe")
-    first, second = picture(seed=1), picture(96, 64, seed=2)
-    request = chat(user(png(first), png(second), "Compare them."))
-    server = Served(glm4v / "split")
-    try:
-        ((ids, _),) = server.generate(request)
-        ((again, cached),) = server.generate(request)
-    finally:
-        server.stop()
-    assert ids == mlx_vlm_greedy(glm4v / "ckpt", "Compare them.", [first, second])
-    assert again == ids and cached > 10
-
-
-def test_step3p7_cropped_image_in_small_windows_and_a_repeated_turn_equal_mlx_vlm(built):
-    """Step-3.7's processor cuts a large image into 504-pixel crops, each between patch markers,
-    before the whole image's positions: prefilled 64 positions a step, the answer is mlx-vlm's, and
-    the same turn again comes from the prefix cache with the same answer."""
-    step3p7 = built("step3p7")
-    large = picture(1100, 700, seed=3)
-    request = chat(user(png(large), "Describe the image."))
-    server = Served(step3p7 / "split", max_num_batched_tokens=64)
-    try:
-        ((ids, _),) = server.generate(request)
-        ((again, cached),) = server.generate(request)
-        prompt = server.preparer.prepare(request, None)
-    finally:
-        server.stop()
-    image = prompt.images.images[0]
-    assert image.tokens == 169 + 4 * 81 and image.span > image.tokens  # the whole and four crops
-    assert ids == mlx_vlm_greedy(step3p7 / "ckpt", "Describe the image.", [large])
-    assert again == ids and cached == len(prompt.prompt) - 1
-
-
-def test_glm4v_language_weights_load_from_hugging_faces_layout_too(built):
-    """Hugging Face's GLM-4.5V keeps the language model under `model.language_model`, `lm_head` at
-    the top and one tensor per expert; core's glm4_moe reads them as it reads mlx-vlm's layout."""
-    glm4v = built("glm4v_moe")
-    from services.common.model_build import build_skeleton
-    from services.tools.tiny_vlm_families import GLM4V_MOE_CONFIG
-
-    model = build_skeleton(GLM4V_MOE_CONFIG)
-    saved = mx.load(str(glm4v / "ckpt" / "model.safetensors"))
-    published = {"model.visual.patch_embed.proj.weight": mx.zeros((1,))}
-    for key, value in saved.items():
-        if ".switch_mlp." in key:  # [experts, ...] -> one tensor per expert
-            head, tail = key.removeprefix("language_model.").split(".switch_mlp.")
-            for expert in range(value.shape[0]):
-                published[f"{head}.experts.{expert}.{tail}".replace("model.", "model.language_model.", 1)] = (
-                    value[expert]
-                )
-        elif key.startswith("language_model.model."):
-            published["model.language_model." + key.removeprefix("language_model.model.")] = value
-        elif key.startswith("language_model.lm_head."):
-            published[key.removeprefix("language_model.")] = value
-    want = model.sanitize({k: v for k, v in saved.items() if k.startswith("language_model.")})
-    got = model.sanitize(published)
-    assert sorted(got) == sorted(want)
-    assert all(mx.array_equal(got[k], want[k]).item() for k in want)
-
-
-def test_a_kimi_vl_checkpoint_as_published_loads_in_mlx_lm_with_mlx_vlms_logits(built):
-    """Kimi-VL checkpoints keep MLA's up-projection as `kv_b_proj`, which mlx-lm's own `kimi_vl`
-    cannot load; `checkpoint_layouts` converts it, and the language model then computes what
-    mlx-vlm's does."""
-    kimi = built("kimi_vl")
-    from mlx_lm.utils import load_model
-    from mlx_vlm import load
-
-    from services.common.checkpoint_layouts import model_classes
-
-    weights = mx.load(str(kimi / "ckpt" / "model.safetensors"))
-    assert any(".kv_b_proj." in key for key in weights)
-    with pytest.raises(ValueError, match="kv_b_proj"):
-        load_model(kimi / "ckpt", lazy=True)
-    text_model, _ = load_model(kimi / "ckpt", get_model_classes=model_classes)
-    vision_model, _ = load(str(kimi / "ckpt"))
-    ids = mx.array([list(range(1000, 1012))])
-    want = vision_model.language_model(ids)
-    want = getattr(want, "logits", want)
-    assert mx.allclose(text_model(ids), want, atol=1e-4).item()
 
 
 def test_a_changed_pixel_is_another_image(served):
