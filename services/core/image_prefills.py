@@ -70,6 +70,7 @@ class ImagePrefills:
         ]
         if len(to_encode) > 1:
             stop = max(to_encode[1], head.done + 1)
+        stop = self._vision().window_stop(request.prompt, request.images, stop)
 
         def run() -> None:
             head.done = self._vision().prefill(

@@ -9,7 +9,8 @@ tokens added. MiniMax-M3-VL has a CLIP tower and MiniMax-M3's language model (bl
 attention, sigmoid routing with its shared expert packed into the expert bank); its processor wraps
 each image in start and end markers. Llama 4 has chunked attention, top-1 experts and images cut
 into tiles; GLM-4.5V has GLM-4.5's language model with 3-D positions; Step-3.7 has Step-3.5's
-(sliding windows) and cuts large images into crops. (The configs of the families beyond Qwen's live
+(sliding windows) and cuts large images into crops; Gemma 4's image positions attend to each other
+both ways. (The configs of the families beyond Qwen's live
 in tiny_vlm_families.py.) Tests and benches compare moe-mesh's answers on them with
 `mlx_vlm.generate`'s.
 """
@@ -27,6 +28,9 @@ from mlx.utils import tree_flatten
 from services.tools.synthetic_model import TINY_CONFIGS, qwen3_tokenizer_dir
 from services.tools.tiny_families_mi_z import QWEN_TOKEN_IDS
 from services.tools.tiny_vlm_families import (
+    GEMMA4_MEDIA_TOKENS,
+    GEMMA4_TOKEN_NAMES,
+    GEMMA4_VL_CONFIG,
     GLM4V_MEDIA_TOKENS,
     GLM4V_MOE_CONFIG,
     KIMI_MEDIA_TOKENS,
@@ -112,6 +116,7 @@ FAMILIES = {
     "llama4": LLAMA4_VL_CONFIG,
     "glm4v_moe": GLM4V_MOE_CONFIG,
     "step3p7": STEP3P7_CONFIG,
+    "gemma4": GEMMA4_VL_CONFIG,
 }
 ADDED_TOKENS = {
     "kimi_vl": KIMI_MEDIA_TOKENS,
@@ -119,7 +124,13 @@ ADDED_TOKENS = {
     "llama4": LLAMA4_MEDIA_TOKENS,
     "glm4v_moe": GLM4V_MEDIA_TOKENS,
     "step3p7": STEP3P7_MEDIA_TOKENS,
+    "gemma4": GEMMA4_MEDIA_TOKENS,
 }
+# Weights a family's random model scales further: Gemma 4 multiplies its tied embeddings by
+# sqrt(hidden) on the way in, where random ones would drown every layer's output
+WEIGHT_SCALES = {"gemma4": {"language_model.model.embed_tokens.weight": 64**-0.5}}
+# tokens a family's processor finds by name in the tokenizer config
+NAMED_TOKENS = {"gemma4": GEMMA4_TOKEN_NAMES}
 # 64 x 64 pixels (4 merged image tokens) up to 256 x 256 (64)
 PREPROCESSOR = {
     "image_processor_type": "Qwen2VLImageProcessor",
@@ -150,6 +161,8 @@ PREPROCESSORS = {
         "image_mean": [0.5] * 3,
         "image_std": [0.5] * 3,
     },
+    # mlx-vlm's own Gemma 4 processor: 16-pixel patches pooled 3 x 3, at most 16 positions an image
+    "gemma4": {"patch_size": 16, "max_soft_tokens": 16, "pooling_kernel_size": 3, "image_seq_length": 16},
     # mlx-vlm's own Llama 4 processor: up to four 56 x 56 tiles and the whole image
     "llama4": {
         "size": {"height": 56, "width": 56},
@@ -177,16 +190,17 @@ IMAGE_MARKUP = {
     "llama4": "<|image|>",  # its processor writes the markers, tiles and separators
     "glm4v_moe": "<|begin_of_image|><|image|><|end_of_image|>",
     "step3p7": "<im_patch>",  # its processor writes the markers and crops
+    "gemma4": "<|image|>",  # its processor writes the start and end around the image's positions
     None: "<|vision_start|><|image_pad|><|vision_end|>",
 }
 
 
+# The language model's depth and widths most families' bench sizes share
+BENCH_LANGUAGE_MODEL = {"num_hidden_layers": 8, "hidden_size": 1024, "intermediate_size": 2048}
 # A larger one for benches: a vision tower whose cost shows beside the language model's
 BENCH_SIZES = {
     "text": {
-        "num_hidden_layers": 8,
-        "hidden_size": 1024,
-        "intermediate_size": 2048,
+        **BENCH_LANGUAGE_MODEL,
         "num_attention_heads": 16,
         "num_key_value_heads": 4,
         "head_dim": 64,
@@ -231,9 +245,7 @@ BENCH_SIZES_QWEN3_5 = {
 # Kimi-VL at bench sizes: MLA attention over a 256-wide latent, a 12-block MoonViT tower
 BENCH_SIZES_KIMI_VL = {
     "text": {
-        "num_hidden_layers": 8,
-        "hidden_size": 1024,
-        "intermediate_size": 2048,
+        **BENCH_LANGUAGE_MODEL,
         "moe_intermediate_size": 512,
         "num_attention_heads": 16,
         "num_key_value_heads": 16,
@@ -310,12 +322,61 @@ BENCH_SIZES_LLAMA4 = {
     },
     "preprocessor": {"size": {"height": 336, "width": 336}, "max_patches": 16},
 }
+# GLM-4.5V at bench sizes: GLM-4.5's language model (a dense first layer, sigmoid routing with a
+# shared expert, half of each head rotated over three position axes), a 12-block tower as Qwen's
+BENCH_SIZES_GLM4V_MOE = {
+    "text": {
+        **BENCH_LANGUAGE_MODEL,
+        "moe_intermediate_size": 512,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "n_routed_experts": 32,
+        "num_experts_per_tok": 4,
+        "rope_scaling": {"type": "default", "mrope_section": [4, 6, 6]},
+    },
+    "vision": {
+        "depth": 12,
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_heads": 12,
+        "image_size": 336,
+        "out_hidden_size": 1024,
+    },
+    "config": {"hidden_size": 1024},
+    "preprocessor": {"size": {"shortest_edge": 56 * 56, "longest_edge": 448 * 448}},
+}
+# Step-3.7 at bench sizes: Step-3.5's language model (full and 512-position sliding attention in
+# turn, a dense first layer), a 12-layer Perception Encoder at the processor's fixed 728 pixels
+BENCH_SIZES_STEP3P7 = {
+    "text": {
+        **BENCH_LANGUAGE_MODEL,
+        "num_attention_heads": 16,
+        "num_attention_groups": 4,
+        "head_dim": 64,
+        "layer_types": ["full_attention", "sliding_attention"] * 4,
+        "sliding_window": 512,
+        "attention_other_setting": {"num_attention_heads": 16, "num_attention_groups": 4},
+        "rope_theta": [10000.0, 5000.0] * 4,
+        "partial_rotary_factors": [0.5, 1.0] * 4,
+        "moe_num_experts": 32,
+        "moe_top_k": 4,
+        "moe_intermediate_size": 512,
+        "share_expert_dim": 512,
+        "moe_layers_enum": "1,2,3,4,5,6,7",
+        "swiglu_limits": [0.0] * 8,
+        "swiglu_limits_shared": [0.0] * 8,
+    },
+    "vision": {"width": 768, "layers": 12, "heads": 12, "mlp_ratio": 4.0},
+}
 FAMILY_BENCH_SIZES = {
     "qwen3_vl_moe": BENCH_SIZES,
     "qwen3_5_moe": BENCH_SIZES_QWEN3_5,
     "kimi_vl": BENCH_SIZES_KIMI_VL,
     "minimax_m3_vl": BENCH_SIZES_MINIMAX_M3_VL,
     "llama4": BENCH_SIZES_LLAMA4,
+    "glm4v_moe": BENCH_SIZES_GLM4V_MOE,
+    "step3p7": BENCH_SIZES_STEP3P7,
 }
 
 
@@ -341,6 +402,8 @@ def build_tiny_vlm(
     for key, value in weights.items():  # routers mlx-vlm starts at zero would tie every expert
         if key.endswith(("mlp.gate.weight", "e_score_correction_bias")) and not mx.any(value).item():
             weights[key] = mx.random.normal(value.shape) * 0.5
+    for key, scale in WEIGHT_SCALES.get(family, {}).items():
+        weights[key] = weights[key] * scale
     mx.eval(weights)
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=1))
@@ -351,15 +414,22 @@ def build_tiny_vlm(
         if path.is_file():
             shutil.copy(path, out_dir / path.name)
     if family in ADDED_TOKENS:
-        _add_special_tokens(qwen3_tokenizer_dir(), out_dir, ADDED_TOKENS[family])
+        _add_special_tokens(
+            qwen3_tokenizer_dir(), out_dir, ADDED_TOKENS[family], NAMED_TOKENS.get(family, {})
+        )
     markup = IMAGE_MARKUP.get(family, IMAGE_MARKUP[None])
     (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE.replace("'IMAGE'", repr(markup)))
     return out_dir
 
 
-def _add_special_tokens(source: Path, out_dir: Path, tokens: tuple[str, ...]) -> None:
+def _add_special_tokens(source: Path, out_dir: Path, tokens: tuple[str, ...], named: dict[str, str]) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(source))  # nosec B615  # a local folder: nothing downloads
     tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
     tokenizer.save_pretrained(str(out_dir))
+    if named:
+        config_path = out_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text())
+        config["extra_special_tokens"] = named
+        config_path.write_text(json.dumps(config, indent=1))

@@ -1,5 +1,5 @@
 """Tiny random vision-language checkpoints of the families beyond Qwen's, configs only (tiny_vlm.py
-builds them): Kimi-VL, MiniMax-M3-VL, Llama 4, GLM-4.5V and Step-3.7, each at toy sizes with the layout and
+builds them): Kimi-VL, MiniMax-M3-VL, Llama 4, GLM-4.5V, Step-3.7 and Gemma 4, each at toy sizes with the layout and
 tokens its mlx-vlm model and processor take. Their tokenizer is Qwen3's with the family's image
 tokens added."""
 
@@ -180,6 +180,7 @@ GLM4V_MOE_CONFIG = {
     **GLM4V_TOKEN_IDS,
     "hidden_size": 64,
     **QWEN_VOCAB,
+    "tie_word_embeddings": True,  # as Gemma's: the output head is the embeddings
 }
 # Step-3.7's image tokens, added to the Qwen3 tokenizer after Qwen's own; an image's positions are
 # its `<im_patch>` tokens, those of its crops between patch markers
@@ -201,4 +202,52 @@ STEP3P7_CONFIG = {
     },
     "image_token_id": 151669,  # nosec B105  # a token id: <im_patch> once STEP3P7_MEDIA_TOKENS are added
     **QWEN_VOCAB,
+}
+# Gemma 4's image tokens (start, image, end), added to the Qwen3 tokenizer after Qwen's own and named
+# in its tokenizer config, where Gemma 4's processor looks them up
+GEMMA4_MEDIA_TOKENS = ("<|image>", "<|image|>", "<image|>")  # nosec B105
+GEMMA4_TOKEN_NAMES = dict(zip(("boi_token", "image_token", "eoi_token"), GEMMA4_MEDIA_TOKENS, strict=True))
+GEMMA4_VL_CONFIG = {
+    "model_type": "gemma4",
+    # the 26B-A4B layout: dense MLP and routed experts side by side in every layer, sliding-window
+    # layers with a full-attention one, image positions attending to each other both ways
+    # (rotary settings spelled out, as released configs have them: mlx-lm's and mlx-vlm's defaults differ)
+    "text_config": {
+        **tiny_config("gemma4")["text_config"],
+        "use_bidirectional_attention": "vision",
+        "rope_parameters": {
+            "full_attention": {
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1000000.0,
+                "rope_type": "proportional",
+            },
+            "sliding_attention": {
+                "partial_rotary_factor": 1.0,
+                "rope_theta": 10000.0,
+                "rope_type": "default",
+            },
+        },
+    },
+    # 16-pixel patches, pooled 3 x 3 into one position
+    "vision_config": {
+        "model_type": "gemma4_vision",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "global_head_dim": 16,
+        "patch_size": 16,
+        "pooling_kernel_size": 3,
+        "position_embedding_size": 1024,
+        "default_output_length": 16,
+    },
+    "boi_token_id": 151669,  # nosec B105  # token ids: GEMMA4_MEDIA_TOKENS once added
+    "image_token_id": 151670,
+    "eoi_token_id": 151671,
+    "vision_soft_tokens_per_image": 16,
+    "hidden_size": 64,
+    **QWEN_VOCAB,
+    "tie_word_embeddings": True,  # as Gemma's: the output head is the embeddings
 }

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from services.core.image_prefills import ImagePrefill, ImagePrefills
-from services.core.vision.prefill import VisionFeatures
+from services.core.vision.prefill import VisionFeatures, VisionPrefill
 from services.core.vision.prompt_images import PromptImage, PromptImages
 
 IMAGE = 9
@@ -17,9 +17,12 @@ IMAGE = 9
 class RecordingVision:
     """Stands in for VisionPrefill: records each window and encodes (keeps) the images in it."""
 
-    def __init__(self):
+    def __init__(self, both_ways: bool = False):
         self.features = VisionFeatures(1 << 20)
         self.windows: list[tuple[int, int]] = []
+        self.both_ways = both_ways
+
+    window_stop = VisionPrefill.window_stop
 
     def prefill(self, cache, prompt, images, positions, start, stop):
         self.windows.append((start, stop))
@@ -76,3 +79,14 @@ def test_the_step_budget_cuts_windows_and_a_cached_prefix_starts_later():
     run_to_end(prefills, budget=4)
     assert vision.windows == [(3, 5), (5, 9), (9, 13), (13, 14)]
     assert kept == [5, 14]
+
+
+def test_where_images_attend_both_ways_a_window_holds_each_image_whole():
+    """A budget of 3 would cut both images; each window grows to the end of the image it reaches,
+    so every image position is computed beside the whole image."""
+    vision = RecordingVision(both_ways=True)
+    prefills = ImagePrefills(lambda: vision, lambda *args: None)
+    prompt = [1, 2, *[IMAGE] * 4, 3, *[IMAGE] * 4, 4, 5, 6]  # images at 2..5 and 7..10
+    prefills.add(prefill_of(prompt, ["d" * 64, "e" * 64], 4))
+    run_to_end(prefills, budget=3)
+    assert vision.windows == [(0, 6), (6, 11), (11, 13)]

@@ -203,6 +203,12 @@ def test_vision_families_come_from_mlx_vlm_and_the_unserved_are_named():
         refused = images_refused({"model_type": family, "vision_config": {"depth": 1}})
         assert (refused is None) == (family in IMAGE_FAMILIES)
         assert refused is None or family in refused
+    per_layer = {
+        "model_type": "gemma4",
+        "vision_config": {"depth": 1},
+        "text_config": {"hidden_size_per_layer_input": 256},
+    }
+    assert "per-layer token inputs" in images_refused(per_layer)  # Gemma's inputs at image positions
 
 
 @pytest.mark.parametrize("kind", ["fp16", "turboquant"])

@@ -1,6 +1,7 @@
-"""Images through core, family by family: Kimi-VL, Llama 4, GLM-4.5V and Step-3.7, each with its
-own image layout (several images, tiles between markers, crops), against mlx-vlm's `generate`; and
-their checkpoints as published load into core's language model."""
+"""Images through core, family by family: Kimi-VL, Llama 4, GLM-4.5V, Step-3.7 and Gemma 4, each
+with its own image layout (several images, tiles between markers, crops, images attending both
+ways), against mlx-vlm's `generate`; and their checkpoints as published load into core's language
+model."""
 
 from __future__ import annotations
 
@@ -147,3 +148,29 @@ def test_a_kimi_vl_checkpoint_as_published_loads_in_mlx_lm_with_mlx_vlms_logits(
     want = vision_model.language_model(ids)
     want = getattr(want, "logits", want)
     assert mx.allclose(text_model(ids), want, atol=1e-4).item()
+
+
+def test_gemma4_images_attend_both_ways_in_small_windows_as_mlx_vlm(built, monkeypatch):
+    """Gemma 4's image positions attend to each other both ways: two images prefilled 5 positions a
+    step (each image's window grows to hold it whole) give mlx-vlm's tokens, and the same turn again
+    comes from the prefix cache with the same answer. With causal masks alone the answer differs,
+    so the opened blocks are what makes it equal."""
+    gemma4 = built("gemma4")
+    images, text = [picture(seed=0), picture(80, 40, seed=5)], "Compare them."
+    request = chat(user(*(png(i) for i in images), text))
+    want = mlx_vlm_greedy(gemma4 / "ckpt", text, images)
+    server = Served(gemma4 / "split", max_num_batched_tokens=5)
+    try:
+        ((first, _),) = server.generate(request)
+        ((again, cached),) = server.generate(request)
+    finally:
+        server.stop()
+    assert first == again == want
+    assert cached == len(server.preparer.prepare(request, None).prompt) - 1
+    monkeypatch.setattr("services.core.vision.image_blocks.images_attend_both_ways", lambda config: False)
+    causal = Served(gemma4 / "split", prefix_cache_bytes=0)
+    try:
+        ((causal_only, _),) = causal.generate(request)
+    finally:
+        causal.stop()
+    assert causal_only != want

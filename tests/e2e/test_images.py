@@ -139,15 +139,15 @@ def test_a_corrupt_image_is_a_400_naming_the_field(served):
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen3_5_moe", "kimi_vl", "minimax_m3_vl", "llama4", "glm4v_moe", "step3p7"]
+    "family", ["qwen3_5_moe", "kimi_vl", "minimax_m3_vl", "llama4", "glm4v_moe", "step3p7", "gemma4"]
 )
 def test_another_family_through_up_answers_as_mlx_vlm(tmp_path, family):
     """A Qwen3.5-MoE checkpoint with vision weights (Gated DeltaNet and attention layers), a
     Kimi-VL one (MoonViT, DeepSeek-V3's MLA language model, plain positions) or a MiniMax-M3-VL
     one (a CLIP tower, block-sparse attention, markers its processor adds), a Llama 4 one
     (chunked attention, top-1 experts, tiles), a GLM-4.5V one (GLM-4.5's language model, which
-    mlx-lm has no VL class for, 3-D positions) or a Step-3.7 one (Step-3.5's, sliding windows),
-    its experts on 3
+    mlx-lm has no VL class for, 3-D positions), a Step-3.7 one (Step-3.5's, sliding windows) or a
+    Gemma 4 one (image positions attending both ways), its experts on 3
     workers: the openai client's answer about an image is mlx_vlm.generate's, and asking again
     reuses the prompt's prefill past the image (Kimi-VL's ends at position 12 of 18)."""
     checkpoint = build_tiny_vlm(tmp_path / f"tiny-{family}", family=family)

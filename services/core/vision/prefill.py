@@ -21,11 +21,13 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import OrderedDict
+from contextlib import nullcontext
 
 import mlx.core as mx
 from mlx import nn
 
 from services.core.kv.sdpa_hook import install_turboquant_attention
+from services.core.vision.image_blocks import ImagesAttendBothWays, same_image, whole_images_stop
 from services.core.vision.prompt_images import PromptImages
 
 
@@ -100,14 +102,22 @@ def embeddings_owner(model: nn.Module) -> nn.Module:
 
 
 class VisionPrefill:
-    def __init__(self, model: nn.Module, cache_bytes: int, text_model: nn.Module | None = None):
+    def __init__(
+        self, model: nn.Module, cache_bytes: int, text_model: nn.Module | None = None, both_ways: bool = False
+    ):
         """`model`: mlx-vlm's model. Without `text_model` its language model is made of core's
         modules (tower.share_language_modules) and runs the prompt; with it, only its embeddings
-        are core's (tower.share_embeddings) and `text_model`, core's own, runs the prompt."""
+        are core's (tower.share_embeddings) and `text_model`, core's own, runs the prompt.
+        `both_ways`: an image's positions attend to each other both ways (image_blocks.py)."""
         self.model = model
         self.language = model.language_model
         self.features = VisionFeatures(cache_bytes)
         self.own_model = None if text_model is None else embeddings_owner(text_model)
+        # a text model that scales its token embeddings (Gemma's) scales what stands in for them
+        self.embed_scale = getattr(self.own_model, "embed_scale", 1.0)
+        self.both_ways = both_ways
+        if both_ways and not hasattr(self.own_model, "_make_masks"):  # (1-D positions, core's model)
+            raise ValueError("this family's images attend both ways, in masks core cannot open")
         install_turboquant_attention(model)  # attention over TurboQuant caches, as in core's model
 
     def _encode(self, image, token_id: int) -> tuple[mx.array, list[mx.array] | None]:
@@ -125,7 +135,7 @@ class VisionPrefill:
             merged = self.model.get_input_embeddings(
                 ids, mx.array(image.pixel_values), **{**image.tower_inputs, "image_token_id": token_id}
             )
-            hidden, deep = merged.inputs_embeds[0], None
+            hidden, deep = merged.inputs_embeds[0] / self.embed_scale, None
         mx.eval(hidden, deep)
         nbytes = hidden.nbytes + sum(d.nbytes for d in deep or [])
         self.features.put(image.hash, (hidden, deep), nbytes)
@@ -140,6 +150,13 @@ class VisionPrefill:
         position_ids, deltas = self.language.get_rope_index(mx.array([prompt]), grids)
         shift = int(deltas.reshape(-1)[0].item())
         return position_ids - shift, shift
+
+    def window_stop(self, prompt: list[int], images: PromptImages, stop: int) -> int:
+        """Where a prefill window ending at `stop` may end: past any image it would cut, where
+        image positions attend both ways."""
+        if not self.both_ways:
+            return stop
+        return whole_images_stop(image_spans(prompt, images), stop, len(prompt) - 1)
 
     def prefill(
         self,
@@ -174,7 +191,10 @@ class VisionPrefill:
         if where:
             embeds[0, mx.array(where, dtype=mx.uint32)] = mx.concatenate(rows).astype(embeds.dtype)
         if self.own_model is not None:
-            with EmbeddingsOnce(owner, ids, embeds):
+            both_ways = nullcontext()
+            if self.both_ways:
+                both_ways = ImagesAttendBothWays(owner, same_image(image_spans(prompt, images), start, end))
+            with EmbeddingsOnce(owner, ids, embeds), both_ways:
                 owner(ids, cache=cache)
         else:
             kwargs = {"inputs_embeds": embeds, "cache": cache}

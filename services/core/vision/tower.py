@@ -24,7 +24,7 @@ LANGUAGE = "language_model"
 # model on core's modules and caches; the others, with plain 1-D positions, run core's own language model
 # from embeddings (vision/prefill.py). Others' vision-language checkpoints are split and served for
 # text only.
-IMAGE_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe", "kimi_vl", "minimax_m3_vl", "llama4", "glm4v_moe", "step3p7")
+IMAGE_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe", "kimi_vl", "minimax_m3_vl", "llama4", "glm4v_moe", "step3p7", "gemma4")  # fmt: skip
 # Sequence mixers that keep recurrent state and take no positions (Gated DeltaNet): core's own
 # module runs in their place, on the cache kind the engine made for it.
 RECURRENT_MIXERS = ("linear_attn",)
@@ -41,6 +41,8 @@ def images_refused(config: dict) -> str | None:
         return "takes text only"
     if family not in IMAGE_FAMILIES:
         return f"({family}) is served for text only: moe-mesh serves images for {', '.join(IMAGE_FAMILIES)}"
+    if text_config(config).get("hidden_size_per_layer_input"):  # Gemma's small dense models
+        return f"({family}) with per-layer token inputs is served for text only"
     return None
 
 
@@ -226,6 +228,7 @@ def image_preparer(split_dir: Path, manifest):
 def load_vision(split_dir: Path, manifest, text_model: nn.Module, cache_bytes: int):
     """The vision prefill of a split with a vision tower: mlx-vlm's model with the tower's weights
     and `text_model`'s language modules (its experts included)."""
+    from services.core.vision.image_blocks import images_attend_both_ways
     from services.core.vision.prefill import VisionPrefill
 
     config = manifest.config
@@ -237,4 +240,9 @@ def load_vision(split_dir: Path, manifest, text_model: nn.Module, cache_bytes: i
     else:
         share_language_modules(model, text_model, [layer.module for layer in manifest.layers])
     model.eval()
-    return VisionPrefill(model, cache_bytes, text_model=text_model if runs_own_language else None)
+    return VisionPrefill(
+        model,
+        cache_bytes,
+        text_model=text_model if runs_own_language else None,
+        both_ways=images_attend_both_ways(config),
+    )
