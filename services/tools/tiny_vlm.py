@@ -126,9 +126,9 @@ ADDED_TOKENS = {
     "step3p7": STEP3P7_MEDIA_TOKENS,
     "gemma4": GEMMA4_MEDIA_TOKENS,
 }
-# Weights a family's random model scales further: Gemma 4 multiplies its tied embeddings by
-# sqrt(hidden) on the way in, where random ones would drown every layer's output
-WEIGHT_SCALES = {"gemma4": {"language_model.model.embed_tokens.weight": 64**-0.5}}
+# Embeddings a family's random model scales by 1 / sqrt(hidden): Gemma 4 multiplies its tied
+# embeddings by sqrt(hidden) on the way in, where random ones would drown every layer's output
+EMBEDDINGS_SCALED_IN = {"gemma4": "language_model.model.embed_tokens.weight"}
 # tokens a family's processor finds by name in the tokenizer config
 NAMED_TOKENS = {"gemma4": GEMMA4_TOKEN_NAMES}
 # 64 x 64 pixels (4 merged image tokens) up to 256 x 256 (64)
@@ -369,6 +369,37 @@ BENCH_SIZES_STEP3P7 = {
     },
     "vision": {"width": 768, "layers": 12, "heads": 12, "mlp_ratio": 4.0},
 }
+# Gemma 4 at bench sizes, 26B-A4B's layout: dense MLP and 32 experts (top-4) side by side in every
+# layer, five 1,024-position sliding-window layers to one full-attention layer, a 12-layer tower whose
+# 16-pixel patches pool 3 x 3 into at most 280 positions an image
+BENCH_SIZES_GEMMA4 = {
+    "text": {
+        **BENCH_LANGUAGE_MODEL,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "global_head_dim": 128,
+        "num_global_key_value_heads": 2,
+        "num_experts": 32,
+        "top_k_experts": 4,
+        "moe_intermediate_size": 512,
+        "sliding_window": 1024,
+        "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) + ["sliding_attention"] * 2,
+    },
+    "vision": {
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 12,
+        "head_dim": 64,
+        "global_head_dim": 64,
+        "position_embedding_size": 10240,
+        "default_output_length": 280,
+    },
+    "config": {"hidden_size": 1024, "vision_soft_tokens_per_image": 280},
+    "preprocessor": {"max_soft_tokens": 280, "image_seq_length": 280},
+}
 FAMILY_BENCH_SIZES = {
     "qwen3_vl_moe": BENCH_SIZES,
     "qwen3_5_moe": BENCH_SIZES_QWEN3_5,
@@ -377,6 +408,7 @@ FAMILY_BENCH_SIZES = {
     "llama4": BENCH_SIZES_LLAMA4,
     "glm4v_moe": BENCH_SIZES_GLM4V_MOE,
     "step3p7": BENCH_SIZES_STEP3P7,
+    "gemma4": BENCH_SIZES_GEMMA4,
 }
 
 
@@ -402,8 +434,9 @@ def build_tiny_vlm(
     for key, value in weights.items():  # routers mlx-vlm starts at zero would tie every expert
         if key.endswith(("mlp.gate.weight", "e_score_correction_bias")) and not mx.any(value).item():
             weights[key] = mx.random.normal(value.shape) * 0.5
-    for key, scale in WEIGHT_SCALES.get(family, {}).items():
-        weights[key] = weights[key] * scale
+    if family in EMBEDDINGS_SCALED_IN:
+        key = EMBEDDINGS_SCALED_IN[family]
+        weights[key] = weights[key] * config["text_config"]["hidden_size"] ** -0.5
     mx.eval(weights)
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=1))
