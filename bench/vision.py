@@ -1,12 +1,13 @@
 """Time to first token of chat turns with images: a first image, the same image again, text only.
 
-    python bench/vision.py [--workers 1] [--rounds 5] [--image 448x336] [--families qwen3_vl_moe,qwen3_5_moe,kimi_vl,minimax_m3_vl,llama4]
+    python bench/vision.py [--workers 1] [--rounds 5] [--image 448x336] [--families qwen3_vl_moe,...,gemma4]
 
 Per family, a random checkpoint at bench sizes (services/tools/tiny_vlm.py FAMILY_BENCH_SIZES: a
 12-block vision tower, an 8-layer MoE language model; Qwen3.5-MoE's with Gated DeltaNet layers,
 Kimi-VL's with MLA attention and a MoonViT tower, MiniMax-M3-VL's with block-sparse attention and a
-CLIP tower, Llama 4's with chunked attention and a tower on 336-pixel tiles) is
-split and served by a core and `--workers` expert workers as real processes (0: every expert in
+CLIP tower, Llama 4's with chunked attention and a tower on 336-pixel tiles, GLM-4.5V's with
+GLM-4.5's language model, Step-3.7's with sliding windows and a Perception Encoder at 728 pixels,
+Gemma 4's with image positions attending both ways) is split and served by a core and `--workers` expert workers as real processes (0: every expert in
 core's process). Single greedy requests over gRPC,
 one after another, 8 tokens each; per case the time to first token, ms:
 
