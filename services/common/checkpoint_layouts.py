@@ -16,9 +16,7 @@ from types import SimpleNamespace
 
 from services.common.chunked_attention import with_batch_chunked_attention
 from services.common.mlx_lm_adapter import classes_for_config
-from services.common.vl_text_models import VL_TEXT_CLASSES
-
-LANGUAGE_PREFIX = "language_model."
+from services.common.vl_text_models import LANGUAGE_PREFIX, VL_TEXT_CLASSES
 
 
 def _with_deepseek_v3_language(model_class):

@@ -62,7 +62,8 @@ class ImagePrefills:
         head = self.pending[0]
         stop = min(head.end, head.done + max(budget, 1), *(p for p in head.keep_at if p > head.done))
         request = head.sequence.request
-        features = self._vision().features
+        vision = self._vision()
+        features = vision.features
         to_encode = [
             first
             for first, image in image_spans(request.prompt, request.images)
@@ -70,10 +71,10 @@ class ImagePrefills:
         ]
         if len(to_encode) > 1:
             stop = max(to_encode[1], head.done + 1)
-        stop = self._vision().window_stop(request.prompt, request.images, stop)
+        stop = vision.window_stop(request.prompt, request.images, stop)
 
         def run() -> None:
-            head.done = self._vision().prefill(
+            head.done = vision.prefill(
                 head.cache, request.prompt, request.images, head.positions, head.done, stop
             )
             if head.done in head.keep_at:

@@ -44,8 +44,6 @@ class ImagesAttendBothWays:
     in mlx-lm), each layer's mask as an array with the window's image blocks opened both ways."""
 
     def __init__(self, owner: nn.Module, overlay: mx.array):
-        if not hasattr(owner, "_make_masks"):
-            raise ValueError("the language model makes no per-layer masks to open image blocks in")
         self._owner, self._overlay = owner, overlay
         self._make_masks = owner._make_masks
 

@@ -177,7 +177,8 @@ class VisionPrefill:
         owner = self.language.model if self.own_model is None else self.own_model
         embeds = owner.embed_tokens(ids)
         where, rows, deep_rows = [], [], []
-        for first, image in image_spans(prompt, images):
+        spans = image_spans(prompt, images)
+        for first, image in spans:
             layout = image.layout
             # the image's rows whose positions fall in the window
             a, b = bisect_left(layout, start - first), bisect_left(layout, end - first)
@@ -193,7 +194,7 @@ class VisionPrefill:
         if self.own_model is not None:
             both_ways = nullcontext()
             if self.both_ways:
-                both_ways = ImagesAttendBothWays(owner, same_image(image_spans(prompt, images), start, end))
+                both_ways = ImagesAttendBothWays(owner, same_image(spans, start, end))
             with EmbeddingsOnce(owner, ids, embeds), both_ways:
                 owner(ids, cache=cache)
         else:

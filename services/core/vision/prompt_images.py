@@ -44,7 +44,7 @@ class PromptImage:
     @property
     def span(self) -> int:
         """Prompt positions from its first to just past its last."""
-        return self.layout[-1] + 1
+        return self.offsets[-1] + 1 if self.offsets else self.tokens
 
 
 @dataclass(frozen=True)
