@@ -334,7 +334,6 @@ class Engine:
         lost = list(self._active.values()) + [p.sequence for p in self.image_prefills.take(lambda p: True)]
         for sequence in lost:
             self._release(sequence)
-            sequence.send(EngineError(code, message))
         self._active.clear()
         try:
             release_idle_memory(self.batches)
@@ -342,6 +341,8 @@ class Engine:
             log.warning("release_after_failed_step", error=str(error))
         self.kv_cache_bytes = 0
         self._in_batch = 0
+        for sequence in lost:  # told once the engine is idle again, so a retry finds it clean
+            sequence.send(EngineError(code, message))
         self._probe()
 
     def _probe(self) -> None:
