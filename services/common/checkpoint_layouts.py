@@ -17,6 +17,7 @@ from types import SimpleNamespace
 from services.common.chunked_attention import with_batch_chunked_attention
 from services.common.mlx_lm_adapter import classes_for_config
 from services.common.vl_text_models import LANGUAGE_PREFIX, VL_TEXT_CLASSES
+from services.common.vlm_language_models import model_classes as vlm_language_classes
 
 
 def _with_deepseek_v3_language(model_class):
@@ -45,8 +46,9 @@ _MENDED = {"kimi_vl": _with_deepseek_v3_language, "llama4": with_batch_chunked_a
 def model_classes(config: dict):
     """(Model, ModelArgs) for `config`, as `mlx_lm.utils.load_model`'s `get_model_classes` takes
     them: mlx-lm's own, with the layout conversions above where its family needs one, or one made
-    of mlx-lm's for a vision-language family it lacks (vl_text_models.py)."""
-    own = VL_TEXT_CLASSES.get(config.get("model_type"))
+    of mlx-lm's for a vision-language family it lacks (vl_text_models.py), or mlx-vlm's language
+    model where only mlx-vlm has one (vlm_language_models.py)."""
+    own = VL_TEXT_CLASSES.get(config.get("model_type")) or vlm_language_classes(config)
     if own is not None:
         return own
     model_class, args_class = classes_for_config(config)

@@ -15,6 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from services.common.model_shape import with_text_config
 from services.common.tensor_codec import MLX_DTYPE_BY_NAME
 
 FORMAT = "moe-mesh-split/1"
@@ -193,7 +194,7 @@ class _ManifestReader:
 
 def experts_per_token(config: dict) -> int:
     """The router's top-k, whatever the architecture's config calls it (1 if it names none)."""
-    text = {**config, **(config.get("text_config") or {})}
+    text = with_text_config(config)
     for key in ("num_experts_per_tok", "moe_topk", "top_k", "experts_per_token"):
         if key in text:
             return int(text[key])

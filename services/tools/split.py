@@ -35,6 +35,7 @@ from services.common.model_build import (
     expert_width,
     read_checkpoint_config,
 )
+from services.common.model_shape import text_config
 from services.common.progress import Progress
 from services.common.staging import remove_abandoned, staging_name
 from services.common.tensor_codec import dtype_name
@@ -218,7 +219,7 @@ def _write_split(
 def _hidden_size(config: dict, expert_module) -> int:
     """The model's hidden size: the config's (top level or text_config), or where a config names
     it otherwise (phixtral's `model_dim`), the width its experts take."""
-    for source in (config, config.get("text_config") or {}):
+    for source in (config, text_config(config)):
         if "hidden_size" in source:
             return int(source["hidden_size"])
     width = expert_width(expert_module)

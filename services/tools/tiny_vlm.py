@@ -28,6 +28,11 @@ from mlx.utils import tree_flatten
 from services.tools.synthetic_model import TINY_CONFIGS, qwen3_tokenizer_dir
 from services.tools.tiny_families_mi_z import QWEN_TOKEN_IDS
 from services.tools.tiny_vlm_families import (
+    DEEPSEEK_VL_V2_CHAT_TEMPLATE,
+    DEEPSEEK_VL_V2_CONFIG,
+    DEEPSEEK_VL_V2_MEDIA_TOKENS,
+    DEEPSEEK_VL_V2_PROCESSOR,
+    DEEPSEEK_VL_V2_TOKENIZER,
     GEMMA4_MEDIA_TOKENS,
     GEMMA4_TOKEN_NAMES,
     GEMMA4_VL_CONFIG,
@@ -117,6 +122,7 @@ FAMILIES = {
     "glm4v_moe": GLM4V_MOE_CONFIG,
     "step3p7": STEP3P7_CONFIG,
     "gemma4": GEMMA4_VL_CONFIG,
+    "deepseek_vl_v2": DEEPSEEK_VL_V2_CONFIG,
 }
 ADDED_TOKENS = {
     "kimi_vl": KIMI_MEDIA_TOKENS,
@@ -125,12 +131,19 @@ ADDED_TOKENS = {
     "glm4v_moe": GLM4V_MEDIA_TOKENS,
     "step3p7": STEP3P7_MEDIA_TOKENS,
     "gemma4": GEMMA4_MEDIA_TOKENS,
+    "deepseek_vl_v2": DEEPSEEK_VL_V2_MEDIA_TOKENS,
 }
 # Embeddings a family's random model scales by 1 / sqrt(hidden): Gemma 4 multiplies its tied
 # embeddings by sqrt(hidden) on the way in, where random ones would drown every layer's output
 EMBEDDINGS_SCALED_IN = {"gemma4": "language_model.model.embed_tokens.weight"}
 # tokens a family's processor finds by name in the tokenizer config
 NAMED_TOKENS = {"gemma4": GEMMA4_TOKEN_NAMES}
+# what a family's tokenizer config says beyond Qwen3's
+TOKENIZER_SETTINGS = {"deepseek_vl_v2": DEEPSEEK_VL_V2_TOKENIZER}
+# a family's own chat format, where the Qwen-style one is not its processor's
+CHAT_TEMPLATES = {"deepseek_vl_v2": DEEPSEEK_VL_V2_CHAT_TEMPLATE}
+# processors configured by processor_config.json
+PROCESSOR_CONFIGS = {"deepseek_vl_v2": DEEPSEEK_VL_V2_PROCESSOR}
 # 64 x 64 pixels (4 merged image tokens) up to 256 x 256 (64)
 PREPROCESSOR = {
     "image_processor_type": "Qwen2VLImageProcessor",
@@ -421,7 +434,7 @@ def build_tiny_vlm(
 
     sizes = sizes or {}
     config = json.loads(json.dumps(FAMILIES[family]))
-    config["text_config"].update(sizes.get("text", {}))
+    config["language_config" if "language_config" in config else "text_config"].update(sizes.get("text", {}))
     config["vision_config"].update(sizes.get("vision", {}))
     config.update(sizes.get("config", {}))
     out_dir = Path(out_dir)
@@ -446,12 +459,20 @@ def build_tiny_vlm(
     for path in qwen3_tokenizer_dir().iterdir():
         if path.is_file():
             shutil.copy(path, out_dir / path.name)
+    if family in PROCESSOR_CONFIGS:
+        (out_dir / "processor_config.json").write_text(json.dumps(PROCESSOR_CONFIGS[family], indent=1))
     if family in ADDED_TOKENS:
         _add_special_tokens(
             qwen3_tokenizer_dir(), out_dir, ADDED_TOKENS[family], NAMED_TOKENS.get(family, {})
         )
+    if family in TOKENIZER_SETTINGS:
+        config_path = out_dir / "tokenizer_config.json"
+        config_path.write_text(
+            json.dumps({**json.loads(config_path.read_text()), **TOKENIZER_SETTINGS[family]}, indent=1)
+        )
     markup = IMAGE_MARKUP.get(family, IMAGE_MARKUP[None])
-    (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE.replace("'IMAGE'", repr(markup)))
+    template = CHAT_TEMPLATES.get(family) or CHAT_TEMPLATE.replace("'IMAGE'", repr(markup))
+    (out_dir / "chat_template.jinja").write_text(template)
     return out_dir
 
 

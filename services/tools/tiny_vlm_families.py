@@ -251,3 +251,71 @@ GEMMA4_VL_CONFIG = {
     **QWEN_VOCAB,
     "tie_word_embeddings": True,  # as Gemma's: the output head is the embeddings
 }
+# DeepSeek-VL2's image, grounding and chat tokens, added to the Qwen3 tokenizer after Qwen's own (its
+# processor adds those the tokenizer lacks), and a start of text, which its processor puts first
+DEEPSEEK_VL_V2_MEDIA_TOKENS = ("<image>", "<|ref|>", "<|/ref|>", "<|det|>", "<|/det|>", "<|grounding|>", "<|User|>", "<|Assistant|>")  # nosec B105  # fmt: skip
+DEEPSEEK_VL_V2_TOKENIZER = {"bos_token": "<|endoftext|>"}  # nosec B105
+# the format of DeepSeek-VL2's processor, from a start of text, each image on a line of its own
+DEEPSEEK_VL_V2_CHAT_TEMPLATE = """{{- bos_token }}
+{%- for message in messages %}
+{%- if message['role'] == 'user' %}{{- '<|User|>:' }}{%- elif message['role'] == 'assistant' %}{{- '<|Assistant|>' }}{%- endif %}
+{{- ' ' }}
+{%- if message['content'] is string %}{{- message['content'] }}
+{%- else %}{%- for part in message['content'] %}
+{%- if part['type'] == 'image' %}{{- '<image>\n' }}{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}
+{%- endfor %}{%- endif %}
+{{- '\n\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|Assistant|>:' }}{%- endif %}"""
+# its processor's tiles: a 32-pixel global view, and the image cut into up to 2 x 2 more
+DEEPSEEK_VL_V2_PROCESSOR = {
+    "candidate_resolutions": [[32, 32], [32, 64], [64, 32], [64, 64]],
+    "patch_size": 16,
+    "downsample_ratio": 2,
+    "image_token": "<image>",  # nosec B105
+}
+DEEPSEEK_VL_V2_CONFIG = {
+    "model_type": "deepseek_vl_v2",
+    # DeepSeek-V2's language model as DeepSeek-VL2-Tiny has it: plain multi-head attention (no
+    # latent: `qk_nope_head_dim` 0), a dense first layer, softmax routing with two shared experts;
+    # under the name Hugging Face's config gives it
+    "language_config": {
+        "model_type": "deepseek_v2",
+        "vocab_size": 151936,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_shared_experts": 2,
+        "n_routed_experts": 8,
+        "routed_scaling_factor": 1.0,
+        "kv_lora_rank": 32,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "qk_nope_head_dim": 0,
+        "topk_method": "greedy",
+        "scoring_func": "softmax",
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "rms_norm_eps": 1e-6,
+    },
+    # a SigLIP tower on 32-pixel tiles of 16-pixel patches, projected 2 x 2 down into the language model
+    "vision_config": {
+        "model_type": "vision",
+        "layers": 2,
+        "width": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "image_size": 32,
+        "patch_size": 16,
+        "mlp_ratio": 2.0,
+    },
+    "projector_config": {"input_dim": 32, "n_embed": 64, "downsample_ratio": 2},
+    "tile_tag": "2D",
+    "global_view_pos": "head",
+    "image_token_index": 151669,  # nosec B105  # a token id: <image> once added
+    **QWEN_VOCAB,
+}

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from contextlib import nullcontext
 
 import mlx.core as mx
+import numpy as np
 from mlx import nn
 
 from services.core.kv.sdpa_hook import install_turboquant_attention
@@ -132,8 +133,11 @@ class VisionPrefill:
             deep = deep or None  # a tower without DeepStack outputs may give an empty list
         else:  # the family's own merge of features into image positions, over image positions only
             ids = mx.array([[token_id] * image.tokens])
+            inputs = {
+                k: mx.array(v) if isinstance(v, np.ndarray) else v for k, v in image.tower_inputs.items()
+            }
             merged = self.model.get_input_embeddings(
-                ids, mx.array(image.pixel_values), **{**image.tower_inputs, "image_token_id": token_id}
+                ids, mx.array(image.pixel_values), **inputs, image_token_id=token_id
             )
             hidden, deep = merged.inputs_embeds[0] / self.embed_scale, None
         mx.eval(hidden, deep)

@@ -84,6 +84,7 @@ class ImagePreparer:
         named = getattr(self.processor, "image_token", None)
         self.placeholder = named if isinstance(named, str) else tokenizer.convert_ids_to_tokens(token_id)
         self.placeholder_id = tokenizer.convert_tokens_to_ids(self.placeholder)
+        self.bos_id = tokenizer.bos_token_id
         self._prepare_inputs = prepare_inputs  # mlx-vlm is imported only where images are served
 
     def prepare(
@@ -119,6 +120,8 @@ class ImagePreparer:
         out.pop("attention_mask", None)
         pixels = np.asarray(out.pop("pixel_values"))
         grid = _grid_thw(out)
+        start = 1 if expansion[:1] == (self.bos_id,) and self.bos_id != self.token_id else 0
+        expansion = expansion[start:]  # a start of text the processor puts before every prompt
         at = [i for i, token in enumerate(expansion) if token == self.token_id]
         tokens = len(at)
         if tokens == 0:  # a processor that crops to whole patches may leave nothing of a tiny image
@@ -130,8 +133,30 @@ class ImagePreparer:
         offsets = tuple(i - at[0] for i in at)
         contiguous = offsets[-1] == tokens - 1
         return PromptImage(
-            pixel_hash(picture), pixels, grid, tokens, expansion, out, () if contiguous else offsets
+            pixel_hash(picture),
+            pixels,
+            grid,
+            tokens,
+            expansion,
+            _tower_inputs(out, start + len(expansion), [start + i for i in at]),
+            () if contiguous else offsets,
         )
+
+
+def _tower_inputs(out: dict, length: int, positions: list[int]) -> dict:
+    """The processor's other outputs, as the tower takes them for the image's positions alone, arrays
+    as NumPy's: one per prompt position (DeepSeek-VL2's `images_seq_mask`, over the `length` it made)
+    is cut to `positions`; what describes the prompt's text (its labels, format and length) goes."""
+    inputs = {}
+    for name, value in out.items():
+        if name in ("labels", "sft_format", "seq_lens"):
+            continue
+        if hasattr(value, "shape"):  # made concrete here: MLX arrays are bound to this thread's stream
+            value = np.asarray(value)
+            if value.shape == (1, length):
+                value = value[:, positions]
+        inputs[name] = value
+    return inputs
 
 
 def _grid_thw(out: dict) -> tuple[int, int, int] | None:

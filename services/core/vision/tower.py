@@ -24,7 +24,7 @@ LANGUAGE = "language_model"
 # model on core's modules and caches; the others, with plain 1-D positions, run core's own language model
 # from embeddings (vision/prefill.py). Others' vision-language checkpoints are split and served for
 # text only.
-IMAGE_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe", "kimi_vl", "minimax_m3_vl", "llama4", "glm4v_moe", "step3p7", "gemma4")  # fmt: skip
+IMAGE_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe", "kimi_vl", "minimax_m3_vl", "llama4", "glm4v_moe", "step3p7", "gemma4", "deepseek_vl_v2")  # fmt: skip
 # Sequence mixers that keep recurrent state and take no positions (Gated DeltaNet): core's own
 # module runs in their place, on the cache kind the engine made for it.
 RECURRENT_MIXERS = ("linear_attn",)
@@ -75,6 +75,8 @@ def build_vision_model(config: dict) -> nn.Module:
         model_class, _ = get_model_and_args(config=config)
     except ValueError as error:
         raise VisionUnsupported(f"mlx-vlm has no model for {config.get('model_type')!r}: {error}") from None
+    if "language_config" in config:  # DeepSeek-VL2's name for it, which mlx-vlm's config reads too
+        config.setdefault("text_config", config.pop("language_config"))
     config.setdefault("text_config", {})
     config.setdefault("vision_config", {})
     model_config = model_class.ModelConfig.from_dict(config)
