@@ -64,9 +64,12 @@ def decode_image(
         raise ImageError(field, f"the image could not be decoded: {error}") from None
 
 
-def pixel_hash(image) -> str:
-    """The image's name: a hash of its size and RGB pixels, whatever file format carried them."""
+def pixel_hash(image, variant: str = "") -> str:
+    """The image's name: a hash of its size and RGB pixels, whatever file format carried them (and
+    of `variant`, where a model makes other features of the same pixels)."""
     pixels = np.asarray(image.convert("RGB"), dtype=np.uint8)
-    digest = hashlib.sha256(f"{pixels.shape[1]}x{pixels.shape[0]}:".encode())
+    digest = hashlib.sha256(
+        f"{variant + ':' if variant else ''}{pixels.shape[1]}x{pixels.shape[0]}:".encode()
+    )
     digest.update(np.ascontiguousarray(pixels).tobytes())
     return digest.hexdigest()

@@ -252,9 +252,11 @@ GEMMA4_VL_CONFIG = {
     "tie_word_embeddings": True,  # as Gemma's: the output head is the embeddings
 }
 # DeepSeek-VL2's image, grounding and chat tokens, added to the Qwen3 tokenizer after Qwen's own (its
-# processor adds those the tokenizer lacks), and a start of text, which its processor puts first
-DEEPSEEK_VL_V2_MEDIA_TOKENS = ("<image>", "<|ref|>", "<|/ref|>", "<|det|>", "<|/det|>", "<|grounding|>", "<|User|>", "<|Assistant|>")  # nosec B105  # fmt: skip
-DEEPSEEK_VL_V2_TOKENIZER = {"bos_token": "<|endoftext|>"}  # nosec B105
+# processor adds those the tokenizer lacks), and its start of text, which its processor puts first
+# (not Qwen's <|endoftext|>: mlx-vlm masks the padding token out of the prompt, wherever it stands)
+DEEPSEEK_VL_V2_BOS = "<｜begin▁of▁sentence｜>"  # nosec B105
+DEEPSEEK_VL_V2_MEDIA_TOKENS = ("<image>", "<|ref|>", "<|/ref|>", "<|det|>", "<|/det|>", "<|grounding|>", "<|User|>", "<|Assistant|>", DEEPSEEK_VL_V2_BOS)  # nosec B105  # fmt: skip
+DEEPSEEK_VL_V2_TOKENIZER = {"bos_token": DEEPSEEK_VL_V2_BOS}
 # the format of DeepSeek-VL2's processor, from a start of text, each image on a line of its own
 DEEPSEEK_VL_V2_CHAT_TEMPLATE = """{{- bos_token }}
 {%- for message in messages %}

@@ -1,6 +1,6 @@
-"""Images through core, family by family: Kimi-VL, Llama 4, GLM-4.5V, Step-3.7 and Gemma 4, each
-with its own image layout (several images, tiles between markers, crops, images attending both
-ways), against mlx-vlm's `generate`; and their checkpoints as published load into core's language
+"""Images through core, family by family: Kimi-VL, Llama 4, GLM-4.5V, Step-3.7, Gemma 4 and
+DeepSeek-VL2, each with its own image layout (several images, tiles between markers, crops, images
+attending both ways, tiles by the prompt's count of images), against mlx-vlm's `generate`; and their checkpoints as published load into core's language
 model."""
 
 from __future__ import annotations
@@ -8,7 +8,21 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from tests.core.vision_serving import Served, chat, mlx_vlm_greedy, picture, png, tiny_vlms, user
+from services.core.vision.prefill import image_spans
+from services.tools.split import split_checkpoint
+from services.tools.tiny_vlm import build_tiny_vlm
+from services.tools.tiny_vlm_families import DEEPSEEK_VL_V2_BOS
+from tests.core.vision_serving import (
+    Served,
+    chat,
+    equal_up_to_a_near_tie,
+    mlx_vlm_greedy,
+    picture,
+    png,
+    tiny_vlms,
+    user,
+    whole_prompt_greedy,
+)
 
 pytest.importorskip("mlx_vlm")  # installed by the README's test command (requirements-vision.txt)
 pytestmark = pytest.mark.slow  # serves a model and computes for seconds
@@ -174,3 +188,48 @@ def test_gemma4_images_attend_both_ways_in_small_windows_as_mlx_vlm(built, monke
     finally:
         causal.stop()
     assert causal_only != want
+
+
+def test_deepseek_vl_v2_cuts_images_by_the_prompts_count_as_mlx_vlm(built):
+    """DeepSeek-VL2's language model only mlx-vlm builds; its processor cuts images into tiles only
+    in a prompt of at most two. One image and three images, prefilled 5 positions a step, give
+    mlx-vlm's tokens (up to a near tie); the same pixels in either prompt are other images to both caches; the same
+    turn again comes from the prefix cache past its images with the same answer."""
+    deepseek = built("deepseek_vl_v2")
+    images, text = [picture(40 + 16 * i, 70 - 10 * i, seed=3 + i) for i in range(3)], "Compare them."
+    one, three = chat(user(png(images[1]), text)), chat(user(*(png(i) for i in images), text))
+    server = Served(deepseek / "split", max_num_batched_tokens=5)
+    try:
+        ((alone, _),) = server.generate(one)
+        ((together, _),) = server.generate(three)
+        encoded = server.features.misses
+        ((again, cached),) = server.generate(three)
+        cut, uncut = (server.preparer.prepare(r, None).images.images for r in (one, three))
+    finally:
+        server.stop()
+    assert equal_up_to_a_near_tie(alone, *whole_prompt_greedy(deepseek / "ckpt", text, images[1:2]))
+    assert together == again and equal_up_to_a_near_tie(
+        together, *whole_prompt_greedy(deepseek / "ckpt", text, images)
+    )
+    assert encoded == 4 and server.features.misses == 4  # the middle image twice, cut and uncut
+    assert cut[0].tokens > uncut[1].tokens and cut[0].hash != uncut[1].hash
+    prompt = server.preparer.prepare(three, None)
+    last, image = image_spans(prompt.prompt, prompt.images)[-1]
+    assert last + image.span <= cached < len(prompt.prompt)  # every image came from the prefix cache
+
+
+def test_deepseek_vl_v2_with_latent_attention_answers_as_mlx_vlm(tmp_path):
+    """DeepSeek-VL2-Small's and -Base's attention (MLA, as mlx-vlm computes it) through core's
+    mlx-vlm language model, text and an image, with mlx-vlm's tokens."""
+    build_tiny_vlm(tmp_path / "ckpt", family="deepseek_vl_v2", sizes={"text": {"qk_nope_head_dim": 16}})
+    split_checkpoint(tmp_path / "ckpt", tmp_path / "split", progress=False)
+    image, text = picture(seed=7), "What is it?"
+    server = Served(tmp_path / "split")
+    try:
+        ((with_image, _), (text_only, _)) = server.generate(chat(user(png(image), text)), chat(user(text)))
+    finally:
+        server.stop()
+    assert equal_up_to_a_near_tie(with_image, *whole_prompt_greedy(tmp_path / "ckpt", text, [image]))
+    # mlx-vlm tokenizes a prompt without images itself, leaving out the start of text DeepSeek-VL2's
+    # processor puts first (core's template puts it first in every prompt, as DeepSeek's processor)
+    assert text_only == mlx_vlm_greedy(tmp_path / "ckpt", text, [], start=DEEPSEEK_VL_V2_BOS)

@@ -105,12 +105,79 @@ def user(*parts) -> core_pb2.ChatMessage:
     return core_pb2.ChatMessage(role="user", parts=content)
 
 
-def mlx_vlm_greedy(path, text: str, images: list[Image.Image]) -> list[int]:
-    from mlx_vlm import generate, load
+def mlx_vlm_greedy(path, text: str, images: list[Image.Image], start: str = "") -> list[int]:
+    """mlx-vlm's greedy tokens for `text` after `images`, its prompt from `start` on."""
+    from mlx_vlm import generate
+
+    model, processor, prompt = _mlx_vlm_prompt(path, text, images, start)
+    if model.config.model_type in WHOLE_PROMPT_ORACLE and images:
+        return whole_prompt_greedy(path, text, images, start)[0]
+    result = generate(model, processor, prompt, images, max_tokens=TOKENS, temperature=0.0, verbose=False)
+    return list(result.token_ids)
+
+
+def _mlx_vlm_prompt(path, text: str, images: list[Image.Image], start: str):
+    from mlx_vlm import load
     from mlx_vlm.prompt_utils import apply_chat_template
 
     model, processor = load(str(path))
     mend_processor(processor)  # mlx-vlm's Llama 4 processor makes no global tile (processor_mends.py)
-    prompt = apply_chat_template(processor, model.config, text, num_images=len(images))
-    result = generate(model, processor, prompt, images, max_tokens=TOKENS, temperature=0.0, verbose=False)
-    return list(result.token_ids)
+    return (
+        model,
+        processor,
+        start + apply_chat_template(processor, model.config, text, num_images=len(images)),
+    )
+
+
+# Families `mlx_vlm.generate` answers at random on this CPU: mlx-vlm's DeepSeek-VL2 finds its image
+# positions with NumPy over an MLX mask, which may read it before it is computed (and place no image),
+# and mlx-vlm's own SwitchGLU takes a fused path for 2 to 8 tokens whose numbers vary from run to run.
+# The oracle runs mlx-vlm's model with the mask in NumPy and mlx-lm's SwitchGLU (the same math).
+WHOLE_PROMPT_ORACLE = ("deepseek_vl_v2",)
+NEAR_TIE = 1e-2  # a top-2 logit gap within which float rounding may pick either token
+
+
+def whole_prompt_greedy(
+    path, text: str, images: list[Image.Image], start: str = ""
+) -> tuple[list[int], list[float]]:
+    """Greedy tokens from mlx-vlm's model and processor (its experts mlx-lm's SwitchGLU): the
+    prompt's embeddings (images placed) once, then its language model over all of them again at each
+    step (no cache); and each step's top-2 logit gap."""
+    import mlx.core as mx
+    from mlx_vlm.utils import prepare_inputs
+
+    from services.common.model_build import replace_modules
+    from services.common.vlm_language_models import mlx_lm_experts
+
+    model, processor, prompt = _mlx_vlm_prompt(path, text, images, start)
+    for module_path, module in list(model.named_modules()):
+        if type(module).__name__ == "SwitchGLU":
+            experts = mlx_lm_experts(module)
+            experts.update(module.parameters())
+            replace_modules(model, {module_path: experts})
+    inputs = prepare_inputs(processor, images=images, prompts=prompt)  # as mlx_vlm.generate does
+    mx.eval([value for value in inputs.values() if isinstance(value, mx.array)])
+    ids = inputs["input_ids"]
+    embeds = model.get_input_embeddings(
+        ids, inputs["pixel_values"], inputs["images_spatial_crop"], np.asarray(inputs["images_seq_mask"])
+    ).inputs_embeds
+    mx.eval(embeds)
+    out, gaps = [], []
+    for _ in range(TOKENS):
+        logits = model.language_model(ids, inputs_embeds=embeds).logits[0, -1]
+        top = mx.sort(logits)[-2:].tolist()
+        out.append(int(mx.argmax(logits).item()))
+        gaps.append(top[1] - top[0])
+        token = mx.array([[out[-1]]])
+        ids = mx.concatenate([ids, token], axis=1)
+        embeds = mx.concatenate([embeds, model.language_model.model.embed_tokens(token)], axis=1)
+    return out, gaps
+
+
+def equal_up_to_a_near_tie(ids: list[int], want: list[int], gaps: list[float]) -> bool:
+    """`ids` are `want`, or equal to it up to a step where `want`'s top two logits were within NEAR_TIE
+    (after which the two may part ways)."""
+    for step, (got, wanted) in enumerate(zip(ids, want, strict=True)):
+        if got != wanted:
+            return gaps[step] <= NEAR_TIE
+    return True

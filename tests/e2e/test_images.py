@@ -14,15 +14,14 @@ import openai
 import pytest
 from PIL import Image
 
-from services.core.vision.processor_mends import mend_processor
 from services.tools.tiny_vlm import build_tiny_vlm
+from tests.core.vision_serving import TOKENS, mlx_vlm_greedy
 from tests.e2e.test_up import launch_up, wait_serving
 from tests.helpers import short_dir
 
 pytest.importorskip("mlx_vlm")
 pytestmark = pytest.mark.slow
 
-TOKENS = 12
 QUESTION = "Describe the image."
 
 
@@ -34,15 +33,11 @@ def image_bytes(seed: int) -> bytes:
 
 
 def mlx_vlm_answer(checkpoint, image: bytes) -> str:
-    from mlx_vlm import generate, load
-    from mlx_vlm.prompt_utils import apply_chat_template
+    from mlx_vlm.utils import load_processor
 
-    model, processor = load(str(checkpoint))
-    mend_processor(processor)  # mlx-vlm's Llama 4 processor makes no global tile (processor_mends.py)
-    prompt = apply_chat_template(processor, model.config, QUESTION, num_images=1)
     picture = Image.open(io.BytesIO(image)).convert("RGB")
-    result = generate(model, processor, prompt, [picture], max_tokens=TOKENS, temperature=0.0, verbose=False)
-    return processor.tokenizer.decode(list(result.token_ids))
+    ids = mlx_vlm_greedy(checkpoint, QUESTION, [picture])
+    return load_processor(str(checkpoint), add_detokenizer=False).tokenizer.decode(ids)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +134,8 @@ def test_a_corrupt_image_is_a_400_naming_the_field(served):
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen3_5_moe", "kimi_vl", "minimax_m3_vl", "llama4", "glm4v_moe", "step3p7", "gemma4"]
+    "family",
+    ["qwen3_5_moe", "kimi_vl", "minimax_m3_vl", "llama4", "glm4v_moe", "step3p7", "gemma4", "deepseek_vl_v2"],
 )
 def test_another_family_through_up_answers_as_mlx_vlm(tmp_path, family):
     """A Qwen3.5-MoE checkpoint with vision weights (Gated DeltaNet and attention layers), a

@@ -133,11 +133,13 @@ class VisionPrefill:
             deep = deep or None  # a tower without DeepStack outputs may give an empty list
         else:  # the family's own merge of features into image positions, over image positions only
             ids = mx.array([[token_id] * image.tokens])
+            # masks stay NumPy's: a family's merge may read them with NumPy (DeepSeek-VL2's does)
             inputs = {
-                k: mx.array(v) if isinstance(v, np.ndarray) else v for k, v in image.tower_inputs.items()
+                k: mx.array(v) if isinstance(v, np.ndarray) and v.dtype != np.bool_ else v
+                for k, v in image.tower_inputs.items()
             }
             merged = self.model.get_input_embeddings(
-                ids, mx.array(image.pixel_values), **inputs, image_token_id=token_id
+                ids, mx.array(image.pixel_values), **{**inputs, "image_token_id": token_id}
             )
             hidden, deep = merged.inputs_embeds[0] / self.embed_scale, None
         mx.eval(hidden, deep)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from services.common.images import ImageError, decode_image, pixel_hash
-from services.core.vision.processor_mends import mend_processor
+from services.core.vision.processor_mends import images_in_prompt, mend_processor, variant
 from services.proto.moemesh.v1 import core_pb2
 
 MAX_IMAGES_PER_REQUEST = 32
@@ -95,7 +95,10 @@ class ImagePreparer:
         different number of image tokens than there are images."""
         if len(parts) > MAX_IMAGES_PER_REQUEST:
             raise ImageError("images", f"{len(parts)} images; at most {MAX_IMAGES_PER_REQUEST} per request")
-        images = tuple(self._one(field, image) for field, image in parts)
+        with images_in_prompt(len(parts)):
+            images = tuple(
+                self._one(field, image, variant(self.processor, len(parts))) for field, image in parts
+            )
         placed = [i for i, token in enumerate(prompt) if token == self.placeholder_id]
         if len(placed) != len(images):
             raise ImageError(
@@ -110,7 +113,7 @@ class ImagePreparer:
         expanded += prompt[start:]
         return expanded, PromptImages(images, self.token_id)
 
-    def _one(self, field: str, image: core_pb2.ImageInput) -> PromptImage:
+    def _one(self, field: str, image: core_pb2.ImageInput, processed_as: str) -> PromptImage:
         picture = decode_image(image.data, field, image.media_type)
         try:
             out = dict(self._prepare_inputs(self.processor, images=[picture], prompts=[self.placeholder]))
@@ -133,7 +136,7 @@ class ImagePreparer:
         offsets = tuple(i - at[0] for i in at)
         contiguous = offsets[-1] == tokens - 1
         return PromptImage(
-            pixel_hash(picture),
+            pixel_hash(picture, processed_as),
             pixels,
             grid,
             tokens,
@@ -151,11 +154,11 @@ def _tower_inputs(out: dict, length: int, positions: list[int]) -> dict:
     for name, value in out.items():
         if name in ("labels", "sft_format", "seq_lens"):
             continue
-        if hasattr(value, "shape"):  # made concrete here: MLX arrays are bound to this thread's stream
-            value = np.asarray(value)
-            if value.shape == (1, length):
-                value = value[:, positions]
-        inputs[name] = value
+        # made concrete here: MLX arrays are bound to this thread's stream
+        array = np.asarray(value) if hasattr(value, "shape") else None
+        inputs[name] = (
+            value if array is None else array[:, positions] if array.shape == (1, length) else array
+        )
     return inputs
 
 
