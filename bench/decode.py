@@ -61,7 +61,8 @@ from bench.workdir import bench_workdir
 from metal.experts_cpu import SwitchGLUKernel
 from services.common.frames import spin_for
 from services.common.manifest import Manifest
-from services.common.model_build import expert_modules, replace_modules
+from services.common.model_build import expert_modules
+from services.common.module_paths import replace_modules
 from services.common.tensor_codec import numpy_view, to_mlx
 from services.ops.gpu_sharing import mps_for_cluster
 from services.ops.up import (

@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.decode import checkpoint
 from services.common import tensor_codec
 from services.common.host_staging import MemoryAdvisor
-from services.common.model_build import expert_modules, replace_modules
+from services.common.model_build import expert_modules
+from services.common.module_paths import replace_modules
 
 ADVISOR = MemoryAdvisor.find()  # the CUDA driver's copy engine; None elsewhere
 

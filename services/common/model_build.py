@@ -107,19 +107,6 @@ def expert_width(module: nn.Module) -> int | None:
     return None
 
 
-def replace_modules(model: nn.Module, replacements: Mapping[str, nn.Module]) -> None:
-    """Swap modules at dotted paths (list indices included), before weights load."""
-    for path, new in replacements.items():
-        *parents, leaf = path.split(".")
-        owner: Any = model
-        for part in parents:
-            owner = owner[int(part)] if isinstance(owner, list) else getattr(owner, part)
-        if isinstance(owner, list):
-            owner[int(leaf)] = new
-        else:
-            setattr(owner, leaf, new)
-
-
 def quantize_like_mlx_lm(
     model: nn.Module,
     config: Mapping[str, Any],
@@ -154,10 +141,3 @@ def quantize_like_mlx_lm(
         mode=quantization.get("mode", "affine"),
         class_predicate=class_predicate,
     )
-
-
-def find_module(model: nn.Module, path: str) -> nn.Module:
-    module: Any = model
-    for part in path.split("."):
-        module = module[int(part)] if isinstance(module, list) else getattr(module, part)
-    return module

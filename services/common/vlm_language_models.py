@@ -1,8 +1,9 @@
-"""Language models only mlx-vlm builds, under mlx-lm's model contract.
+"""mlx-vlm's models, built as its loader builds them, and the language models only mlx-vlm builds,
+under mlx-lm's model contract.
 
-DeepSeek-VL2 and DeepSeek-OCR run DeepSeek-V2's language model in variants mlx-lm's `deepseek_v2`
-lacks (plain multi-head attention where `qk_nope_head_dim` is 0, `noaux_tc` routing). Core and
-workers build mlx-vlm's own language model for them, as mlx-vlm's Model holds it (under
+DeepSeek-VL2 runs DeepSeek-V2's language model in variants mlx-lm's `deepseek_v2` lacks (plain
+multi-head attention where `qk_nope_head_dim` is 0, `noaux_tc` routing). Core and workers build
+mlx-vlm's own language model for it, as mlx-vlm's Model holds it (under
 `language_model`), with two changes:
 
 - its routed experts are mlx-lm's `SwitchGLU`, of the same shapes and activation: the class core
@@ -22,9 +23,39 @@ from mlx import nn
 from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.switch_layers import SwiGLU, SwitchGLU
 
+from services.common.module_paths import replace_modules
+
 LANGUAGE = "language_model"
 # families whose language model only mlx-vlm builds and core serves through this module
-MLX_VLM_LANGUAGE_FAMILIES = ("deepseek_vl_v2", "deepseekocr")
+MLX_VLM_LANGUAGE_FAMILIES = ("deepseek_vl_v2",)
+
+
+class VisionUnsupported(ValueError):
+    """A vision-language checkpoint core cannot serve images for; the message names its family."""
+
+
+def build_vision_model(config: dict) -> nn.Module:
+    """mlx-vlm's model for `config`, as mlx-vlm's own loader builds it, with random weights."""
+    try:
+        from mlx_vlm.utils import get_model_and_args, update_module_configs
+    except ImportError as error:
+        raise VisionUnsupported(
+            "images need mlx-vlm: pip install --no-deps -r requirements-vision.txt"
+        ) from error
+    config = dict(config)
+    try:
+        model_class, _ = get_model_and_args(config=config)
+    except ValueError as error:
+        raise VisionUnsupported(f"mlx-vlm has no model for {config.get('model_type')!r}: {error}") from None
+    if "language_config" in config:  # DeepSeek-VL2's name for it, which mlx-vlm's config reads too
+        config.setdefault("text_config", config.pop("language_config"))
+    config.setdefault("text_config", {})
+    config.setdefault("vision_config", {})
+    model_config = model_class.ModelConfig.from_dict(config)
+    model_config = update_module_configs(
+        model_config, model_class, config, ["text", "vision", "perceiver", "projector", "audio"]
+    )
+    return model_class.Model(model_config)
 
 
 @dataclass
@@ -61,8 +92,6 @@ def mlx_lm_experts(module: nn.Module) -> SwitchGLU:
 class Model(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        from services.core.vision.tower import build_vision_model
-
         self.args = args
         self.model_type = args.model_type
         # mlx-vlm builds its language model inside its whole model, whatever its constructor takes
@@ -71,12 +100,7 @@ class Model(nn.Module):
         self._whole_sanitize = getattr(whole, "sanitize", None)  # a method: no child module
         for path, module in list(self.language_model.named_modules()):
             if type(module).__name__ == "SwitchGLU" and not isinstance(module, SwitchGLU):
-                self._replace(path, mlx_lm_experts(module))
-
-    def _replace(self, path: str, new: nn.Module) -> None:
-        from services.common.model_build import replace_modules
-
-        replace_modules(self.language_model, {path: new})
+                replace_modules(self.language_model, {path: mlx_lm_experts(module)})
 
     def __call__(self, inputs, cache=None):
         return self.language_model(inputs, cache=cache).logits

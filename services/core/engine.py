@@ -339,8 +339,7 @@ class Engine:
             release_idle_memory(self.batches)
         except RuntimeError as error:  # the failed work's error, raised again where MLX next waits
             log.warning("release_after_failed_step", error=str(error))
-        self.kv_cache_bytes = 0
-        self._in_batch = 0
+        self.kv_cache_bytes = self._in_batch = 0
         for sequence in lost:  # told once the engine is idle again, so a retry finds it clean
             sequence.send(EngineError(code, message))
         self._probe()

@@ -16,7 +16,8 @@ from mlx_lm.utils import load_tokenizer
 
 from metal.linear_cpu import use_cpu_kernels
 from services.common.manifest import Manifest
-from services.common.model_build import build_skeleton, check_batchable, quantize_like_mlx_lm, replace_modules
+from services.common.model_build import build_skeleton, check_batchable, quantize_like_mlx_lm
+from services.common.module_paths import replace_modules
 from services.core.expert_link.dispatcher import ExpertDispatcher
 from services.core.expert_link.in_flight import settle_pending
 from services.core.expert_link.proxy import RemoteExperts

@@ -23,13 +23,8 @@ from mlx.utils import tree_unflatten
 from metal.experts_cpu import KERNELS, SwitchGLUKernel, default_threads
 from services.common import tensor_codec
 from services.common.manifest import Manifest
-from services.common.model_build import (
-    TensorSpec,
-    build_skeleton,
-    expert_width,
-    find_module,
-    quantize_like_mlx_lm,
-)
+from services.common.model_build import TensorSpec, build_skeleton, expert_width, quantize_like_mlx_lm
+from services.common.module_paths import find_module
 from services.common.tensor_codec import TensorDecodeError
 from services.experts.store import ExpertStore, ResidentExpertStore
 from services.proto.moemesh.v1 import expert_pb2, tensor_pb2

@@ -10,7 +10,8 @@ attention, sigmoid routing with its shared expert packed into the expert bank); 
 each image in start and end markers. Llama 4 has chunked attention, top-1 experts and images cut
 into tiles; GLM-4.5V has GLM-4.5's language model with 3-D positions; Step-3.7 has Step-3.5's
 (sliding windows) and cuts large images into crops; Gemma 4's image positions attend to each other
-both ways. (The configs of the families beyond Qwen's live
+both ways; DeepSeek-VL2 has a language model only mlx-vlm builds and tiles by the prompt's count of
+images. (The configs of the families beyond Qwen's live
 in tiny_vlm_families.py.) Tests and benches compare moe-mesh's answers on them with
 `mlx_vlm.generate`'s.
 """
@@ -430,7 +431,7 @@ def build_tiny_vlm(
 ) -> Path:
     """Write the checkpoint of `family` (FAMILIES) to `out_dir` (float32: MLX's CPU expert kernel
     takes float32); `sizes`: {"text": ..., "vision": ..., "config": ..., "preprocessor": ...} overrides (BENCH_SIZES)."""
-    from services.core.vision.tower import build_vision_model
+    from services.common.vlm_language_models import build_vision_model
 
     sizes = sizes or {}
     config = json.loads(json.dumps(FAMILIES[family]))

@@ -1,5 +1,5 @@
 """Tiny random vision-language checkpoints of the families beyond Qwen's, configs only (tiny_vlm.py
-builds them): Kimi-VL, MiniMax-M3-VL, Llama 4, GLM-4.5V, Step-3.7 and Gemma 4, each at toy sizes with the layout and
+builds them): Kimi-VL, MiniMax-M3-VL, Llama 4, GLM-4.5V, Step-3.7, Gemma 4 and DeepSeek-VL2, each at toy sizes with the layout and
 tokens its mlx-vlm model and processor take. Their tokenizer is Qwen3's with the family's image
 tokens added."""
 

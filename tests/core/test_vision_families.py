@@ -233,3 +233,29 @@ def test_deepseek_vl_v2_with_latent_attention_answers_as_mlx_vlm(tmp_path):
     # mlx-vlm tokenizes a prompt without images itself, leaving out the start of text DeepSeek-VL2's
     # processor puts first (core's template puts it first in every prompt, as DeepSeek's processor)
     assert text_only == mlx_vlm_greedy(tmp_path / "ckpt", text, [], start=DEEPSEEK_VL_V2_BOS)
+
+
+def test_deepseek_vl_v2_language_weights_load_from_hugging_faces_layout_too(built):
+    """DeepSeek's published DeepSeek-VL2 keeps the language model under `language` with one tensor
+    per expert (and spells `view_seperator`); core's mlx-vlm language model reads them as it reads
+    mlx-vlm's layout, and leaves the vision tower's to mlx-vlm."""
+    deepseek = built("deepseek_vl_v2")
+    from services.common.model_build import build_skeleton, expert_modules
+    from services.tools.tiny_vlm_families import DEEPSEEK_VL_V2_CONFIG
+
+    model = build_skeleton(DEEPSEEK_VL_V2_CONFIG)
+    assert all(type(m).__module__ == "mlx_lm.models.switch_layers" for _, m in expert_modules(model))
+    saved = mx.load(str(deepseek / "ckpt" / "model.safetensors"))
+    published = {"view_seperator": saved["view_separator"], "projector.layers.0.weight": mx.zeros((1,))}
+    for key, value in saved.items():
+        own = key.replace("language_model.", "language.", 1)
+        if ".switch_mlp." in own:  # [experts, ...] -> one tensor per expert
+            head, tail = own.split(".switch_mlp.")
+            for expert in range(value.shape[0]):
+                published[f"{head}.experts.{expert}.{tail}"] = value[expert]
+        elif own.startswith("language."):
+            published[own] = value
+    want = model.sanitize(dict(saved))
+    got = model.sanitize(published)
+    assert sorted(got) == sorted(want) and all(k.startswith("language_model.") for k in want)
+    assert all(mx.array_equal(got[k], want[k]).item() for k in want)

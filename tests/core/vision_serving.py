@@ -146,7 +146,7 @@ def whole_prompt_greedy(
     import mlx.core as mx
     from mlx_vlm.utils import prepare_inputs
 
-    from services.common.model_build import replace_modules
+    from services.common.module_paths import replace_modules
     from services.common.vlm_language_models import mlx_lm_experts
 
     model, processor, prompt = _mlx_vlm_prompt(path, text, images, start)

@@ -15,8 +15,9 @@ from pathlib import Path
 import mlx.core as mx
 from mlx import nn
 
-from services.common.model_build import find_module, replace_modules
 from services.common.model_shape import text_config, vision_model_type
+from services.common.module_paths import find_module, replace_modules
+from services.common.vlm_language_models import VisionUnsupported, build_vision_model
 
 VISION_FILE = "vision.safetensors"
 LANGUAGE = "language_model"
@@ -28,10 +29,6 @@ IMAGE_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe", "kimi_vl", "minimax_m3_vl", "ll
 # Sequence mixers that keep recurrent state and take no positions (Gated DeltaNet): core's own
 # module runs in their place, on the cache kind the engine made for it.
 RECURRENT_MIXERS = ("linear_attn",)
-
-
-class VisionUnsupported(ValueError):
-    """A vision-language checkpoint core cannot serve images for; the message names its family."""
 
 
 def images_refused(config: dict) -> str | None:
@@ -60,30 +57,6 @@ def mlx_vlm_families() -> tuple[str, ...]:
         if "SwitchGLU" in sources or "switch_layers" in sources:
             found.append(folder.name)
     return tuple(found)
-
-
-def build_vision_model(config: dict) -> nn.Module:
-    """mlx-vlm's model for `config`, as mlx-vlm's own loader builds it, with random weights."""
-    try:
-        from mlx_vlm.utils import get_model_and_args, update_module_configs
-    except ImportError as error:
-        raise VisionUnsupported(
-            "images need mlx-vlm: pip install --no-deps -r requirements-vision.txt"
-        ) from error
-    config = dict(config)
-    try:
-        model_class, _ = get_model_and_args(config=config)
-    except ValueError as error:
-        raise VisionUnsupported(f"mlx-vlm has no model for {config.get('model_type')!r}: {error}") from None
-    if "language_config" in config:  # DeepSeek-VL2's name for it, which mlx-vlm's config reads too
-        config.setdefault("text_config", config.pop("language_config"))
-    config.setdefault("text_config", {})
-    config.setdefault("vision_config", {})
-    model_config = model_class.ModelConfig.from_dict(config)
-    model_config = update_module_configs(
-        model_config, model_class, config, ["text", "vision", "perceiver", "projector", "audio"]
-    )
-    return model_class.Model(model_config)
 
 
 def load_vision_weights(model: nn.Module, config: dict, path: Path) -> None:
