@@ -2,7 +2,7 @@
 
     python bench/vision.py [--workers 1] [--rounds 5] [--image 448x336] [--families qwen3_vl_moe,...,gemma4]
 
-Per family, a random checkpoint at bench sizes (services/tools/tiny_vlm.py FAMILY_BENCH_SIZES: a
+Per family, a random checkpoint at bench sizes (services/tools/tiny_vlm_bench_sizes.py: a
 12-block vision tower, an 8-layer MoE language model; Qwen3.5-MoE's with Gated DeltaNet layers,
 Kimi-VL's with MLA attention and a MoonViT tower, MiniMax-M3-VL's with block-sparse attention and a
 CLIP tower, Llama 4's with chunked attention and a tower on 336-pixel tiles, GLM-4.5V's with
@@ -47,7 +47,8 @@ from bench.workdir import bench_workdir
 from services.ops.up import cache_root
 from services.proto.moemesh.v1 import core_pb2, core_pb2_grpc
 from services.tools.split import split_checkpoint
-from services.tools.tiny_vlm import FAMILY_BENCH_SIZES, build_tiny_vlm
+from services.tools.tiny_vlm import build_tiny_vlm
+from services.tools.tiny_vlm_bench_sizes import FAMILY_BENCH_SIZES
 
 TOKENS = 8
 
@@ -139,7 +140,7 @@ def measure_family(family: str, workers: int, rounds: int, size: tuple[int, int]
     with split_system(root / "split", bench_workdir(), workers, spin_as_up(workers), flags) as (address, _):
         cases = asyncio.run(measure(address, rounds, size))
     return {
-        "model": f"random {family} at bench sizes (services/tools/tiny_vlm.py FAMILY_BENCH_SIZES), float32",
+        "model": f"random {family} at bench sizes (services/tools/tiny_vlm_bench_sizes.py), float32",
         "cases": cases,
         "repeated_vs_first": round(
             cases["repeated_image"]["ttft_p50_ms"] / cases["first_image"]["ttft_p50_ms"], 3

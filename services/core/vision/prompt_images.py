@@ -10,6 +10,8 @@ tower gives, and the vision markers of a family whose processor adds them, betwe
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,7 +80,8 @@ class ImagePreparer:
         from mlx_vlm.utils import get_model_and_args, load_processor, prepare_inputs
 
         get_model_and_args(config=dict(config))  # the family's processor registers on import
-        self.processor = mend_processor(load_processor(str(processor_dir), add_detokenizer=False))
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSeek-VL2's prints the tokens it adds
+            self.processor = mend_processor(load_processor(str(processor_dir), add_detokenizer=False))
         self.token_id = token_id
         tokenizer = self.processor.tokenizer
         named = getattr(self.processor, "image_token", None)
