@@ -40,7 +40,7 @@ def build_vision_model(config: dict) -> nn.Module:
         from mlx_vlm.utils import get_model_and_args, update_module_configs
     except ImportError as error:
         raise VisionUnsupported(
-            "images need mlx-vlm: pip install --no-deps -r requirements-vision.txt"
+            "mlx-vlm is not installed: pip install --no-deps -r requirements-vision.txt"
         ) from error
     config = dict(config)
     try:
@@ -95,7 +95,10 @@ class Model(nn.Module):
         self.args = args
         self.model_type = args.model_type
         # mlx-vlm builds its language model inside its whole model, whatever its constructor takes
-        whole = build_vision_model(args.config())
+        try:
+            whole = build_vision_model(args.config())
+        except VisionUnsupported as error:  # text too needs mlx-vlm here
+            raise ValueError(f"{args.model_type}'s language model is mlx-vlm's: {error}") from None
         self.language_model = getattr(whole, LANGUAGE)
         self._whole_sanitize = getattr(whole, "sanitize", None)  # a method: no child module
         for path, module in list(self.language_model.named_modules()):
