@@ -158,11 +158,17 @@ def whole_prompt_greedy(
             replace_modules(model, {module_path: experts})
     inputs = prepare_inputs(processor, images=images, prompts=prompt)  # as mlx_vlm.generate does
     mx.eval([value for value in inputs.values() if isinstance(value, mx.array)])
-    ids = inputs["input_ids"]
-    embeds = model.get_input_embeddings(
-        ids, inputs["pixel_values"], inputs["images_spatial_crop"], np.asarray(inputs["images_seq_mask"])
-    ).inputs_embeds
-    mx.eval(embeds)
+    ids, positions = inputs["input_ids"], np.asarray(inputs["images_seq_mask"])
+    text_only = model.language_model.model.embed_tokens(ids)
+    for _ in range(5):  # its merge may still place no image (read positions it has not computed)
+        embeds = model.get_input_embeddings(
+            ids, inputs["pixel_values"], inputs["images_spatial_crop"], positions
+        ).inputs_embeds
+        mx.eval(embeds)
+        if not mx.array_equal(embeds, text_only).item():
+            break
+    else:
+        raise AssertionError("mlx-vlm placed no image in five tries")
     out, gaps = [], []
     for _ in range(TOKENS):
         logits = model.language_model(ids, inputs_embeds=embeds).logits[0, -1]
