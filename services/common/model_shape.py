@@ -15,7 +15,7 @@ def text_config(config: dict) -> dict:
 
 def with_text_config(config: dict) -> dict:
     """The config with its language model's keys over the top level's."""
-    return {**config, **(config.get("text_config") or config.get("language_config") or {})}
+    return {**config, **text_config(config)}
 
 
 def kv_bytes_per_token(config: dict, element_bytes: float) -> tuple[float, str]:

@@ -98,10 +98,9 @@ class ImagePreparer:
         different number of image tokens than there are images."""
         if len(parts) > MAX_IMAGES_PER_REQUEST:
             raise ImageError("images", f"{len(parts)} images; at most {MAX_IMAGES_PER_REQUEST} per request")
+        processed_as = variant(self.processor, len(parts))
         with images_in_prompt(len(parts)):
-            images = tuple(
-                self._one(field, image, variant(self.processor, len(parts))) for field, image in parts
-            )
+            images = tuple(self._one(field, image, processed_as) for field, image in parts)
         placed = [i for i, token in enumerate(prompt) if token == self.placeholder_id]
         if len(placed) != len(images):
             raise ImageError(
