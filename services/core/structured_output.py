@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import json
 import threading
+from copy import copy
 
 import llguidance
-import llguidance.hf
 import mlx.core as mx
 import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -37,8 +37,22 @@ class GrammarError(ValueError):
     """A grammar the client sent (a schema, a tool's parameters) cannot be compiled; says why."""
 
 
+def rust_tokenizer_json(hf_tokenizer) -> str:
+    """A fast tokenizer's Rust tokenizer as JSON, without padding or truncation: what
+    `llguidance.hf.from_tokenizer` hands llguidance, without its copy of the whole tokenizer
+    (a second JSON round trip of every token) when neither is set, as chat tokenizers have it."""
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError("only fast (Rust) tokenizers are supported")
+    if backend.padding is not None or backend.truncation is not None:
+        backend = copy(backend)  # the model's own tokenizer keeps its settings
+        backend.no_padding()
+        backend.no_truncation()
+    return backend.to_str()
+
+
 class GrammarTokenizer:
-    """llguidance's view of the model's vocabulary, built once per core (about 2 s for 151k tokens).
+    """llguidance's view of the model's vocabulary, built once per core (about a second for 151k tokens).
 
     `vocab_size` is the width of the model's logits, which may exceed the tokenizer's
     vocabulary (padded embeddings); tokens past the tokenizer are never allowed.
@@ -55,8 +69,8 @@ class GrammarTokenizer:
         with self._lock:
             if self._built is None and self._unavailable is None:
                 try:
-                    self._built = llguidance.hf.from_tokenizer(
-                        self._tokenizer._tokenizer,
+                    self._built = llguidance.LLTokenizer(
+                        rust_tokenizer_json(self._tokenizer._tokenizer),
                         n_vocab=self.vocab_size,
                         eos_token=sorted(self._tokenizer.eos_token_ids),
                     )
