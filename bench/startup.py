@@ -65,7 +65,8 @@ def log_phases(log_path: Path, spawned_at: float, serving_s: float) -> dict:
     if events:
         phases["imports"] = round(events[0][0], 2)
     for _, record in events:
-        if isinstance(record.get("seconds"), (int, float)):
+        # `load` progress stages (weights_read, kernels_ready) span the events timed above
+        if isinstance(record.get("seconds"), (int, float)) and record["event"] != "load":
             name = record["event"]
             phases[name] = round(phases.get(name, 0.0) + record["seconds"], 2)
     phases["rest"] = round(serving_s - sum(phases.values()), 2)

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
+
+# moe-mesh never runs PyTorch, but transformers (which mlx-lm imports) imports it wherever it is
+# installed: seconds of start-up per process on a CUDA machine, and Hugging Face's torch-backed
+# image processors in place of the NumPy ones moe-mesh is tested with. MOE_MESH_ALLOW_TORCH=1
+# keeps it importable, for a model whose own tokenizer or processor code needs it.
+if os.environ.get("MOE_MESH_ALLOW_TORCH") != "1":
+    sys.modules.setdefault("torch", None)  # importlib then finds no torch: transformers skips it
 
 from services.common.cli_types import (
     non_negative_float,
