@@ -64,5 +64,5 @@ def test_core_serves_with_it_installed(torch_installed, tiny_models, short_tmp):
 
 
 def test_moe_mesh_allow_torch_lets_it_be_imported(torch_installed):
-    out = python("import services.ops.cli, mlx_lm", {**torch_installed})
+    out = python("import services.ops.cli, mlx_lm", {**torch_installed, "MOE_MESH_ALLOW_TORCH": "1"})
     assert out.returncode != 0 and "torch was imported" in out.stderr
