@@ -43,7 +43,8 @@ pytestmark = pytest.mark.slow  # serves a model and computes for seconds
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """`built(family)`: the family's tiny checkpoint and split, built once per module."""
-    return tiny_vlms(tmp_path_factory)
+    with tiny_vlms(tmp_path_factory) as get:
+        yield get
 
 
 @pytest.fixture(scope="module")

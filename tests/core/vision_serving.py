@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import io
+import shutil
+from contextlib import contextmanager
 
 import numpy as np
 from PIL import Image
@@ -38,9 +40,11 @@ def built_and_split(tmp_path_factory, family: str):
     return root
 
 
+@contextmanager
 def tiny_vlms(tmp_path_factory):
     """`get(family)`: the family's tiny checkpoint (`ckpt`) and its split (`split`), under one
-    folder, each built once. Every family's is as mlx-vlm saves it (FAMILIES in tiny_vlm)."""
+    folder, each built once. Every family's is as mlx-vlm saves it (FAMILIES in tiny_vlm). The
+    folders go when the context ends: a module's families take a few hundred MB of disk each."""
     roots = {}
 
     def get(family: str):
@@ -48,7 +52,11 @@ def tiny_vlms(tmp_path_factory):
             roots[family] = built_and_split(tmp_path_factory, family)
         return roots[family]
 
-    return get
+    try:
+        yield get
+    finally:
+        for root in roots.values():
+            shutil.rmtree(root, ignore_errors=True)
 
 
 class Served:
