@@ -92,7 +92,7 @@ def build_engine(
     preparer = RequestPreparer(
         tokenizer, model_id, context_length, vocab_size_of(text_config), tuple(aliases)
     )
-    preparer.images = image_preparer(split_dir, manifest)
+    preparer.images = image_preparer(split_dir, manifest, engine_config.image_cache_bytes)
     preparer.images_refused = images_refused(manifest.config) or preparer.images_refused
 
     local_layers = set(local_experts.owned(manifest)) if local_experts else set()

@@ -201,7 +201,8 @@ def _add_serving_flags(p: argparse.ArgumentParser) -> None:
         "--image-cache-gb",
         type=non_negative_float,
         default=1.0,
-        help="byte budget of the vision tower's outputs kept by image, for models that take images (0 = off)",
+        help="byte budget of what core keeps per image, for models that take images: the vision tower's "
+        "outputs, and an eighth for the processor's (0 = off)",
     )
     p.add_argument(
         "--mlx-cache-gb",

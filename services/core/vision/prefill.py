@@ -20,7 +20,6 @@ own, and decoding at the cache offset continues exactly where the prompt left of
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections import OrderedDict
 from contextlib import nullcontext
 
 import mlx.core as mx
@@ -29,43 +28,12 @@ from mlx import nn
 
 from services.core.kv.sdpa_hook import install_turboquant_attention
 from services.core.vision.image_blocks import ImagesAttendBothWays, same_image, whole_images_stop
+from services.core.vision.kept_by_image import KeptByImage
 from services.core.vision.prompt_images import PromptImages
 
 
-class VisionFeatures:
+class VisionFeatures(KeptByImage):
     """Vision-tower outputs per image hash, least recently used first out, under a byte budget."""
-
-    def __init__(self, budget_bytes: int):
-        self.budget_bytes = budget_bytes
-        self.nbytes = 0
-        self.hits = 0
-        self.misses = 0
-        self._entries: OrderedDict[str, tuple[tuple, int]] = OrderedDict()
-
-    def get(self, key: str):
-        found = self._entries.get(key)
-        if found is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self._entries.move_to_end(key)
-        return found[0]
-
-    def put(self, key: str, value: tuple, nbytes: int) -> None:
-        if nbytes > self.budget_bytes:
-            return
-        self._entries[key] = (value, nbytes)
-        self.nbytes += nbytes
-        while self.nbytes > self.budget_bytes:
-            _, (_, size) = self._entries.popitem(last=False)
-            self.nbytes -= size
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, key: str) -> bool:
-        """Whether `key` is kept (a look that counts neither a hit nor a miss)."""
-        return key in self._entries
 
 
 class EmbeddingsOnce(dict):

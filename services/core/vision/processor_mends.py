@@ -12,6 +12,10 @@ DeepSeek-VL2's processor cuts images into tiles only in a prompt of at most two 
 each image is its global view and one tile). Core runs the processor on one image at a time, so
 the prompt's count is told to it (`images_in_prompt`), and `variant` names the images made so:
 the same pixels make other positions and features, and their cache keys must differ.
+
+Step-3.7's processor looks its image token up in the tokenizer's whole vocabulary, which the
+tokenizer builds afresh at every call (Qwen's 151k tokens: about 0.25 s on a CPU, twice per image):
+the vocabulary is built once, when the processor loads.
 """
 
 from __future__ import annotations
@@ -58,8 +62,18 @@ def _cut_by_prompt_images(processor) -> None:
     processor.tokenize_with_images = tokenize_with_images
 
 
+def _vocabulary_built_once(processor) -> None:
+    tokenizer = processor.tokenizer
+    vocabulary = tokenizer.get_vocab()
+    tokenizer.get_vocab = lambda: vocabulary
+
+
 # processor class name -> what it needs
-_MENDS = {"Llama4Processor": _with_global_tile, "DeepseekVLV2Processor": _cut_by_prompt_images}
+_MENDS = {
+    "Llama4Processor": _with_global_tile,
+    "DeepseekVLV2Processor": _cut_by_prompt_images,
+    "Step3VLProcessor": _vocabulary_built_once,
+}
 
 
 def mend_processor(processor):

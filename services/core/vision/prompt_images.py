@@ -6,6 +6,7 @@ The chat template renders each image part as one placeholder token: the processo
 the checkpoint's own processor, as `mlx_vlm.generate` runs it (`mlx_vlm.utils.prepare_inputs`): the
 placeholder becomes what the processor makes of it in text (as many image tokens as the vision
 tower gives, and the vision markers of a family whose processor adds them, between tiles too).
+What the processor made is kept by that hash (`processed`), so an image sent again skips it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from services.common.images import ImageError, decode_image, pixel_hash
+from services.core.vision.kept_by_image import KeptByImage
 from services.core.vision.processor_mends import images_in_prompt, mend_processor, variant
 from services.proto.moemesh.v1 import core_pb2
 
@@ -42,6 +44,12 @@ class PromptImage:
     def layout(self) -> tuple[int, ...]:
         """Its positions, counted from the first."""
         return self.offsets or tuple(range(self.tokens))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its arrays."""
+        arrays = [self.pixel_values, *(v for v in self.tower_inputs.values() if isinstance(v, np.ndarray))]
+        return sum(a.nbytes for a in arrays)
 
     @property
     def span(self) -> int:
@@ -76,7 +84,7 @@ def image_parts(chat: core_pb2.ChatInput) -> list[tuple[str, core_pb2.ImageInput
 class ImagePreparer:
     """Turns a chat's images and its rendered prompt into the prompt the vision path runs."""
 
-    def __init__(self, processor_dir: Path, config: dict, token_id: int):
+    def __init__(self, processor_dir: Path, config: dict, token_id: int, cache_bytes: int = 0):
         from mlx_vlm.utils import get_model_and_args, load_processor, prepare_inputs
 
         get_model_and_args(config=dict(config))  # the family's processor registers on import
@@ -89,6 +97,7 @@ class ImagePreparer:
         self.placeholder_id = tokenizer.convert_tokens_to_ids(self.placeholder)
         self.bos_id = tokenizer.bos_token_id
         self._prepare_inputs = prepare_inputs  # mlx-vlm is imported only where images are served
+        self.processed = KeptByImage(cache_bytes)
 
     def prepare(
         self, parts: list[tuple[str, core_pb2.ImageInput]], prompt: list[int]
@@ -117,6 +126,14 @@ class ImagePreparer:
 
     def _one(self, field: str, image: core_pb2.ImageInput, processed_as: str) -> PromptImage:
         picture = decode_image(image.data, field, image.media_type)
+        key = pixel_hash(picture, processed_as)
+        kept = self.processed.get(key)
+        if kept is None:
+            kept = self._process(field, picture, key)
+            self.processed.put(key, kept, kept.nbytes)
+        return kept
+
+    def _process(self, field: str, picture, key: str) -> PromptImage:
         try:
             out = dict(self._prepare_inputs(self.processor, images=[picture], prompts=[self.placeholder]))
         except Exception as error:  # noqa: BLE001 - a processor refuses odd sizes in its own words
@@ -138,7 +155,7 @@ class ImagePreparer:
         offsets = tuple(i - at[0] for i in at)
         contiguous = offsets[-1] == tokens - 1
         return PromptImage(
-            pixel_hash(picture, processed_as),
+            key,
             pixels,
             grid,
             tokens,

@@ -191,18 +191,31 @@ def plain_positions(language_model: nn.Module, config: dict) -> bool:
     return positions.ndim == 2
 
 
-def image_preparer(split_dir: Path, manifest):
-    """The request side of images for a split with a vision tower (its processor), else None."""
+def processed_share(cache_bytes: int) -> int:
+    """Of the image cache's budget, the bytes for processed pixels (the rest keeps the vision
+    tower's outputs): an eighth, a few dozen images' at the processors' usual sizes per GB."""
+    return cache_bytes // 8
+
+
+def image_preparer(split_dir: Path, manifest, cache_bytes: int = 0):
+    """The request side of images for a split with a vision tower (its processor), else None.
+    `cache_bytes`: the image cache's whole budget."""
     if not (Path(split_dir) / "core" / VISION_FILE).exists():
         return None
     from services.core.vision.prompt_images import ImagePreparer
 
-    return ImagePreparer(Path(split_dir) / "core", manifest.config, image_token_id(manifest.config))
+    return ImagePreparer(
+        Path(split_dir) / "core",
+        manifest.config,
+        image_token_id(manifest.config),
+        processed_share(cache_bytes),
+    )
 
 
 def load_vision(split_dir: Path, manifest, text_model: nn.Module, cache_bytes: int):
     """The vision prefill of a split with a vision tower: mlx-vlm's model with the tower's weights
-    and `text_model`'s language modules (its experts included)."""
+    and `text_model`'s language modules (its experts included). `cache_bytes`: the image cache's
+    whole budget."""
     from services.core.vision.image_blocks import images_attend_both_ways
     from services.core.vision.prefill import VisionPrefill
 
@@ -217,7 +230,7 @@ def load_vision(split_dir: Path, manifest, text_model: nn.Module, cache_bytes: i
     model.eval()
     return VisionPrefill(
         model,
-        cache_bytes,
+        cache_bytes - processed_share(cache_bytes),
         text_model=text_model if runs_own_language else None,
         both_ways=images_attend_both_ways(config),
     )
