@@ -65,8 +65,12 @@ def test_llama4_tiled_images_and_a_repeated_turn_equal_mlx_vlm(built):
         encoded = server.features.misses
         ((again, cached),) = server.generate(request)
         prompt = server.preparer.prepare(request, None)
+        tower = server.engine.prompt_start.vision.model
     finally:
         server.stop()
+    # its patches are cut by one reshape (tower_mends.py), and the tokens are still mlx-vlm's
+    (embedding,) = [m for _, m in tower.named_modules() if type(m).__name__ == "Llama4UnfoldConvolution"]
+    assert "unfold" in vars(embedding)
     tiled = prompt.images.images[0]
     assert tiled.tokens == 16 and tiled.span > tiled.tokens  # 3 tiles and the whole, 4 positions each
     assert ids == mlx_vlm_greedy(llama4 / "ckpt", "Compare them.", [wide, square])

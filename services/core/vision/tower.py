@@ -218,9 +218,11 @@ def load_vision(split_dir: Path, manifest, text_model: nn.Module, cache_bytes: i
     whole budget."""
     from services.core.vision.image_blocks import images_attend_both_ways
     from services.core.vision.prefill import VisionPrefill
+    from services.core.vision.tower_mends import mend_tower
 
     config = manifest.config
     model = build_vision_model(config)
+    mend_tower(model)
     load_vision_weights(model, config, Path(split_dir) / "core" / VISION_FILE)
     runs_own_language = plain_positions(getattr(model, LANGUAGE), config)
     if runs_own_language:
