@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 # Tests compare float32 results at 1e-4; MLX's CUDA backend would round float32 matmuls through
@@ -13,6 +15,22 @@ import pytest
 from services.tools.split import split_checkpoint
 from services.tools.synthetic_model import TINY_CONFIGS, build_random_checkpoint
 from tests.helpers import remove_short_dirs, short_dir
+
+# What a full run keeps on the temporary folder's disk at once: checkpoints, splits and the demo model
+# (its test folders go as tests pass: pyproject's tmp_path_retention_policy).
+RUN_DISK_BYTES = 5 << 30
+
+
+def pytest_report_header(config):
+    """The temporary folder's free space, and a plain warning where a full run will not fit in it."""
+    folder = tempfile.gettempdir()
+    free = shutil.disk_usage(folder).free
+    line = (
+        f"moe-mesh: {free / 2**30:.1f} GB free in {folder}; a full run needs about {RUN_DISK_BYTES >> 30} GB"
+    )
+    if free < RUN_DISK_BYTES:
+        line += " (too little: tests that build models will fail with 'No space left on device')"
+    return [line]
 
 
 class TinyModels:
