@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from services.core.image_prefills import ImagePrefill, ImagePrefills
-from services.core.vision.prefill import VisionFeatures, VisionPrefill
+from services.core.vision.kept_by_image import KeptByImage
+from services.core.vision.prefill import VisionPrefill
 from services.core.vision.prompt_images import PromptImage, PromptImages
 
 IMAGE = 9
@@ -18,7 +19,7 @@ class RecordingVision:
     """Stands in for VisionPrefill: records each window and encodes (keeps) the images in it."""
 
     def __init__(self, both_ways: bool = False):
-        self.features = VisionFeatures(1 << 20)
+        self.features = KeptByImage(1 << 20)
         self.windows: list[tuple[int, int]] = []
         self.both_ways = both_ways
 

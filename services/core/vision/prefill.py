@@ -1,6 +1,6 @@
 """A prompt with images, prefilled into a sequence's KV cache through mlx-vlm's language model.
 
-The vision tower encodes each image once (its features are kept by pixel hash, `VisionFeatures`);
+The vision tower encodes each image once (its features are kept by pixel hash, `features`);
 the prompt's embeddings get those features at the image positions, and mlx-vlm's language model
 runs the prompt, bar its last token, into the cache the engine then decodes from.
 
@@ -30,10 +30,6 @@ from services.core.kv.sdpa_hook import install_turboquant_attention
 from services.core.vision.image_blocks import ImagesAttendBothWays, same_image, whole_images_stop
 from services.core.vision.kept_by_image import KeptByImage
 from services.core.vision.prompt_images import PromptImages
-
-
-class VisionFeatures(KeptByImage):
-    """Vision-tower outputs per image hash, least recently used first out, under a byte budget."""
 
 
 class EmbeddingsOnce(dict):
@@ -80,7 +76,7 @@ class VisionPrefill:
         `both_ways`: an image's positions attend to each other both ways (image_blocks.py)."""
         self.model = model
         self.language = model.language_model
-        self.features = VisionFeatures(cache_bytes)
+        self.features = KeptByImage(cache_bytes)  # vision-tower outputs per image hash
         self.own_model = None if text_model is None else embeddings_owner(text_model)
         # a text model that scales its token embeddings (Gemma's) scales what stands in for them
         self.embed_scale = getattr(self.own_model, "embed_scale", 1.0)

@@ -14,8 +14,8 @@ the prompt's count is told to it (`images_in_prompt`), and `variant` names the i
 the same pixels make other positions and features, and their cache keys must differ.
 
 Step-3.7's processor looks its image token up in the tokenizer's whole vocabulary, which the
-tokenizer builds afresh at every call (Qwen's 151k tokens: about 0.25 s on a CPU, twice per image):
-the vocabulary is built once, when the processor loads.
+tokenizer builds afresh at every call (all of Qwen's 151k tokens, twice per image): the vocabulary
+is built once, when the processor loads.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def image_parts(chat: core_pb2.ChatInput) -> list[tuple[str, core_pb2.ImageInput
 class ImagePreparer:
     """Turns a chat's images and its rendered prompt into the prompt the vision path runs."""
 
-    def __init__(self, processor_dir: Path, config: dict, token_id: int, cache_bytes: int = 0):
+    def __init__(self, processor_dir: Path, config: dict, token_id: int, cache_bytes: int):
         from mlx_vlm.utils import get_model_and_args, load_processor, prepare_inputs
 
         get_model_and_args(config=dict(config))  # the family's processor registers on import

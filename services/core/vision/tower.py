@@ -197,7 +197,7 @@ def processed_share(cache_bytes: int) -> int:
     return cache_bytes // 8
 
 
-def image_preparer(split_dir: Path, manifest, cache_bytes: int = 0):
+def image_preparer(split_dir: Path, manifest, cache_bytes: int):
     """The request side of images for a split with a vision tower (its processor), else None.
     `cache_bytes`: the image cache's whole budget."""
     if not (Path(split_dir) / "core" / VISION_FILE).exists():
