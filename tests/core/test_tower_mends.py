@@ -39,3 +39,20 @@ def test_an_overlapping_unfold_is_left_as_it_is():
     module.stride = 7
     mend_tower(module)
     assert "unfold" not in vars(module)
+
+
+def test_deepseek_vl_v2s_crops_are_padded_with_zeros_to_one_entry_per_tile():
+    """Its merge reads one entry per tile and stops at a zero one; unpadded, it reads past the end."""
+    import json
+
+    from services.common.vlm_language_models import build_vision_model
+    from services.core.vision.tower_mends import padded_crops
+    from services.tools.tiny_vlm import FAMILIES
+
+    crops = mx.array([[[2, 1]]], dtype=mx.int32)
+    padded = padded_crops(crops, 3)
+    assert padded.tolist() == [[[2, 1], [0, 0], [0, 0]]] and padded.dtype == mx.int32
+    assert padded_crops(padded, 2) is padded
+    model = build_vision_model(json.loads(json.dumps(FAMILIES["deepseek_vl_v2"])))
+    mend_tower(model)
+    assert "get_input_embeddings" in vars(model)

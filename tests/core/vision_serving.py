@@ -15,6 +15,7 @@ from services.core.engine_config import EngineConfig
 from services.core.expert_link.local_spec import LocalExpertsSpec
 from services.core.server import build_engine
 from services.core.vision.processor_mends import mend_processor
+from services.core.vision.tower_mends import padded_crops
 from services.proto.moemesh.v1 import core_pb2
 from services.tools.split import split_checkpoint
 from services.tools.tiny_vlm import build_tiny_vlm
@@ -168,10 +169,10 @@ def whole_prompt_greedy(
     mx.eval([value for value in inputs.values() if isinstance(value, mx.array)])
     ids, positions = inputs["input_ids"], np.asarray(inputs["images_seq_mask"])
     text_only = model.language_model.model.embed_tokens(ids)
+    # its merge reads an entry per tile and stops at a zero one: padded as its batch collation pads
+    crops = padded_crops(inputs["images_spatial_crop"], inputs["pixel_values"].shape[1])
     for _ in range(5):  # its merge may still place no image (read positions it has not computed)
-        embeds = model.get_input_embeddings(
-            ids, inputs["pixel_values"], inputs["images_spatial_crop"], positions
-        ).inputs_embeds
+        embeds = model.get_input_embeddings(ids, inputs["pixel_values"], crops, positions).inputs_embeds
         mx.eval(embeds)
         if not mx.array_equal(embeds, text_only).item():
             break
